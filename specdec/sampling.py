@@ -1,0 +1,82 @@
+"""Logit processing shared by the target verifier and the draft proposer.
+
+Both sides must apply the *same* processing (temperature, then top-k, then top-p,
+the order Hugging Face and vLLM use) for rejection sampling to be lossless with
+respect to the distribution the user asked for.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.types import SamplingParams
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def derive_seed(base_seed: int, step: int, stream: int) -> int:
+    """A deterministic, well-mixed seed for one draw site (step, stream) of a request."""
+    x = (base_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _SEED_MASK
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & _SEED_MASK
+    return x ^ (x >> 32)
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & _SEED_MASK)
+    return generator
+
+
+def process_logits(
+    logits: torch.Tensor,  # [n, vocab]
+    params: SamplingParams,
+    num_banned_rows: int = 0,
+    banned_token_ids: tuple[int, ...] = (),
+) -> torch.Tensor:  # [n, vocab] float32 probabilities
+    """Turn raw logits into the sampling distribution ``params`` describes.
+
+    Greedy params give a one-hot distribution at the argmax, so callers that need
+    probabilities for a greedy request still get a valid ``p``.
+    """
+    logits = logits.float()
+    if num_banned_rows and banned_token_ids:
+        logits = logits.clone()
+        rows = min(num_banned_rows, logits.shape[0])
+        logits[:rows, list(banned_token_ids)] = float("-inf")
+    if params.greedy:
+        probs = torch.zeros_like(logits)
+        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return probs
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p
+        # (always keeps the most likely token).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def greedy_tokens(
+    logits: torch.Tensor,  # [n, vocab]
+    num_banned_rows: int = 0,
+    banned_token_ids: tuple[int, ...] = (),
+) -> torch.Tensor:  # [n] int64
+    if num_banned_rows and banned_token_ids:
+        logits = logits.clone()
+        logits[: min(num_banned_rows, logits.shape[0]), list(banned_token_ids)] = float("-inf")
+    return logits.argmax(dim=-1)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [n, vocab]
+    generator: torch.Generator,
+) -> torch.Tensor:  # [n] int64
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

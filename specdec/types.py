@@ -1,0 +1,103 @@
+"""Data that crosses a stage boundary: proposer -> verifier -> rejection sampler -> engine.
+
+Vocabulary used across the package (after vLLM and Leviathan et al. 2023):
+
+* ``p``  -- the target model's processed distribution (temperature, top-k, top-p applied).
+* ``q``  -- the draft proposer's distribution for the tokens it proposed.
+* *draft* tokens are proposed; *accepted* tokens are drafts the sampler kept;
+  a *recovered* token replaces the first rejected draft; a *bonus* token is drawn
+  from ``p`` at position ``k + 1`` when all ``k`` drafts are accepted.
+
+Every call is addressed by ``seq_id`` and, where it touches a KV cache, by
+``position``: the index in the sequence of the first token passed in. Components
+own the caches; a call at ``position`` n discards whatever the cache held past n.
+All calls take a list of requests, so a batched engine can serve them in one pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PLACEHOLDER_TOKEN_ID = -1  # pads ragged token lists in batched tensors
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn from the logits; ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+    seed: int | None = None  # per-request seed; None draws one at random
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    seq_id: str
+    token_ids: list[int]  # the whole sequence so far (prompt + output)
+    num_tokens: int  # k: how many tokens to propose (may be 0)
+    sampling: SamplingParams
+    seed: int  # seed for this call's draws (derived per step by the engine)
+
+
+@dataclass
+class Proposal:
+    token_ids: torch.Tensor  # [k'] int64, k' <= k (0 when there is nothing to propose)
+    probs: torch.Tensor | None = None  # [k', vocab] q; None -> one-hot q (e.g. n-gram)
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    seq_id: str
+    position: int  # sequence index of token_ids[0]; the cache is cut back to this length
+    token_ids: list[int]  # tokens not yet in the target's cache: accepted tokens + drafts
+    num_logits: int  # k + 1: distributions wanted for the last num_logits positions
+    sampling: SamplingParams
+    # Rows (from the first of the num_logits rows) in which `banned_token_ids` get
+    # probability 0: how min_tokens suppresses EOS and stop tokens losslessly.
+    num_banned_rows: int = 0
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class VerifyResult:
+    argmax: torch.Tensor  # [num_logits] int64: the target's greedy token at each position
+    probs: torch.Tensor | None = None  # [num_logits, vocab] float32 p; None when greedy
+
+
+@dataclass
+class SampleResult:
+    output_token_ids: torch.Tensor  # [num_accepted + 1] int64: accepted + recovered/bonus
+    num_accepted: int
+
+
+@dataclass
+class RequestStats:
+    """Per-request acceptance figures, cumulative over the request."""
+
+    num_steps: int = 0  # speculative steps (prefill excluded)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] counts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative step (accepted + 1), the speedup numerator."""
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
