@@ -1,0 +1,266 @@
+"""Rejection sampling: decide which draft tokens the target keeps, and what it emits next.
+
+Vocabulary (as in :mod:`specdec.types`): ``p`` is the target's processed distribution,
+``q`` the draft's. Of ``k`` draft tokens the sampler *accepts* a prefix; at the first
+rejected position it emits a *recovered* token; when all ``k`` are accepted it emits a
+*bonus* token from ``p`` at position ``k + 1``. Every call emits ``num_accepted + 1``
+tokens.
+
+Methods:
+
+* ``probabilistic`` -- speculative sampling (Leviathan et al. 2023, "Fast Inference from
+  Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
+  Model Decoding with Speculative Sampling"): accept draft ``x`` with probability
+  ``min(1, p(x) / q(x))``, recover from ``normalize(max(0, p - q))`` (from ``p`` if that
+  residual is all zero). Each emitted token is distributed exactly as ``p``, whatever ``q`` is.
+* ``strict`` -- the target draws its own token at every position and keeps drafts while
+  they equal it. Equally lossless and needs no ``q``, but accepts less often when
+  sampling (it is the same as ``probabilistic`` when the target is greedy).
+* ``synthetic`` -- a benchmarking mode after vLLM's: each position is accepted with
+  probability ``synthetic_acceptance_rate`` whatever the tokens are, then the target's
+  own token is emitted. NOT lossless: it fixes the acceptance pattern so that speed can
+  be measured independently of how well the draft matches.
+
+Randomness is drawn once per call by :func:`draw_randoms`, and the torch path here
+(:func:`rejection_sample_batch`, vectorized over requests) and the Triton kernel in
+:mod:`specdec.kernels.rejection` consume the same draws with the same float32
+operations, so the two agree token for token. A categorical draw from
+weights ``w`` is the exponential race ``argmax_i w_i / E_i`` with ``E_i ~ Exp(1)``
+(equivalent to the Gumbel-max trick); the draws store ``1 / E`` so that both paths only
+multiply, which rounds identically everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specdec.sampling import make_generator
+from specdec.types import PLACEHOLDER_TOKEN_ID, SampleResult, VerifyResult
+
+METHODS = ("strict", "probabilistic", "synthetic")
+
+# rejection_sample_batch, or the Triton kernel's drop-in replacement for it.
+BatchSampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SamplerRandoms:
+    """Every random number one batched sampling call consumes."""
+
+    uniforms: torch.Tensor  # [batch, k] U[0, 1): one acceptance test per draft position
+    inv_exponentials: torch.Tensor | None  # [batch, k + 1, vocab] 1 / Exp(1); None: no categorical draws
+
+
+def draw_randoms(
+    batch: int,
+    num_draft_tokens: int,
+    vocab: int,
+    generator: torch.Generator,
+    categorical: bool = True,
+    device: torch.device | str | None = None,
+) -> SamplerRandoms:
+    """Draw on ``generator``'s device (so a seed means the same draws there), then move to ``device``.
+
+    ``categorical=False`` skips the ``[batch, k + 1, vocab]`` noise when nothing is sampled
+    from ``p`` (greedy targets).
+    """
+    uniforms = torch.rand(batch, num_draft_tokens, generator=generator, device=generator.device)
+    inv_exponentials = None
+    if categorical:
+        exponentials = torch.empty(batch, num_draft_tokens + 1, vocab, device=generator.device)
+        exponentials.exponential_(generator=generator)
+        # Exp(1) draws can be exactly 0; the floor keeps 1 / E finite and w / E <= 1 / tiny.
+        inv_exponentials = exponentials.clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_()
+    if device is not None:
+        uniforms = uniforms.to(device)
+        inv_exponentials = None if inv_exponentials is None else inv_exponentials.to(device)
+    return SamplerRandoms(uniforms=uniforms, inv_exponentials=inv_exponentials)
+
+
+def validate_method(method: str, synthetic_acceptance_rate: float) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not 0.0 <= synthetic_acceptance_rate <= 1.0:
+        raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate}")
+
+
+def effective_method(method: str, greedy_target: bool) -> str:
+    """A greedy target (no ``p``) turns every lossless method into strict matching on its argmax."""
+    return "strict" if greedy_target and method != "synthetic" else method
+
+
+def rejection_sample_batch(
+    draft_token_ids: torch.Tensor,  # [batch, k] int64, ids in [0, vocab)
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] q; None -> one-hot q at the drafts
+    target_probs: torch.Tensor | None,  # [batch, k + 1, vocab] p; None -> greedy target
+    target_argmax: torch.Tensor | None,  # [batch, k + 1] int64; used when target_probs is None
+    method: str,
+    randoms: SamplerRandoms,
+    synthetic_acceptance_rate: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [batch, k + 1] int64 padded with PLACEHOLDER_TOKEN_ID, [batch] int64
+    """Vectorized rejection sampling of many independent requests with the same ``k``.
+
+    Returns the emitted tokens (``num_accepted + 1`` per row, then placeholders) and the
+    number of accepted drafts per row.
+    """
+    batch, k = draft_token_ids.shape
+    method = effective_method(method, target_probs is None)
+    if target_probs is not None:
+        p = target_probs.float()  # [batch, k + 1, vocab]
+        # The target's own draw at every position; also the bonus and the fallback.
+        target_tokens = (p * randoms.inv_exponentials).argmax(dim=-1)  # [batch, k + 1]
+    else:
+        target_tokens = target_argmax.long()
+    draft = draft_token_ids.long()
+
+    if method == "strict":
+        accepted = draft == target_tokens[:, :k]  # [batch, k]
+    elif method == "synthetic":
+        rate = torch.tensor(synthetic_acceptance_rate, dtype=torch.float32, device=draft.device)
+        accepted = randoms.uniforms < rate  # [batch, k]
+    else:
+        q = _draft_probs_or_one_hot(draft_probs, draft, p.shape[-1])  # [batch, k, vocab]
+        p_draft = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [batch, k] p(x)
+        q_draft = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [batch, k] q(x)
+        # u < p(x) / q(x) without dividing; q(x) = 0 accepts exactly when p(x) > 0.
+        accepted = randoms.uniforms * q_draft < p_draft  # [batch, k]
+
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [batch]
+    # Target token at the first non-accepted position, or the bonus at position k.
+    final = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [batch]
+    if method == "probabilistic" and k > 0:
+        residual_keys = (p[:, :k] - q).clamp_min(0.0) * randoms.inv_exponentials[:, :k]  # [batch, k, vocab]
+        # An all-zero residual (only possible through rounding or unnormalized q) falls back to p.
+        recovered = torch.where(
+            residual_keys.amax(dim=-1) > 0, residual_keys.argmax(dim=-1), target_tokens[:, :k]
+        )  # [batch, k]
+        row = num_accepted.clamp(max=k - 1).unsqueeze(1)  # [batch, 1]
+        final = torch.where(num_accepted < k, recovered.gather(1, row).squeeze(1), final)
+
+    positions = torch.arange(k + 1, device=draft.device)  # [k + 1]
+    placeholder = torch.full((batch, 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=draft.device)
+    padded_draft = torch.cat([draft, placeholder], dim=1)  # [batch, k + 1]
+    output = torch.where(positions < num_accepted.unsqueeze(1), padded_draft, PLACEHOLDER_TOKEN_ID)
+    output.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
+    return output, num_accepted
+
+
+def _draft_probs_or_one_hot(
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None
+    draft: torch.Tensor,  # [batch, k]
+    vocab: int,
+) -> torch.Tensor:  # [batch, k, vocab] float32
+    if draft_probs is not None:
+        return draft_probs.float()
+    one_hot = torch.zeros(*draft.shape, vocab, device=draft.device)
+    return one_hot.scatter_(-1, draft.unsqueeze(-1), 1.0)
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [k] int64, k >= 0
+    draft_probs: torch.Tensor | None,  # [k, vocab] q, None -> one-hot q at the draft ids
+    target_probs: torch.Tensor | None,  # [k + 1, vocab] p, None -> greedy (use target_argmax)
+    target_argmax: torch.Tensor | None,  # [k + 1] int64, required when target_probs is None
+    method: str,
+    generator: torch.Generator,
+    synthetic_acceptance_rate: float = 0.0,
+) -> SampleResult:
+    """Sample one request with the torch path; see the module docstring for the methods."""
+    return _sample_one(
+        rejection_sample_batch, draft_token_ids, draft_probs, target_probs, target_argmax,
+        method, generator, synthetic_acceptance_rate,
+    )
+
+
+def _sample_one(
+    batch_sampler: BatchSampler,
+    draft_token_ids: torch.Tensor,  # [k]
+    draft_probs: torch.Tensor | None,  # [k, vocab]
+    target_probs: torch.Tensor | None,  # [k + 1, vocab]
+    target_argmax: torch.Tensor | None,  # [k + 1]
+    method: str,
+    generator: torch.Generator,
+    synthetic_acceptance_rate: float,
+) -> SampleResult:
+    validate_method(method, synthetic_acceptance_rate)
+    _validate_shapes(draft_token_ids, draft_probs, target_probs, target_argmax)
+    k = draft_token_ids.shape[0]
+    device = draft_token_ids.device if target_probs is None else target_probs.device
+    vocab = 0 if target_probs is None else target_probs.shape[-1]
+    randoms = draw_randoms(1, k, vocab, generator, categorical=target_probs is not None, device=device)
+    output, num_accepted = batch_sampler(
+        draft_token_ids.to(device).unsqueeze(0),
+        None if draft_probs is None else draft_probs.to(device).unsqueeze(0),
+        None if target_probs is None else target_probs.unsqueeze(0),
+        None if target_argmax is None else target_argmax.to(device).unsqueeze(0),
+        method,
+        randoms,
+        synthetic_acceptance_rate,
+    )
+    n = int(num_accepted[0])
+    return SampleResult(output_token_ids=output[0, : n + 1], num_accepted=n)
+
+
+def _validate_shapes(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor | None,
+    target_argmax: torch.Tensor | None,
+) -> None:
+    if draft_token_ids.dim() != 1:
+        raise ValueError(f"draft_token_ids must be 1-D [k], got shape {tuple(draft_token_ids.shape)}")
+    k = draft_token_ids.shape[0]
+    if target_probs is None:
+        if target_argmax is None:
+            raise ValueError("target_argmax is required when target_probs is None")
+        if tuple(target_argmax.shape) != (k + 1,):
+            raise ValueError(f"target_argmax must have shape [{k + 1}], got {tuple(target_argmax.shape)}")
+        vocab = None
+    else:
+        if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
+            raise ValueError(f"target_probs must have shape [{k + 1}, vocab], got {tuple(target_probs.shape)}")
+        vocab = target_probs.shape[1]
+    if draft_probs is not None and vocab is not None and tuple(draft_probs.shape) != (k, vocab):
+        raise ValueError(f"draft_probs must have shape [{k}, {vocab}], got {tuple(draft_probs.shape)}")
+    if k and (int(draft_token_ids.min()) < 0 or (vocab is not None and int(draft_token_ids.max()) >= vocab)):
+        raise ValueError(f"draft_token_ids must lie in [0, {vocab or 'vocab'}), got {draft_token_ids.tolist()}")
+
+
+class RejectionSampler:
+    """Per-request sampler the engine calls after verification; a thin wrapper over the pure functions.
+
+    ``use_triton_kernel`` runs the Triton kernel (CUDA, or ``TRITON_INTERPRET=1`` on CPU)
+    instead of the torch path; both give identical tokens for the same seed.
+    """
+
+    def __init__(
+        self,
+        method: str = "probabilistic",
+        synthetic_acceptance_rate: float = 0.0,
+        use_triton_kernel: bool = False,
+    ) -> None:
+        validate_method(method, synthetic_acceptance_rate)
+        self.method = method
+        self.synthetic_acceptance_rate = synthetic_acceptance_rate
+        self.use_triton_kernel = use_triton_kernel
+        self._batch_sampler: BatchSampler = rejection_sample_batch
+        if use_triton_kernel:
+            from specdec.kernels import load_rejection_kernel
+
+            self._batch_sampler = load_rejection_kernel()
+
+    def __call__(
+        self,
+        draft_token_ids: torch.Tensor,  # [k] int64
+        draft_probs: torch.Tensor | None,  # [k, vocab] q or None (one-hot)
+        verify: VerifyResult,  # argmax [k + 1], probs [k + 1, vocab] or None
+        seed: int,
+        method: str | None = None,
+    ) -> SampleResult:
+        device = verify.argmax.device if verify.probs is None else verify.probs.device
+        return _sample_one(
+            self._batch_sampler, draft_token_ids, draft_probs, verify.probs, verify.argmax,
+            method or self.method, make_generator(seed, device), self.synthetic_acceptance_rate,
+        )
