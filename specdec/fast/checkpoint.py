@@ -1,0 +1,150 @@
+"""Read a Llama-family Hugging Face checkpoint (config.json + safetensors) without transformers.
+
+Llama, Mistral and Qwen2 share one decoder block (RMSNorm, rotary attention with
+grouped-query heads, SwiGLU MLP); they differ only in configuration: rope base and
+scaling, norm epsilon, head counts, q/k/v biases (Qwen2) and tied embeddings. This
+module turns ``config.json`` into one validated, frozen ``LlamaArchConfig`` and the
+safetensors files (single or sharded) into a state dict named as in transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class LlamaArchConfig:
+    """The architecture fields the fast engine reads; every other config.json key is ignored."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads: grouped-query attention (Ainslie et al. 2023)
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str = "default"
+    rope_factor: float = 1.0  # linear and llama3 scaling
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_len: int = 8192  # llama3 only
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None  # the fast engine only runs where the window covers max_model_len
+
+    def validate(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Full causal attention equals sliding-window attention only while the window covers every position."""
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's sliding_window={self.sliding_window}; "
+                f"the fast engine implements full attention only"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> LlamaArchConfig:
+        num_heads = raw["num_attention_heads"]
+        # transformers >= 5 writes rope settings under rope_parameters; older files use rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor must be 1.0, got {rope['partial_rotary_factor']}")
+        uses_window = raw.get("use_sliding_window", raw["model_type"] != "qwen2")  # qwen2 sets the flag explicitly
+        config = cls(
+            model_type=raw["model_type"],
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            rope_type=rope_type,
+            rope_factor=rope.get("factor", 1.0),
+            rope_low_freq_factor=rope.get("low_freq_factor", 1.0),
+            rope_high_freq_factor=rope.get("high_freq_factor", 4.0),
+            rope_original_max_len=rope.get("original_max_position_embeddings", 8192),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            sliding_window=raw.get("sliding_window") if uses_window else None,
+        )
+        config.validate()
+        return config
+
+
+def read_config(path: str | os.PathLike) -> LlamaArchConfig:
+    config_path = os.path.join(_check_dir(path), "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in model path {os.fspath(path)!r}")
+    with open(config_path) as f:
+        return LlamaArchConfig.from_dict(json.load(f))
+
+
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The checkpoint's weight files: ``model.safetensors`` or the shards its index names."""
+    path = _check_dir(path)
+    single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, SHARD_INDEX)
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    raise FileNotFoundError(f"model path {path!r} has neither {SINGLE_FILE} nor {SHARD_INDEX}")
+
+
+def weight_names(path: str | os.PathLike) -> set[str]:
+    """Tensor names in the checkpoint, read from the headers only (decides which projections have biases)."""
+    names: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def load_state_dict(
+    path: str | os.PathLike, dtype: torch.dtype, device: torch.device, tie_word_embeddings: bool
+) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        for name, tensor in load_file(file, device=str(device)).items():
+            if name.startswith("model.") or name == "lm_head.weight":  # skips e.g. rotary inv_freq buffers
+                state[name] = tensor.to(dtype)
+    if tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _check_dir(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
+    return path

@@ -1,0 +1,232 @@
+"""The Llama decoder (Llama, Mistral, Qwen2) as a ragged, batched forward over a slot KV cache.
+
+Numerics follow transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` line for line
+(RMSNorm in float32, rotary tables in float32 cast to the model dtype, SwiGLU MLP;
+Touvron et al. 2023), so float32 logits agree with Hugging Face to ~1e-5. The
+structure follows gpt-fast: each batch row is one sequence with its own cache slot,
+start position and number of new tokens (rows are right-padded to the longest); new
+keys and values are written into the slot at their positions and every query attends
+causally over ``cache[slot, :start + s + 1]`` via a position mask. With
+``kv_len = max_model_len`` every shape is static, which is what CUDA graphs need.
+Module names mirror transformers', so a Hugging Face state dict loads unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.fast.checkpoint import LlamaArchConfig, load_state_dict, read_config, weight_names
+
+
+class RMSNorm(nn.Module):
+    """Zhang & Sennrich 2019; normalised in float32, scaled in the model dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: LlamaArchConfig) -> torch.Tensor:  # [head_dim // 2] float32
+    """Rotary inverse frequencies (Su et al. 2021) with linear or Llama 3 frequency scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    if config.rope_type == "linear":
+        return inv_freq / config.rope_factor
+    if config.rope_type == "llama3":  # keep high frequencies, divide low ones by factor, blend in between
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_len = config.rope_original_max_len
+        wavelen = 2 * math.pi / inv_freq  # [head_dim // 2]
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaArchConfig, biases: set[str], triton_attention: bool):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.kernel = None  # the Triton slot-attention kernel, imported only when asked for
+        if triton_attention:
+            from specdec.fast.attention_kernel import slot_attention
+
+            self.kernel = slot_attention
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias="q_proj" in biases)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias="k_proj" in biases)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias="v_proj" in biases)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias="o_proj" in biases)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, hidden]
+        cos: torch.Tensor,  # [B, 1, S, head_dim]
+        sin: torch.Tensor,  # [B, 1, S, head_dim]
+        kv: torch.Tensor,  # [2, num_slots, kv_heads, max_model_len, head_dim], this layer's cache
+        batch: BatchIndex,
+    ) -> torch.Tensor:  # [B, S, hidden]
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, S, D]
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
+        q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
+        k = k * cos + rotate_half(k) * sin  # [B, KVH, S, D]
+        kv[0][batch.write_slot, :, batch.write_pos] = k.transpose(1, 2)  # [B, S, KVH, D] into the slots
+        kv[1][batch.write_slot, :, batch.write_pos] = v
+        if self.kernel is not None:
+            out = self.kernel(q, kv[0], kv[1], batch.slots, batch.write_pos, self.head_dim**-0.5)  # [B, H, S, D]
+        else:
+            out = torch_slot_attention(q, kv, batch, self.head_dim**-0.5)  # [B, H, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+def torch_slot_attention(
+    q: torch.Tensor,  # [B, H, S, D]
+    kv: torch.Tensor,  # [2, num_slots, KVH, max_model_len, D]
+    batch: BatchIndex,
+    scale: float,
+) -> torch.Tensor:  # [B, H, S, D]
+    """Gather each row's slot up to ``kv_len`` and attend causally by position (SDPA, as transformers does)."""
+    keys = kv[0, :, :, : batch.kv_len].index_select(0, batch.slots)  # [B, KVH, kv_len, D]
+    values = kv[1, :, :, : batch.kv_len].index_select(0, batch.slots)  # [B, KVH, kv_len, D]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=batch.mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+    )
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaArchConfig, biases: set[str]):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias="gate_proj" in biases)
+        self.up_proj = nn.Linear(h, i, bias="up_proj" in biases)
+        self.down_proj = nn.Linear(i, h, bias="down_proj" in biases)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaArchConfig, biases: set[str], triton_attention: bool):
+        super().__init__()
+        self.self_attn = Attention(config, biases, triton_attention)
+        self.mlp = MLP(config, biases)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv, batch: BatchIndex) -> torch.Tensor:  # x: [B, S, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: LlamaArchConfig, biases: set[str], triton_attention: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, biases, triton_attention) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class BatchIndex:
+    """Where a padded batch reads and writes the cache; built once per forward, shared by all layers."""
+
+    def __init__(
+        self,
+        starts: torch.Tensor,  # [B] int64: cached length of each row's sequence before this pass
+        num_new: torch.Tensor,  # [B] int64: real (unpadded) tokens in each row, 0 for an unused row
+        slots: torch.Tensor,  # [B] int64: each row's cache slot
+        num_tokens: int,  # S: padded tokens per row
+        kv_len: int,  # cache positions attended over (max_model_len for a static shape)
+        scratch_slot: int,
+        max_model_len: int,
+    ):
+        offsets = torch.arange(num_tokens, device=starts.device)  # [S]
+        self.positions = starts[:, None] + offsets  # [B, S]
+        real = offsets[None, :] < num_new[:, None]  # [B, S]
+        self.write_slot = torch.where(real, slots[:, None], scratch_slot)  # [B, S]: padding goes to scratch
+        self.write_pos = self.positions.clamp(max=max_model_len - 1)  # [B, S]
+        self.slots = slots  # [B]
+        self.kv_len = kv_len
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:  # [B, 1, S, kv_len]: key j is visible to the query at position p iff j <= p
+        key_pos = torch.arange(self.kv_len, device=self.positions.device)  # [kv_len]
+        return (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
+
+
+class FastLlama(nn.Module):
+    def __init__(self, config: LlamaArchConfig, biases: set[str], triton_attention: bool = False):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, biases, triton_attention)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [head_dim // 2]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64, right-padded
+        starts: torch.Tensor,  # [B] int64
+        num_new: torch.Tensor,  # [B] int64
+        slots: torch.Tensor,  # [B] int64
+        kv: torch.Tensor,  # [num_layers, 2, num_slots, kv_heads, max_model_len, head_dim]
+        kv_len: int,
+        logit_rows: torch.Tensor | None = None,  # [R] int64 indices into the flattened [B * S] rows; None = all
+    ) -> torch.Tensor:  # [R, vocab] (or [B * S, vocab]) in the model dtype
+        b, s = input_ids.shape
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4])
+        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
+        x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, 1, S, head_dim]
+        for layer, layer_kv in zip(self.model.layers, kv):
+            x = layer(x, cos, sin, layer_kv, batch)
+        x = x.reshape(b * s, -1)  # [B * S, hidden]
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)  # [R, hidden]: the lm_head runs only where logits are wanted
+        return self.lm_head(self.model.norm(x))
+
+
+def load_fast_llama(
+    path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, triton_attention: bool = False
+) -> FastLlama:
+    """Build the model from ``config.json`` and load the safetensors weights straight onto ``device``.
+
+    ``triton_attention`` runs attention with the Triton slot kernel (``attention_kernel.py``).
+    """
+    device = torch.device(device)
+    if triton_attention:
+        from specdec.fast.attention_kernel import check_available
+
+        check_available()
+    config = read_config(path)
+    names = weight_names(path)
+    biases = {n.split(".")[-2] for n in names if n.startswith("model.layers.0.") and n.endswith(".bias")}
+    with torch.device("meta"):
+        model = FastLlama(config, biases, triton_attention)
+    state = load_state_dict(path, dtype, device, config.tie_word_embeddings)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval()

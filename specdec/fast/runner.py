@@ -1,0 +1,149 @@
+"""One Llama-family model, its static KV cache and (on CUDA) its captured graphs: the fast engine core.
+
+``FastCausalLM`` serves the same per-sequence contract as the generic
+``specdec.models.CachedCausalLM`` -- each call names a ``seq_id``, the ``position`` of
+its first token and how many trailing logits it wants; a position below the cached
+length rolls the cache back to it -- but runs a whole list of calls as one ragged,
+right-padded batch. The target verifier and the draft proposer each own one.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, StaticShapeRunner
+from specdec.fast.kv_cache import StaticKVCache
+from specdec.fast.llama import load_fast_llama
+from specdec.models import resolve_dtype
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    seq_id: str
+    position: int  # sequence index of token_ids[0]; the slot is cut back to this length first
+    token_ids: list[int]
+    num_logits: int  # logits wanted for the last num_logits tokens
+
+
+class FastCausalLM:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        dtype: str = "auto",
+        device: str | torch.device = "cpu",
+        max_num_seqs: int = 8,
+        max_model_len: int | None = None,
+        cuda_graphs: bool | None = None,
+        *,
+        graph_num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS,
+        triton_attention: bool = False,
+    ):
+        self.device = torch.device(device)
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={str(self.device)!r}")
+        self.model = load_fast_llama(path, resolve_dtype(dtype, self.device), self.device, triton_attention)
+        config = self.model.config
+        self.max_model_len = max_model_len if max_model_len is not None else config.max_position_embeddings
+        config.check_max_model_len(self.max_model_len)
+        self.cache = StaticKVCache(
+            config.num_layers, config.num_kv_heads, config.head_dim, max_num_seqs, self.max_model_len,
+            self.model.lm_head.weight.dtype, self.device,
+        )
+        use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        self.graphs: StaticShapeRunner | None = (
+            CudaGraphRunner(self.model, self.cache, graph_num_tokens) if use_graphs else None
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cache.num_active
+
+    def cached_length(self, seq_id: str) -> int:
+        return self.cache.length(seq_id)
+
+    def release(self, seq_id: str) -> None:
+        self.cache.release(seq_id)
+
+    @torch.inference_mode()
+    def forward(self, calls: list[ForwardCall]) -> list[torch.Tensor]:  # each [num_logits, vocab] float32
+        """Run every call in one batched pass; a failed pass leaves each sequence at its ``position``."""
+        if not calls:
+            return []
+        self._check(calls)
+        fresh = [c.seq_id for c in calls if c.seq_id not in self.cache]
+        for call in calls:
+            if call.seq_id in self.cache:
+                self.cache.set_length(call.seq_id, call.position)  # rollback: only a length moves
+            else:
+                self.cache.allocate(call.seq_id)
+        try:
+            logits = self._run(calls)
+        except BaseException:
+            for seq_id in fresh:
+                self.cache.release(seq_id)
+            raise
+        for call in calls:
+            self.cache.set_length(call.seq_id, call.position + len(call.token_ids))
+        return logits
+
+    def _run(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
+        b, s = len(calls), max(len(c.token_ids) for c in calls)
+        input_ids = torch.zeros((b, s), dtype=torch.long)  # [B, S], right-padded
+        for i, call in enumerate(calls):
+            input_ids[i, : len(call.token_ids)] = torch.tensor(call.token_ids, dtype=torch.long)
+        starts = torch.tensor([c.position for c in calls], dtype=torch.long)  # [B]
+        num_new = torch.tensor([len(c.token_ids) for c in calls], dtype=torch.long)  # [B]
+        slots = torch.tensor([self.cache.slot(c.seq_id) for c in calls], dtype=torch.long)  # [B]
+        bucket = self.graphs.bucket(b, s) if self.graphs is not None else None
+        width = bucket[1] if bucket is not None else s  # padded tokens per row of the pass that runs
+        rows = torch.tensor(
+            [i * width + len(c.token_ids) - c.num_logits + j for i, c in enumerate(calls) for j in range(c.num_logits)],
+            dtype=torch.long, device=self.device,
+        )  # [R]: flattened [B, width] indices of the wanted logits
+        if bucket is not None:
+            logits = self.graphs.run(bucket, input_ids, starts, num_new, slots).index_select(0, rows)  # [R, vocab]
+        else:
+            kv_len = int((starts + num_new).max())
+            to = dict(device=self.device, non_blocking=True)
+            logits = self.model(
+                input_ids.to(**to), starts.to(**to), num_new.to(**to), slots.to(**to),
+                self.cache.kv, kv_len=kv_len, logit_rows=rows,
+            )  # [R, vocab]
+        return list(logits.float().split([c.num_logits for c in calls]))
+
+    def _check(self, calls: list[ForwardCall]) -> None:
+        seq_ids = [c.seq_id for c in calls]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a batch may hold each seq_id once, got {seq_ids}")
+        vocab = self.vocab_size
+        for call in calls:
+            n, cached = len(call.token_ids), self.cache.length(call.seq_id)
+            if n == 0:
+                raise ValueError(f"seq {call.seq_id!r}: token_ids must not be empty")
+            if not 1 <= call.num_logits <= n:
+                raise ValueError(f"seq {call.seq_id!r}: num_logits must be in [1, {n}], got {call.num_logits}")
+            if not 0 <= call.position <= cached:
+                raise ValueError(
+                    f"seq {call.seq_id!r}: position {call.position} is outside the {cached} tokens cached; "
+                    f"a call may only continue or cut back the cache"
+                )
+            if call.position + n > self.max_model_len:
+                raise ValueError(
+                    f"seq {call.seq_id!r}: {call.position + n} tokens exceed max_model_len={self.max_model_len}"
+                )
+            if not all(0 <= t < vocab for t in call.token_ids):
+                raise ValueError(f"seq {call.seq_id!r}: token ids must be in [0, {vocab})")
+        fresh = sum(1 for s in seq_ids if s not in self.cache)
+        if fresh > self.cache.num_free:
+            raise RuntimeError(
+                f"KV cache is full: {fresh} new sequences but only {self.cache.num_free} of "
+                f"max_num_seqs={self.cache.max_num_seqs} slots are free; "
+                f"release finished sequences or raise max_num_seqs"
+            )
