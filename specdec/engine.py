@@ -1,0 +1,263 @@
+"""The speculative decoding loop: propose k drafts, verify them in one target pass, sample.
+
+Leviathan et al. 2023 / Chen et al. 2023. ``SequenceState`` is the whole per-request
+state machine and makes no model calls, so the same logic drives the in-process
+``generate`` loop below and the Triton BLS orchestrator, which swaps the local calls
+for BLS requests. One step:
+
+1. ``propose_request`` asks for ``k_eff = min(k, tokens left - 1)`` drafts, so that
+   accepting every draft plus the bonus token never exceeds ``max_tokens``;
+2. ``verify_request`` feeds ``[last, d_1 .. d_k']`` at ``position = len(tokens) - 1``,
+   which also cuts the target cache back past any drafts rejected last step;
+3. the rejection sampler returns the accepted drafts plus a recovered or bonus token;
+4. ``commit`` appends them, stopping at the first EOS / stop sequence / length limit.
+
+The first step is the prefill: the whole prompt at position 0, no drafts.
+"""
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.proposers.base import Proposer
+from specdec.sampling import derive_seed
+from specdec.types import (
+    Proposal,
+    ProposeRequest,
+    RequestStats,
+    SampleResult,
+    SamplingParams,
+    VerifyRequest,
+    VerifyResult,
+)
+
+PROPOSE_STREAM = 0  # derive_seed stream of the proposer's draws in a step
+SAMPLE_STREAM = 1  # derive_seed stream of the rejection sampler's draws in a step
+
+# (draft_token_ids [k], draft_probs [k, vocab] | None, verify result, seed) -> accepted + recovered/bonus
+Sampler = Callable[[torch.Tensor, torch.Tensor | None, VerifyResult, int], SampleResult]
+
+
+class Verifier(Protocol):
+    """What the loop needs of a target verifier (``TargetVerifier`` or a batched engine)."""
+
+    vocab_size: int
+    max_model_len: int | None
+
+    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 16  # output tokens at most, stop tokens included
+    min_tokens: int = 0  # EOS / stop sequences end the output only after this many tokens
+    num_speculative_tokens: int = 0  # k; 0 = plain autoregressive decoding through the same path
+    sampling: SamplingParams = SamplingParams()
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # output includes the stop sequence
+
+    def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        self.sampling.validate()
+        if any(t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be non-negative token ids, got {self.eos_token_ids}")
+        if any(len(s) == 0 or min(s) < 0 for s in self.stop_token_sequences):
+            raise ValueError(
+                f"stop_token_sequences must be non-empty sequences of non-negative ids, got {self.stop_token_sequences}"
+            )
+        if prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {prompt_len}")
+        if max_model_len is not None and prompt_len + self.max_tokens > max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds max_model_len={max_model_len}"
+            )
+
+
+@dataclass
+class StepOutput:
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or stop sequence) | "length"
+    stats: RequestStats | None = None  # the request's figures, on the finishing step only
+
+
+class SequenceState:
+    """Per-request decoding state; turns sampler results into emitted tokens."""
+
+    def __init__(self, seq_id: str, prompt_ids: list[int], params: GenerationParams):
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        self.seq_id = seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.stats = RequestStats(accepted_per_position=[0] * params.num_speculative_tokens)
+        seed = params.sampling.seed
+        self._base_seed = seed if seed is not None else secrets.randbits(63)
+        self._step = 0  # step 0 is the prefill
+        single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
+        # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
+        self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def num_draft_tokens(self) -> int:
+        """k_eff for this step: drafts + one recovered/bonus token fit in the tokens left."""
+        if self._step == 0:
+            return 0
+        left = self.params.max_tokens - len(self.output_ids)
+        return max(0, min(self.params.num_speculative_tokens, left - 1))
+
+    def propose_request(self) -> ProposeRequest | None:
+        self._check_running()
+        k = self.num_draft_tokens()
+        if k == 0:
+            return None
+        return ProposeRequest(
+            seq_id=self.seq_id,
+            token_ids=self.token_ids,
+            num_tokens=k,
+            sampling=self.params.sampling,
+            seed=derive_seed(self._base_seed, self._step, PROPOSE_STREAM),
+        )
+
+    def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
+        self._check_running()
+        drafts = self._draft_ids(proposal)
+        num_logits = len(drafts) + 1
+        # Row i predicts output index len(output_ids) + i; those below min_tokens cannot stop.
+        banned_rows = min(num_logits, max(0, self.params.min_tokens - len(self.output_ids)))
+        if not self._banned_token_ids:
+            banned_rows = 0
+        if self._step == 0:
+            position, token_ids = 0, self.prompt_ids
+        else:
+            position, token_ids = len(self.prompt_ids) + len(self.output_ids) - 1, [self.output_ids[-1], *drafts]
+        return VerifyRequest(
+            seq_id=self.seq_id,
+            position=position,
+            token_ids=token_ids,
+            num_logits=num_logits,
+            sampling=self.params.sampling,
+            num_banned_rows=banned_rows,
+            banned_token_ids=self._banned_token_ids if banned_rows else (),
+        )
+
+    def sample_seed(self) -> int:
+        return derive_seed(self._base_seed, self._step, SAMPLE_STREAM)
+
+    def commit(self, proposal: Proposal | None, result: SampleResult) -> StepOutput:
+        self._check_running()
+        num_drafts = len(self._draft_ids(proposal))
+        tokens = result.output_token_ids.tolist()
+        if not 0 <= result.num_accepted <= num_drafts or len(tokens) != result.num_accepted + 1:
+            raise ValueError(
+                f"seq {self.seq_id!r}: sampler returned {len(tokens)} tokens with num_accepted="
+                f"{result.num_accepted} for {num_drafts} drafts"
+            )
+        if self._step > 0:
+            self._record(num_drafts, result.num_accepted)
+        self._step += 1
+        new_token_ids: list[int] = []
+        for token in tokens:
+            self.output_ids.append(token)
+            new_token_ids.append(token)
+            self.finish_reason = self._finish_reason()
+            if self.finish_reason is not None:
+                self.finished = True
+                break
+        return StepOutput(new_token_ids, self.finished, self.finish_reason, self.stats if self.finished else None)
+
+    def _record(self, num_drafts: int, num_accepted: int) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_draft_tokens += num_drafts
+        self.stats.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.stats.accepted_per_position[i] += 1
+
+    def _finish_reason(self) -> str | None:
+        """Checked after each appended token; the token at output index i may stop only if i >= min_tokens."""
+        out = self.output_ids
+        if len(out) > self.params.min_tokens:
+            if out[-1] in self.params.eos_token_ids:
+                return "stop"
+            for stop in self.params.stop_token_sequences:
+                if len(out) >= len(stop) and tuple(out[-len(stop) :]) == stop:
+                    return "stop"
+        return "length" if len(out) >= self.params.max_tokens else None
+
+    def _draft_ids(self, proposal: Proposal | None) -> list[int]:
+        drafts = [] if proposal is None else proposal.token_ids.tolist()
+        if len(drafts) > self.num_draft_tokens():
+            raise ValueError(
+                f"seq {self.seq_id!r}: proposal has {len(drafts)} tokens, more than the "
+                f"{self.num_draft_tokens()} requested"
+            )
+        return drafts
+
+    def _check_running(self) -> None:
+        if self.finished:
+            raise RuntimeError(f"seq {self.seq_id!r} has already finished ({self.finish_reason})")
+
+
+def check_token_ids(prompt_ids: list[int], params: GenerationParams, vocab_size: int) -> None:
+    """Token ids must index the target's vocabulary; fails before any model call."""
+    named = {"prompt_ids": list(prompt_ids), "eos_token_ids": list(params.eos_token_ids)}
+    named["stop_token_sequences"] = [t for stop in params.stop_token_sequences for t in stop]
+    for name, ids in named.items():
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}), got {bad[:8]}")
+
+
+def generate(
+    proposer: Proposer | None,
+    verifier: Verifier,
+    sampler: Sampler,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    seq_id: str | None = None,
+) -> Iterator[StepOutput]:
+    """Decode one request in-process, yielding the tokens each step emits.
+
+    ``proposer`` may be None when ``params.num_speculative_tokens == 0``. Proposer and
+    verifier state for the sequence is released however the loop ends: finished,
+    raised, or closed early by the caller.
+    """
+    seq_id = seq_id if seq_id is not None else uuid.uuid4().hex
+    params.validate(verifier.max_model_len, len(prompt_ids))
+    check_token_ids(prompt_ids, params, verifier.vocab_size)
+    if proposer is None and params.num_speculative_tokens > 0:
+        raise ValueError("proposer is required when num_speculative_tokens > 0")
+    state = SequenceState(seq_id, prompt_ids, params)
+    try:
+        while not state.finished:
+            propose_request = state.propose_request()
+            proposal = proposer.propose([propose_request])[0] if propose_request is not None else None
+            verify_result = verifier.verify([state.verify_request(proposal)])[0]
+            if proposal is None:
+                proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
+            result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed())
+            yield state.commit(proposal, result)
+    finally:
+        try:
+            if proposer is not None:
+                proposer.release(seq_id)
+        finally:
+            verifier.release(seq_id)

@@ -1,0 +1,54 @@
+"""Target-model verification: one forward pass scores the last token and k drafts.
+
+Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"; Chen et al. 2023) runs the target once over
+``[last, d_1 .. d_k]`` and reads ``k + 1`` next-token distributions ``p`` from it:
+one per draft to accept or reject, plus the bonus position. The KV cache written
+for rejected drafts is discarded by the next call, whose ``position`` cuts it back.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from specdec.models import CachedCausalLM
+from specdec.sampling import greedy_tokens, process_logits
+from specdec.types import VerifyRequest, VerifyResult
+
+
+class TargetVerifier:
+    """Verifies drafts with any Hugging Face ``AutoModelForCausalLM``.
+
+    Requests in a batch run one after another over per-sequence ``DynamicCache``s;
+    this generic path defines the contract a batched static-cache engine keeps.
+    """
+
+    def __init__(self, model: PreTrainedModel, device: str | torch.device = "cpu", max_model_len: int | None = None):
+        self._lm = CachedCausalLM(model, device, max_model_len)
+
+    @property
+    def num_active_sequences(self) -> int:
+        return self._lm.num_sequences
+
+    @property
+    def vocab_size(self) -> int:
+        return self._lm.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._lm.max_model_len
+
+    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        return [self._verify_one(request) for request in requests]
+
+    def release(self, seq_id: str) -> None:
+        self._lm.release(seq_id)
+
+    def _verify_one(self, request: VerifyRequest) -> VerifyResult:
+        logits = self._lm.forward(request.seq_id, request.position, request.token_ids, request.num_logits)
+        # logits: [num_logits, vocab]
+        banned = (request.num_banned_rows, request.banned_token_ids)
+        argmax = greedy_tokens(logits, *banned)  # [num_logits]
+        if request.sampling.greedy:
+            return VerifyResult(argmax=argmax, probs=None)
+        return VerifyResult(argmax=argmax, probs=process_logits(logits, request.sampling, *banned))
