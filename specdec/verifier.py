@@ -16,6 +16,15 @@ from specdec.sampling import greedy_tokens, process_logits
 from specdec.types import VerifyRequest, VerifyResult
 
 
+def verify_result(logits: torch.Tensor, request: VerifyRequest) -> VerifyResult:  # logits: [num_logits, vocab]
+    """``argmax`` always; ``p`` only for sampled requests; min_tokens bans applied to both."""
+    banned = (request.num_banned_rows, request.banned_token_ids)
+    argmax = greedy_tokens(logits, *banned)  # [num_logits]
+    if request.sampling.greedy:
+        return VerifyResult(argmax=argmax, probs=None)
+    return VerifyResult(argmax=argmax, probs=process_logits(logits, request.sampling, *banned))
+
+
 class TargetVerifier:
     """Verifies drafts with any Hugging Face ``AutoModelForCausalLM``.
 
@@ -39,16 +48,9 @@ class TargetVerifier:
         return self._lm.max_model_len
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        return [self._verify_one(request) for request in requests]
+        return [
+            verify_result(self._lm.forward(r.seq_id, r.position, r.token_ids, r.num_logits), r) for r in requests
+        ]
 
     def release(self, seq_id: str) -> None:
         self._lm.release(seq_id)
-
-    def _verify_one(self, request: VerifyRequest) -> VerifyResult:
-        logits = self._lm.forward(request.seq_id, request.position, request.token_ids, request.num_logits)
-        # logits: [num_logits, vocab]
-        banned = (request.num_banned_rows, request.banned_token_ids)
-        argmax = greedy_tokens(logits, *banned)  # [num_logits]
-        if request.sampling.greedy:
-            return VerifyResult(argmax=argmax, probs=None)
-        return VerifyResult(argmax=argmax, probs=process_logits(logits, request.sampling, *banned))

@@ -13,17 +13,8 @@ import torch
 
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS
 from specdec.fast.runner import FastCausalLM, ForwardCall
-from specdec.sampling import greedy_tokens, process_logits
 from specdec.types import VerifyRequest, VerifyResult
-
-
-def verify_result(logits: torch.Tensor, request: VerifyRequest) -> VerifyResult:  # logits: [num_logits, vocab]
-    """``argmax`` always; ``p`` only for sampled requests; min_tokens bans applied to both."""
-    banned = (request.num_banned_rows, request.banned_token_ids)
-    argmax = greedy_tokens(logits, *banned)  # [num_logits]
-    if request.sampling.greedy:
-        return VerifyResult(argmax=argmax, probs=None)
-    return VerifyResult(argmax=argmax, probs=process_logits(logits, request.sampling, *banned))
+from specdec.verifier import verify_result
 
 
 class FastTargetVerifier:
