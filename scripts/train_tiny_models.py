@@ -10,7 +10,7 @@ Steps (seeded, CPU-friendly, ~20-30 minutes on 2 cores with the defaults):
 
 1. a byte-level BPE tokenizer (any UTF-8 input encodes; ``<|endoftext|>`` is EOS);
 2. the target: a Llama of ~6 M parameters, trained with next-token cross-entropy;
-3. the draft: a Llama of ~1 M parameters (< 1/5 of the target), distilled from the
+3. the draft (alone with ``--draft-only``, reusing the target in ``--out``): a Llama of ~1 M parameters (< 1/5 of the target), distilled from the
    target's logits (KL to the target's distribution plus a little cross-entropy),
    which raises the rate at which the target accepts its proposals.
 
@@ -218,10 +218,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--target-steps", type=int, default=800)
-    parser.add_argument("--draft-steps", type=int, default=500)
+    parser.add_argument("--draft-steps", type=int, default=1500)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--corpus-chars", type=int, default=16_000_000, help="train text to use (characters)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--draft-only", action="store_true",
+                        help="keep the target (and tokenizer) already in --out; train only the draft")
     args = parser.parse_args()
 
     random.seed(args.seed)
@@ -237,25 +239,34 @@ def main() -> None:
     held_out_texts = read_texts(held_out_paths, 2_000_000)
     log(f"corpus: {len(train_texts)} train files, {len(held_out_texts)} held-out files")
 
-    tokenizer = train_tokenizer(train_texts[: max(1, len(train_texts) // 2)], args.vocab_size)
+    if args.draft_only:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.out / "tiny-target")
+    else:
+        tokenizer = train_tokenizer(train_texts[: max(1, len(train_texts) // 2)], args.vocab_size)
     train_ids = encode_stream(tokenizer, train_texts)
     held_out_ids = encode_stream(tokenizer, held_out_texts)
     log(f"tokenizer: vocab {len(tokenizer)}; {len(train_ids):,} train tokens, {len(held_out_ids):,} held-out")
 
     vocab = len(tokenizer)
-    target = make_model(TARGET_SHAPE, vocab, tokenizer.eos_token_id, args.max_model_len)
-    draft = make_model(DRAFT_SHAPE, vocab, tokenizer.eos_token_id, args.max_model_len)
-    n_target = sum(p.numel() for p in target.parameters())
-    n_draft = sum(p.numel() for p in draft.parameters())
-    log(f"target {n_target / 1e6:.2f} M params, draft {n_draft / 1e6:.2f} M params")
-
-    t0 = time.time()
-    train(target, train_ids, args, args.target_steps, "target")
-    target_seconds = time.time() - t0
+    previous = json.loads((args.out / "training_report.json").read_text()) if args.draft_only else {}
+    if args.draft_only:
+        target = LlamaForCausalLM.from_pretrained(args.out / "tiny-target", dtype=torch.float32)
+        target_seconds = previous["target"]["train_seconds"]
+    else:
+        target = make_model(TARGET_SHAPE, vocab, tokenizer.eos_token_id, args.max_model_len)
+        t0 = time.time()
+        train(target, train_ids, args, args.target_steps, "target")
+        target_seconds = time.time() - t0
+        target.to(torch.bfloat16).float()  # distil from, and report on, the weights that ship (bf16)
     target.eval()
     target_loss = held_out_loss(target, held_out_ids, args.seq_len)
     log(f"target held-out loss {target_loss:.3f}")
 
+    torch.manual_seed(args.seed + 1)  # the draft starts the same with or without --draft-only
+    draft = make_model(DRAFT_SHAPE, vocab, tokenizer.eos_token_id, args.max_model_len)
+    n_target = sum(p.numel() for p in target.parameters())
+    n_draft = sum(p.numel() for p in draft.parameters())
+    log(f"target {n_target / 1e6:.2f} M params, draft {n_draft / 1e6:.2f} M params")
     t0 = time.time()
     train(draft, train_ids, args, args.draft_steps, "draft", teacher=target)
     draft_seconds = time.time() - t0
@@ -263,11 +274,13 @@ def main() -> None:
     agreement = greedy_agreement(draft, target, held_out_ids, args.seq_len)
     log(f"draft held-out loss {draft_loss:.3f}, teacher-forced top-1 agreement {agreement:.3f}")
 
-    save(target, tokenizer, args.out / "tiny-target", args.max_model_len)
+    if not args.draft_only:
+        save(target, tokenizer, args.out / "tiny-target", args.max_model_len)
     save(draft, tokenizer, args.out / "tiny-draft", args.max_model_len)
     report = {
         "command": "python scripts/train_tiny_models.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "draft_only")),
+        "draft_only_rerun": args.draft_only,
         "seed": args.seed,
         "corpus": "Python standard library .py files (site-packages excluded), held-out = crc32(path) % 20 == 0",
         "train_tokens": len(train_ids),
