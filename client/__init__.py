@@ -1,0 +1,1 @@
+"""Command-line client for the served models: ``python -m client.generate --help``."""

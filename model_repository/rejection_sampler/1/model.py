@@ -1,0 +1,31 @@
+"""rejection_sampler: which drafts the target keeps, plus the recovered or bonus token.
+
+Callable on its own: draft_probs absent means one-hot q at the drafts; target_probs
+absent means a greedy target given by target_token_ids; seed absent draws a fresh one.
+"""
+import secrets
+
+from specdec.rejection_sampler import RejectionSampler
+from specdec_triton import wire
+from specdec_triton.configs import RejectionSamplerConfig
+from specdec_triton.plumbing import ModelLogger, ParameterError, Parameters, answer, instance_device
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.logger = ModelLogger(args["model_name"])
+        config = RejectionSamplerConfig.from_parameters(Parameters.from_args(args))
+        self.device = instance_device(args)
+        if config.use_triton_kernel and self.device == "cpu":
+            raise ParameterError(f"{args['model_name']}: parameter 'use_triton_kernel' needs a KIND_GPU instance")
+        self.sampler = RejectionSampler(config.method, config.synthetic_acceptance_rate, config.use_triton_kernel)
+        self.logger.info(f"{config} on {self.device}")
+
+    def execute(self, requests):
+        return answer(requests, wire.SAMPLE_INPUTS, self._sample)
+
+    def _sample(self, inputs):
+        call = wire.sample_call_of(inputs).to(self.device)
+        seed = call.seed if call.seed is not None else secrets.randbits(63)
+        result = self.sampler(call.draft_token_ids, call.draft_probs, call.verify, seed, call.method)
+        return wire.sample_result_outputs(result)

@@ -1,0 +1,27 @@
+"""tokenizer: text -> prompt token ids, plus stop words as id sequences and the default EOS ids."""
+import numpy as np
+
+from specdec_triton import wire
+from specdec_triton.configs import TokenizerConfig
+from specdec_triton.plumbing import ModelLogger, Parameters, answer, text, texts
+from specdec_triton.text import TextCodec
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.logger = ModelLogger(args["model_name"])
+        config = TokenizerConfig.from_parameters(Parameters.from_args(args))
+        self.codec = TextCodec(config.tokenizer_dir)
+        self.logger.info(f"tokenizer from {config.tokenizer_dir}, eos ids {self.codec.eos_token_ids}")
+
+    def execute(self, requests):
+        return answer(requests, wire.TOKENIZE_INPUTS, self._tokenize)
+
+    def _tokenize(self, inputs):
+        prompt_ids = self.codec.encode_prompt(text(inputs, "text_input", ""))
+        stop_sequences = self.codec.encode_stop_words(texts(inputs, "stop_words") or [])
+        return {
+            "input_ids": np.asarray(prompt_ids, dtype=np.int64),  # [prompt_len]
+            **wire.stop_words_arrays(stop_sequences),
+            "end_ids": np.asarray(self.codec.eos_token_ids, dtype=np.int64),  # [num eos ids]
+        }

@@ -1,0 +1,44 @@
+"""Incremental detokenization for streaming: the streamed pieces add up to the full text, byte for byte.
+
+A byte-level BPE token can end in the middle of a multi-byte UTF-8 character, so
+decoding the tokens emitted so far may end in U+FFFD that the next token turns into
+a real character. Decoding only the new tokens on their own would freeze that
+replacement character (and lose the bytes it stood for) into the stream. Instead,
+as in vLLM's and text-generation-inference's incremental decoders, every step
+decodes the whole output so far, emits only the part past what was already sent,
+and holds back a trailing U+FFFD until either the next token completes it or the
+output ends.
+
+This is exact when decoding is *prefix-stable*: the decoded text of a token
+sequence, minus any trailing U+FFFD, is a prefix of the decoded text of every
+extension of it. Byte-level BPE decoders are, as long as clean-up passes that look
+ahead (``clean_up_tokenization_spaces``) are off; :class:`TextStream` checks it
+and fails loudly rather than emit text that the full decode would not contain.
+"""
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete or invalid UTF-8 sequence
+
+
+def stable_text(text: str, final: bool) -> str:
+    """The part of ``text`` that later tokens cannot change: all of it once the output is final."""
+    return text if final else text.rstrip(REPLACEMENT_CHAR)
+
+
+class TextStream:
+    """Turns successive full decodes of a growing output into the new text of each step."""
+
+    def __init__(self) -> None:
+        self.emitted = ""  # everything returned so far, concatenated
+
+    def push(self, text: str, final: bool = False) -> str:
+        """``text`` decodes every output token so far; returns what the stream has not sent yet."""
+        stable = stable_text(text, final)
+        if not stable.startswith(self.emitted):
+            raise ValueError(
+                "decoding is not prefix-stable: the output decoded so far no longer starts with the "
+                f"text already streamed ({self.emitted[-20:]!r} ...); disable clean_up_tokenization_spaces"
+            )
+        new = stable[len(self.emitted) :]
+        self.emitted = stable
+        return new

@@ -1,0 +1,72 @@
+"""The orchestrator's stages as BLS requests to the composing models of the repository."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from specdec.types import Proposal, ProposeRequest, SampleResult, VerifyRequest, VerifyResult
+from specdec_triton import wire
+from specdec_triton.orchestrator import Limits, Tokenized
+from specdec_triton.plumbing import ModelLogger, bls, bytes_array
+
+_LIMITS_PROBE_SEQ_ID = ""  # releasing a sequence that never existed is a no-op that still reports limits
+
+
+class BlsStages:
+    def __init__(self, logger: ModelLogger):
+        self.logger = logger
+
+    async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized:
+        inputs = {"text_input": bytes_array([text])}
+        if stop_words:
+            inputs["stop_words"] = bytes_array(stop_words)
+        out = await bls(wire.TOKENIZER, inputs, wire.TOKENIZE_OUTPUTS)
+        return Tokenized(
+            prompt_ids=out["input_ids"].reshape(-1).tolist(),
+            stop_token_sequences=wire.stop_sequences_of(out),
+            eos_token_ids=tuple(out["end_ids"].reshape(-1).tolist()),
+        )
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        inputs = {"token_ids": np.asarray(token_ids, dtype=np.int64)}
+        out = await bls(wire.DETOKENIZER, inputs, wire.DETOKENIZE_OUTPUTS)
+        return out["text_output"].reshape(-1)[0].decode("utf-8")
+
+    async def limits(self) -> Limits:
+        probe = wire.release_inputs(_LIMITS_PROBE_SEQ_ID)
+        verifier, proposer = await asyncio.gather(
+            bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS, batched=True),
+            bls(wire.DRAFT_PROPOSER, probe, wire.PROPOSE_OUTPUTS, batched=True),
+        )
+        max_num_seqs = [n for n in (wire.optional_limit(m, "max_num_seqs") for m in (verifier, proposer)) if n]
+        return Limits(
+            max_model_len=wire.optional_limit(verifier, "max_model_len"),
+            vocab_size=int(verifier["vocab_size"][0]),
+            max_num_seqs=min(max_num_seqs, default=None),
+        )
+
+    async def propose(self, request: ProposeRequest) -> Proposal:
+        out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(request), wire.PROPOSE_OUTPUTS, batched=True)
+        return wire.proposal_of(out)
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult:
+        out = await bls(wire.TARGET_VERIFIER, wire.verify_inputs(request), wire.VERIFY_OUTPUTS, batched=True)
+        return wire.verify_result_of(out)
+
+    async def sample(self, proposal: Proposal, verify: VerifyResult, seed: int) -> SampleResult:
+        inputs = wire.sample_inputs(proposal.token_ids, proposal.probs, verify, seed)
+        out = await bls(wire.REJECTION_SAMPLER, inputs, wire.SAMPLE_OUTPUTS)
+        return wire.sample_result_of(out)
+
+    async def release(self, seq_id: str) -> None:
+        """Frees the sequence in both models that hold state; failures are logged, never raised."""
+        inputs = wire.release_inputs(seq_id)
+        results = await asyncio.gather(
+            bls(wire.DRAFT_PROPOSER, inputs, wire.PROPOSE_OUTPUTS, batched=True),
+            bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),
+            return_exceptions=True,
+        )
+        for model, result in zip((wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER), results):
+            if isinstance(result, BaseException):
+                self.logger.error(f"releasing seq {seq_id!r} in {model} failed: {result}")

@@ -1,0 +1,118 @@
+"""One frozen config per served model, read once from its ``config.pbtxt`` parameters.
+
+Each ``from_parameters`` validates loudly (errors name the parameter and its allowed
+values) and rejects unknown keys, so a bad ``config.pbtxt`` fails the model load.
+Paths are absolute or relative to the model repository directory; the committed
+defaults point at the shipped pair under ``<repo>/models``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.models import DTYPE_CHOICES
+from specdec.proposers import PROPOSERS
+from specdec.proposers.ngram import NgramConfig
+from specdec.rejection_sampler import METHODS
+from specdec_triton.plumbing import ParameterError, Parameters
+
+DEFAULT_TARGET_MODEL = "../models/tiny-target"  # relative to the model repository directory
+DEFAULT_DRAFT_MODEL = "../models/tiny-draft"
+# fast: Llama-family checkpoints, every sequence of a dynamic batch in one forward over a
+# static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
+ENGINES = ("fast", "hf")
+DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    tokenizer_dir: str  # the target's tokenizer by default: ids must index the target's vocabulary
+
+    @classmethod
+    def from_parameters(cls, params: Parameters) -> TokenizerConfig:
+        config = cls(tokenizer_dir=params.get_path("tokenizer_dir", DEFAULT_TARGET_MODEL))
+        params.check_all_read()
+        return config
+
+
+@dataclass(frozen=True)
+class DraftProposerConfig:
+    method: str  # draft_model: a small LM drafts; ngram: prompt lookup, no model
+    draft_model: str | None  # checkpoint directory; only read by method draft_model
+    prompt_lookup_min: int | None  # ngram only; None -> vLLM's default rule
+    prompt_lookup_max: int | None
+    dtype: str  # auto: float32 on CPU, bfloat16 on CUDA
+    engine: str  # draft_model only
+    max_num_seqs: int  # draft_model only
+
+    @classmethod
+    def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
+        method = params.get_str("method", "draft_model", choices=tuple(PROPOSERS))
+        draft_model = params.get_path("draft_model", DEFAULT_DRAFT_MODEL, must_exist=method == "draft_model")
+        config = cls(
+            method=method,
+            draft_model=draft_model,
+            prompt_lookup_min=params.get_int("prompt_lookup_min", None, minimum=1),
+            prompt_lookup_max=params.get_int("prompt_lookup_max", None, minimum=1),
+            dtype=params.get_str("dtype", "auto", choices=DTYPE_CHOICES),
+            engine=params.get_str("engine", "fast", choices=ENGINES),
+            max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+        )
+        params.check_all_read()
+        try:
+            NgramConfig.from_optional(config.prompt_lookup_min, config.prompt_lookup_max)
+        except ValueError as err:
+            raise ParameterError(f"draft_proposer: {err}") from None
+        return config
+
+
+@dataclass(frozen=True)
+class TargetVerifierConfig:
+    target_model: str  # checkpoint directory
+    dtype: str
+    max_model_len: int | None  # prompt + output tokens; None -> the model's max_position_embeddings
+    engine: str
+    max_num_seqs: int  # the orchestrator admits no more sequences than this at once
+
+    @classmethod
+    def from_parameters(cls, params: Parameters) -> TargetVerifierConfig:
+        config = cls(
+            target_model=params.get_path("target_model", DEFAULT_TARGET_MODEL),
+            dtype=params.get_str("dtype", "auto", choices=DTYPE_CHOICES),
+            max_model_len=params.get_int("max_model_len", None, minimum=1),
+            engine=params.get_str("engine", "fast", choices=ENGINES),
+            max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+        )
+        params.check_all_read()
+        return config
+
+
+@dataclass(frozen=True)
+class RejectionSamplerConfig:
+    method: str  # probabilistic (lossless), strict (lossless, no q), synthetic (benchmarking only)
+    synthetic_acceptance_rate: float  # read by method synthetic only
+    use_triton_kernel: bool  # the Triton kernel instead of the torch path; needs a GPU instance
+
+    @classmethod
+    def from_parameters(cls, params: Parameters) -> RejectionSamplerConfig:
+        config = cls(
+            method=params.get_str("rejection_sample_method", "probabilistic", choices=METHODS),
+            synthetic_acceptance_rate=params.get_float("synthetic_acceptance_rate", 0.0, minimum=0.0, maximum=1.0),
+            use_triton_kernel=params.get_bool("use_triton_kernel", False),
+        )
+        params.check_all_read()
+        return config
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    num_speculative_tokens: int  # k by default, and the most a request may ask for
+    default_max_tokens: int  # when a request sends no max_tokens
+
+    @classmethod
+    def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
+        config = cls(
+            num_speculative_tokens=params.get_int("num_speculative_tokens", 4, minimum=0),
+            default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
+        )
+        params.check_all_read()
+        return config

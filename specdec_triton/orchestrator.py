@@ -1,0 +1,159 @@
+"""The serving loop of one generate request, over async stage calls.
+
+It drives :class:`specdec.engine.SequenceState`, the same state machine as the
+in-process :func:`specdec.engine.generate`, so the two decode identically; only
+the calls differ. Like tensorrtllm_backend's ``decode.py`` this file has no
+Triton import: :class:`Stages` is the seam, implemented with BLS requests in
+:mod:`specdec_triton.bls_stages` and with local objects in the tests.
+
+Many requests progress at once because every stage call is awaited: while one
+sequence waits for the target, another drafts, and the calls that meet at a stage
+run there as one dynamic batch. No more sequences run than the stages can hold
+(``max_num_seqs``); later requests wait for a free slot. Cancellation is checked
+between steps (a step is the unit of work; Triton does not cancel BLS children), and
+every stage's state for the sequence is released however the request ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.detokenize import TextStream
+from specdec.engine import SequenceState, check_token_ids
+from specdec.types import Proposal, ProposeRequest, SampleResult, VerifyRequest, VerifyResult
+from specdec_triton.configs import OrchestratorConfig
+from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
+from specdec_triton.plumbing import RequestCancelled, RequestError
+from specdec_triton.request import GenerateRequest, generate_outputs
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    prompt_ids: list[int]
+    stop_token_sequences: tuple[tuple[int, ...], ...]
+    eos_token_ids: tuple[int, ...]  # the tokenizer's defaults; a request's end_id replaces them
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int | None  # prompt + output tokens the target accepts
+    vocab_size: int  # width of the target's logits
+    max_num_seqs: int | None = None  # sequences the stages can hold at once; None: no limit
+
+
+class Stages(Protocol):
+    """The composing models, one awaitable call each."""
+
+    async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized: ...
+    async def detokenize(self, token_ids: list[int]) -> str: ...
+    async def limits(self) -> Limits: ...
+    async def propose(self, request: ProposeRequest) -> Proposal: ...
+    async def verify(self, request: VerifyRequest) -> VerifyResult: ...
+    async def sample(self, proposal: Proposal, verify: VerifyResult, seed: int) -> SampleResult: ...
+    async def release(self, seq_id: str) -> None: ...
+
+
+# (outputs of one public response, final) -> None
+Send = Callable[[dict, bool], None]
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        stages: Stages,
+        config: OrchestratorConfig,
+        counters: SpecDecodeCounters | None = None,
+        active: ActiveSequences | None = None,
+    ):
+        self.stages = stages
+        self.config = config
+        self.counters = counters
+        self.active = active
+        self.num_active_sequences = 0
+        self._limits: Limits | None = None
+        self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
+
+    async def prepare(self, request: GenerateRequest) -> SequenceState:
+        """Tokenize and validate; raises RequestError / ValueError naming the bad input."""
+        tokenized = await self.stages.tokenize(request.text_input, request.stop_words)
+        if self._limits is None:
+            limits = await self.stages.limits()
+            if self._limits is None:  # another request may have fetched them meanwhile
+                self._limits = limits
+                self._slots = asyncio.Semaphore(limits.max_num_seqs) if limits.max_num_seqs else None
+        params = request.generation_params(
+            self.config.default_max_tokens,
+            self.config.num_speculative_tokens,
+            tokenized.eos_token_ids,
+            tokenized.stop_token_sequences,
+            self._limits.vocab_size,
+        )
+        try:
+            params.validate(self._limits.max_model_len, len(tokenized.prompt_ids))
+            check_token_ids(tokenized.prompt_ids, params, self._limits.vocab_size)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+        return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params)
+
+    async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool]) -> None:
+        """Decode ``request`` to the end, sending one response per step when streaming, else one in all.
+
+        The final response goes out only after every stage has released the sequence,
+        so a client that has it knows the server holds nothing more for the request.
+        """
+        state = await self.prepare(request)
+        async with self._slots or contextlib.nullcontext():  # waits while max_num_seqs sequences run
+            self._set_active(+1)
+            try:
+                final_outputs = await self._decode(request, state, send, is_cancelled)
+            finally:
+                try:
+                    await self.stages.release(state.seq_id)
+                finally:
+                    self._set_active(-1)
+        send(final_outputs, True)
+
+    async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
+        """Steps until the sequence finishes; returns the final response's outputs."""
+        stream = TextStream()
+        while True:
+            if is_cancelled():
+                raise RequestCancelled(f"request cancelled after {len(state.output_ids)} output tokens")
+            await self._step(state)
+            if state.finished:
+                break
+            if request.stream:
+                new_text = stream.push(await self.stages.detokenize(state.output_ids))
+                if new_text:
+                    send(self._outputs(state, new_text), False)
+        text = await self.stages.detokenize(state.output_ids)
+        if request.stream:
+            return self._outputs(state, stream.push(text, final=True))
+        prefix = "" if request.exclude_input_in_output else request.text_input
+        return self._outputs(state, prefix + text)
+
+    def _set_active(self, change: int) -> None:
+        self.num_active_sequences += change
+        if self.active is not None:
+            self.active.set(self.num_active_sequences)
+
+    async def _step(self, state: SequenceState) -> None:
+        propose_request = state.propose_request()
+        proposal = await self.stages.propose(propose_request) if propose_request is not None else None
+        verify_result = await self.stages.verify(state.verify_request(proposal))
+        if proposal is None:
+            proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long))
+        result = await self.stages.sample(proposal, verify_result, state.sample_seed())
+        step = state.commit(proposal, result)
+        if self.counters is not None:
+            self.counters.record_step(len(proposal.token_ids), result.num_accepted, len(step.new_token_ids))
+
+    @staticmethod
+    def _outputs(state: SequenceState, text: str) -> dict:
+        return generate_outputs(text, state.finish_reason, len(state.prompt_ids), len(state.output_ids), state.stats)

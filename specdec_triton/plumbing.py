@@ -1,0 +1,332 @@
+"""Triton plumbing shared by every ``model.py``: parameters, tensors, errors, BLS, logging.
+
+One module so that no model repeats it (the tensorrtllm_backend models each carry
+their own copy of parameter parsing; vllm_backend has one boolean helper; this is the
+union of both, once). It imports without Triton: ``triton_python_backend_utils``
+exists only inside the Python backend stub, so it is imported on first use, and the
+parameter parsing -- the part worth unit-testing -- needs none of it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def triton_utils():
+    """``triton_python_backend_utils``, importable only inside the Python backend stub."""
+    import triton_python_backend_utils as pb_utils
+
+    return pb_utils
+
+
+# --- model parameters --------------------------------------------------------------------------
+
+
+class ParameterError(ValueError):
+    """A model-config parameter is missing, malformed or out of range; fails the model load."""
+
+
+class Parameters:
+    """Typed reads of ``parameters { key: ... value: { string_value: ... } }`` from a model config.
+
+    Every getter names the key and the allowed values in its error. An empty
+    string counts as unset, so a config may list a key without choosing a value.
+    ``check_all_read`` then rejects keys nobody asked for: a misspelt parameter
+    fails the load instead of being silently ignored.
+    """
+
+    def __init__(self, raw: Mapping[str, str], base_dir: str | None = None, component: str = "model"):
+        self._raw = {key: str(value).strip() for key, value in raw.items()}
+        self._base_dir = base_dir
+        self._component = component
+        self._read: set[str] = set()
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> Parameters:
+        """From ``initialize(args)``: relative paths resolve against the model repository directory."""
+        config = json.loads(args["model_config"])
+        raw = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        repository_dir = os.path.dirname(os.path.normpath(args["model_repository"]))
+        return cls(raw, base_dir=repository_dir, component=args["model_name"])
+
+    def _get(self, key: str) -> str | None:
+        self._read.add(key)
+        value = self._raw.get(key, "")
+        return value or None
+
+    def _fail(self, key: str, value: str, allowed: str) -> ParameterError:
+        return ParameterError(f"{self._component}: parameter '{key}' must be {allowed}, got {value!r}")
+
+    def get_str(self, key: str, default: str | None, choices: Sequence[str] | None = None) -> str | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        if choices is not None and value not in choices:
+            raise self._fail(key, value, f"one of {tuple(choices)}")
+        return value
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self._get(key)
+        if value is None:
+            return default
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise self._fail(key, value, f"a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
+
+    def get_int(
+        self, key: str, default: int | None, minimum: int | None = None, maximum: int | None = None
+    ) -> int | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        try:
+            number = int(value)
+        except ValueError:
+            raise self._fail(key, value, "an integer" + _range_text(minimum, maximum)) from None
+        if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+            raise self._fail(key, value, "an integer" + _range_text(minimum, maximum))
+        return number
+
+    def get_float(
+        self, key: str, default: float | None, minimum: float | None = None, maximum: float | None = None
+    ) -> float | None:
+        value = self._get(key)
+        if value is None:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            raise self._fail(key, value, "a number" + _range_text(minimum, maximum)) from None
+        if not np.isfinite(number) or (minimum is not None and number < minimum) or (
+            maximum is not None and number > maximum
+        ):
+            raise self._fail(key, value, "a number" + _range_text(minimum, maximum))
+        return number
+
+    def get_path(self, key: str, default: str | None, must_exist: bool = True) -> str | None:
+        """An absolute path, or one relative to the model repository directory."""
+        value = self._get(key) or default
+        if value is None:
+            return None
+        path = value if os.path.isabs(value) or self._base_dir is None else os.path.join(self._base_dir, value)
+        path = os.path.normpath(path)
+        if must_exist and not os.path.exists(path):
+            raise self._fail(key, value, f"an existing path (absolute or relative to {self._base_dir})")
+        return path
+
+    def check_all_read(self) -> None:
+        unknown = sorted(set(self._raw) - self._read)
+        if unknown:
+            raise ParameterError(
+                f"{self._component}: unknown parameter(s) {unknown}; allowed: {sorted(self._read)}"
+            )
+
+
+def _range_text(minimum: float | None, maximum: float | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
+def instance_device(args: Mapping[str, Any]) -> str:
+    """The torch device of this model instance: ``cuda:<id>`` for a GPU instance, else ``cpu``."""
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{int(args.get('model_instance_device_id', 0))}"
+    return "cpu"
+
+
+# --- request tensors ---------------------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """A request input is missing or invalid; answered with an error response naming the input."""
+
+
+class RequestCancelled(Exception):
+    """The client cancelled the request."""
+
+
+def request_inputs(request, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The named inputs present in a Triton request, as numpy arrays (absent optional inputs are left out)."""
+    pb_utils = triton_utils()
+    arrays = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
+
+
+def scalar(inputs: Mapping[str, np.ndarray], name: str, kind: type, default=None):
+    """One value of a ``[1]``-shaped input as ``kind`` (int, float, bool); ``default`` when absent."""
+    if name not in inputs:
+        return default
+    values = np.asarray(inputs[name]).reshape(-1)
+    if values.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(inputs[name].shape)}")
+    value = values[0]
+    if kind is float and not np.isfinite(value):
+        raise RequestError(f"input '{name}' must be a finite number, got {value}")
+    return kind(value)
+
+
+def text(inputs: Mapping[str, np.ndarray], name: str, default: str | None = None) -> str | None:
+    values = texts(inputs, name)
+    if values is None:
+        return default
+    if len(values) != 1:
+        raise RequestError(f"input '{name}' must hold exactly one string, got {len(values)}")
+    return values[0]
+
+
+def texts(inputs: Mapping[str, np.ndarray], name: str) -> list[str] | None:
+    """A BYTES input as strings; invalid UTF-8 is a request error naming the input."""
+    if name not in inputs:
+        return None
+    out = []
+    for item in np.asarray(inputs[name]).reshape(-1):
+        try:
+            out.append(item.decode("utf-8") if isinstance(item, bytes) else str(item))
+        except UnicodeDecodeError as err:
+            raise RequestError(f"input '{name}' is not valid UTF-8: {err}") from None
+    return out
+
+
+def bytes_array(values: Sequence[str]) -> np.ndarray:
+    return np.array([value.encode("utf-8") for value in values], dtype=np.object_)
+
+
+def make_response(outputs: Mapping[str, np.ndarray]):
+    pb_utils = triton_utils()
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()])
+
+
+def error_response(err: Exception):
+    """An error response whose code follows the exception: invalid input, cancelled, or internal."""
+    pb_utils = triton_utils()
+    if isinstance(err, RequestCancelled):
+        code, message = pb_utils.TritonError.CANCELLED, str(err)
+    elif isinstance(err, BlsError):
+        code, message = err.code, str(err)
+    elif isinstance(err, ValueError):
+        code, message = pb_utils.TritonError.INVALID_ARG, str(err)
+    else:
+        code, message = pb_utils.TritonError.INTERNAL, f"{type(err).__name__}: {err}"
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+Handler = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
+BatchHandler = Callable[[list[dict[str, np.ndarray]]], list[Mapping[str, np.ndarray]]]
+
+
+def answer(requests, input_names: Iterable[str], handler: Handler) -> list:
+    """One response per request: ``handler``'s outputs for its inputs, or an error response."""
+    names = list(input_names)
+    return [_respond(_outcome(handler, request_inputs(request, names))) for request in requests]
+
+
+def answer_batch(requests, input_names: Iterable[str], handler: BatchHandler) -> list:
+    """Answer a dynamic batch (``max_batch_size > 0``, one item per request) with one ``handler`` call.
+
+    Each request's tensors lose their leading batch dimension on the way in and get it
+    back on the way out. When the batch fails, every request is retried alone, so
+    one bad request gets its own error and the others their results.
+    """
+    names = list(input_names)
+    batch = [{name: array[0] for name, array in request_inputs(request, names).items()} for request in requests]
+    results = run_batch(batch, handler)
+    return [_respond(r if isinstance(r, Exception) else {name: a[None] for name, a in r.items()}) for r in results]
+
+
+def _respond(result: Mapping[str, np.ndarray] | Exception):
+    return error_response(result) if isinstance(result, Exception) else make_response(result)
+
+
+def run_batch(items: list, handler: Callable[[list], list]) -> list:
+    """``handler(items)``; if that raises, ``handler([item])`` for each item, exceptions kept as results."""
+    try:
+        return handler(items)
+    except Exception as err:
+        if len(items) == 1:
+            return [err]
+        return [_outcome(lambda item: handler([item])[0], item) for item in items]
+
+
+def _outcome(function: Callable, argument):
+    """``function(argument)``, or the exception it raised: reported in that request's own response."""
+    try:
+        return function(argument)
+    except Exception as err:
+        return err
+
+
+# --- BLS ---------------------------------------------------------------------------------------
+
+
+class BlsError(RuntimeError):
+    """A composing model answered a BLS request with an error; ``code`` is its TritonError code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+async def bls(
+    model_name: str, inputs: Mapping[str, np.ndarray], output_names: Sequence[str], batched: bool = False
+) -> dict[str, np.ndarray]:
+    """One BLS request to ``model_name``; returns the requested outputs as numpy arrays.
+
+    ``batched``: the model has ``max_batch_size > 0``, so this request is one batch item.
+    """
+    pb_utils = triton_utils()
+    request = pb_utils.InferenceRequest(
+        model_name=model_name,
+        inputs=[pb_utils.Tensor(name, array[None] if batched else array) for name, array in inputs.items()],
+        requested_output_names=list(output_names),
+    )
+    response = await request.async_exec()
+    if response.has_error():
+        raise BlsError(response.error().message(), response.error().code())
+    outputs = {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in output_names}
+    return {name: array[0] for name, array in outputs.items()} if batched else outputs
+
+
+# --- logging -----------------------------------------------------------------------------------
+
+
+class ModelLogger:
+    """Log lines prefixed ``[specdec:<model>]``: to Triton's log in a stub, else to ``logging``."""
+
+    def __init__(self, model_name: str):
+        self.prefix = f"[specdec:{model_name}] "
+        try:
+            self._logger = triton_utils().Logger
+        except ImportError:
+            self._logger = None
+            self._fallback = logging.getLogger(f"specdec_triton.{model_name}")
+
+    def info(self, message: str) -> None:
+        if self._logger is not None:
+            self._logger.log_info(self.prefix + message)
+        else:
+            self._fallback.info(self.prefix + message)
+
+    def error(self, message: str) -> None:
+        if self._logger is not None:
+            self._logger.log_error(self.prefix + message)
+        else:
+            self._fallback.error(self.prefix + message)

@@ -1,0 +1,104 @@
+"""The public generate I/O (TensorRT-LLM's names), parsed into engine parameters and back.
+
+Every input but ``text_input`` is optional. Errors name the input, so a client can
+tell what to fix; range checks the engine already makes
+(``GenerationParams.validate``) are left to it, and its messages name the same fields.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec.engine import GenerationParams
+from specdec.types import RequestStats, SamplingParams
+from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
+
+GENERATE_INPUTS = (
+    "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "stop_words",
+    "end_id", "min_tokens", "exclude_input_in_output", "num_speculative_tokens",
+)  # fmt: skip
+GENERATE_OUTPUTS = (
+    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+    "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    text_input: str
+    max_tokens: int | None  # None -> the model's default_max_tokens
+    stream: bool
+    sampling: SamplingParams  # greedy unless temperature > 0
+    stop_words: tuple[str, ...]
+    end_id: int | None  # replaces the tokenizer's EOS ids when given
+    min_tokens: int
+    exclude_input_in_output: bool  # non-streaming only: streamed responses never repeat the prompt
+    num_speculative_tokens: int | None  # None -> the model's num_speculative_tokens; 0 = no speculation
+
+    @classmethod
+    def from_inputs(cls, inputs: Mapping[str, np.ndarray]) -> GenerateRequest:
+        prompt = text(inputs, "text_input")
+        if not prompt:
+            raise RequestError("input 'text_input' is required and must not be empty")
+        return cls(
+            text_input=prompt,
+            max_tokens=scalar(inputs, "max_tokens", int),
+            stream=scalar(inputs, "stream", bool, False),
+            sampling=SamplingParams(
+                temperature=scalar(inputs, "temperature", float, 0.0),
+                top_k=scalar(inputs, "top_k", int, 0),
+                top_p=scalar(inputs, "top_p", float, 1.0),
+                seed=scalar(inputs, "seed", int),
+            ),
+            stop_words=tuple(texts(inputs, "stop_words") or ()),
+            end_id=scalar(inputs, "end_id", int),
+            min_tokens=scalar(inputs, "min_tokens", int, 0),
+            exclude_input_in_output=scalar(inputs, "exclude_input_in_output", bool, False),
+            num_speculative_tokens=scalar(inputs, "num_speculative_tokens", int),
+        )
+
+    def generation_params(
+        self,
+        default_max_tokens: int,
+        max_speculative_tokens: int,
+        eos_token_ids: Sequence[int],
+        stop_token_sequences: Sequence[Sequence[int]],
+        vocab_size: int,
+    ) -> GenerationParams:
+        k = max_speculative_tokens if self.num_speculative_tokens is None else self.num_speculative_tokens
+        if not 0 <= k <= max_speculative_tokens:
+            raise RequestError(
+                f"input 'num_speculative_tokens' must be in [0, {max_speculative_tokens}] "
+                f"(the model's num_speculative_tokens), got {k}"
+            )
+        if self.end_id is not None and not 0 <= self.end_id < vocab_size:
+            raise RequestError(f"input 'end_id' must be a token id in [0, {vocab_size}), got {self.end_id}")
+        return GenerationParams(
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            min_tokens=self.min_tokens,
+            num_speculative_tokens=k,
+            sampling=self.sampling,
+            eos_token_ids=(self.end_id,) if self.end_id is not None else tuple(eos_token_ids),
+            stop_token_sequences=tuple(tuple(seq) for seq in stop_token_sequences),
+        )
+
+
+def generate_outputs(
+    text_output: str,
+    finish_reason: str | None,
+    num_input_tokens: int,
+    num_output_tokens: int,
+    stats: RequestStats,
+) -> dict[str, np.ndarray]:
+    """One public response; the counts are cumulative over the request, ``finish_reason`` is '' until the end."""
+    return {
+        "text_output": bytes_array([text_output]),
+        "finish_reason": bytes_array([finish_reason or ""]),
+        "num_input_tokens": np.array([num_input_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([num_output_tokens], dtype=np.int32),
+        "acceptance_rate": np.array([stats.acceptance_rate], dtype=np.float32),
+        "total_accepted_draft_tokens": np.array([stats.num_accepted_tokens], dtype=np.int32),
+        "total_draft_tokens": np.array([stats.num_draft_tokens], dtype=np.int32),
+    }

@@ -1,0 +1,57 @@
+"""End-to-end fixtures: a real tritonserver started by scripts/serve.sh, and the target as a reference.
+
+The default server serves the committed ``model_repository`` as is (draft_model
+proposer, paths relative to the repository). The n-gram server serves a copy made in
+a temporary directory with ``method: ngram``. ``SPECDEC_E2E_MODELS`` may name another
+directory holding ``tiny-target`` and ``tiny-draft``; both servers then use copies
+pointing there. Without the model pair the tests skip.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from triton_server import REPO_ROOT, Reference, server_on_free_ports, models_dir, repository_copy
+
+from specdec.models import load_causal_lm
+from specdec_triton.text import TextCodec
+
+sys.path.insert(0, str(REPO_ROOT))  # the command-line client is a top-level package, not installed
+
+
+def _start_server(tmp_path_factory, method: str):
+    models = models_dir()
+    if not (models / "tiny-target").is_dir() or not (models / "tiny-draft").is_dir():
+        pytest.skip(f"model pair not found under {models}")
+    workdir = tmp_path_factory.mktemp(f"server_{method}")
+    committed = method == "draft_model" and models == REPO_ROOT / "models"
+    repository = REPO_ROOT / "model_repository" if committed else repository_copy(workdir, models, method)
+    server = server_on_free_ports(workdir, repository)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The committed repository: draft_model proposer, k = 4."""
+    server = _start_server(tmp_path_factory, "draft_model")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ngram_server(tmp_path_factory):
+    server = _start_server(tmp_path_factory, "ngram")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    target = models_dir() / "tiny-target"
+    if not target.is_dir():
+        pytest.skip(f"model pair not found under {models_dir()}")
+    torch.set_num_threads(1)
+    model = load_causal_lm(target, dtype="float32")
+    return Reference(model, TextCodec(str(target)), int(model.config.max_position_embeddings))

@@ -1,0 +1,41 @@
+"""Through a real server: the spec_decode_* metrics appear on the metrics port and add up."""
+from __future__ import annotations
+
+import pytest
+from client.generate import generate_grpc
+
+pytestmark = pytest.mark.server
+
+K = 4  # the committed num_speculative_tokens
+ORCHESTRATOR = (("model", "speculative_decoding"),)
+
+
+def counter(samples, name: str) -> float:
+    return samples[(name, ORCHESTRATOR)]
+
+
+def test_metrics_add_up(server):
+    before = server.metrics()
+    results = [
+        generate_grpc(server.grpc_url, "ensemble", prompt, {"max_tokens": 24, "stream": stream})
+        for prompt in ("Once upon a time", "def f(x):\n    return x", "1, 2, 3,")
+        for stream in (False, True)
+    ]
+    after = server.metrics()
+    delta = {name: counter(after, name) - counter(before, name) for name in (
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+        "spec_decode_num_output_tokens",
+    )}  # fmt: skip
+    assert delta["spec_decode_num_output_tokens"] == sum(r.num_output_tokens for r in results)
+    assert delta["spec_decode_num_draft_tokens"] == sum(r.total_draft_tokens for r in results) > 0
+    assert delta["spec_decode_num_accepted_tokens"] == sum(r.total_accepted_draft_tokens for r in results)
+    assert delta["spec_decode_num_accepted_tokens"] <= delta["spec_decode_num_draft_tokens"]
+    drafts = delta["spec_decode_num_drafts"]
+    assert drafts <= delta["spec_decode_num_draft_tokens"] <= K * drafts
+
+    per_position = [after[("spec_decode_num_accepted_tokens_per_pos", ORCHESTRATOR + (("position", str(i)),))]
+                    for i in range(K)]  # fmt: skip
+    assert per_position == sorted(per_position, reverse=True)
+    assert sum(per_position) == counter(after, "spec_decode_num_accepted_tokens")
+    for model in ("speculative_decoding", "target_verifier", "draft_proposer"):
+        assert after[("spec_decode_num_active_sequences", (("model", model),))] == 0

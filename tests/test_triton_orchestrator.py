@@ -1,0 +1,277 @@
+"""The serving loop (specdec_triton.orchestrator) over local stages: same tokens as the in-process engine.
+
+The stages here call the real proposer, verifier and sampler objects directly, and
+yield to the event loop between calls the way BLS awaits do, so interleaved requests
+exercise per-sequence state exactly as the server does -- without a server.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from byte_tokenizer import byte_level_tokenizer
+
+from specdec.engine import generate
+from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.rejection_sampler import RejectionSampler
+from specdec.verifier import TargetVerifier
+from specdec_triton.configs import OrchestratorConfig
+from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
+from specdec_triton.orchestrator import Limits, Orchestrator, Tokenized
+from specdec_triton.plumbing import RequestCancelled, RequestError
+from specdec_triton.request import GenerateRequest
+from specdec_triton.text import TextCodec
+
+K = 3
+MAX_MODEL_LEN = 96
+PROMPTS = ["the quick brown fox", "Grüße aus München", "東京は", "def f(x):\n    return"]
+
+
+class FakeMetric:
+    def __init__(self):
+        self.value = 0
+
+    def increment(self, amount):
+        self.value += amount
+
+    def set(self, value):
+        self.value = value
+
+
+class FakeFamily:
+    """Stands in for pb_utils.MetricFamily; records every metric by (name, labels)."""
+
+    COUNTER, GAUGE = "counter", "gauge"
+    metrics: dict = {}
+
+    def __init__(self, name, description, kind):
+        self.name = name
+
+    def Metric(self, labels):
+        return FakeFamily.metrics.setdefault((self.name, tuple(sorted(labels.items()))), FakeMetric())
+
+
+class LocalStages:
+    def __init__(self, codec, proposer, verifier, sampler):
+        self.codec, self.proposer, self.verifier, self.sampler = codec, proposer, verifier, sampler
+        self.released: list[str] = []
+        self.fail_verify_after: int | None = None
+        self.max_num_seqs: int | None = None
+        self.peak_sequences = 0
+
+    async def tokenize(self, text, stop_words):
+        await asyncio.sleep(0)
+        return Tokenized(
+            self.codec.encode_prompt(text),
+            tuple(tuple(s) for s in self.codec.encode_stop_words(stop_words)),
+            tuple(self.codec.eos_token_ids),
+        )
+
+    async def detokenize(self, token_ids):
+        await asyncio.sleep(0)
+        return self.codec.decode(token_ids)
+
+    async def limits(self):
+        return Limits(self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs)
+
+    async def propose(self, request):
+        await asyncio.sleep(0)
+        return self.proposer.propose([request])[0]
+
+    async def verify(self, request):
+        await asyncio.sleep(0)
+        if self.fail_verify_after is not None and request.position >= self.fail_verify_after:
+            raise RuntimeError("verifier failed")
+        result = self.verifier.verify([request])[0]
+        self.peak_sequences = max(self.peak_sequences, self.verifier.num_active_sequences)
+        return result
+
+    async def sample(self, proposal, verify, seed):
+        await asyncio.sleep(0)
+        return self.sampler(proposal.token_ids, proposal.probs, verify, seed)
+
+    async def release(self, seq_id):
+        self.proposer.release(seq_id)
+        self.verifier.release(seq_id)
+        self.released.append(seq_id)
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    byte_level_tokenizer().save_pretrained(path)
+    return TextCodec(str(path))
+
+
+@pytest.fixture(scope="module")
+def models(codec, tiny_llama):
+    vocab = len(codec.tokenizer)
+    return tiny_llama(seed=0, vocab_size=vocab), tiny_llama(seed=1, vocab_size=vocab, num_hidden_layers=1)
+
+
+def make_orchestrator(codec, models, method="draft_model", k=K):
+    target, draft = models
+    proposer = DraftModelProposer(draft) if method == "draft_model" else NgramProposer(1, 3)
+    stages = LocalStages(codec, proposer, TargetVerifier(target, max_model_len=MAX_MODEL_LEN), RejectionSampler())
+    FakeFamily.metrics = {}
+    counters = SpecDecodeCounters("sd", k, family_type=FakeFamily)
+    active = ActiveSequences("sd", family_type=FakeFamily)
+    return Orchestrator(stages, OrchestratorConfig(k, 16), counters, active), stages
+
+
+def request(text, **overrides):
+    fields = dict(text_input=text, max_tokens=20, stream=False, exclude_input_in_output=True)
+    fields.update(overrides)
+    return GenerateRequest.from_inputs({name: _array(value) for name, value in fields.items()})
+
+
+def _array(value):
+    if isinstance(value, str):
+        return np.array([value.encode()], dtype=np.object_)
+    if isinstance(value, list):
+        return np.array([v.encode() for v in value], dtype=np.object_)
+    return np.array([value])
+
+
+def run(orchestrator, generate_request, is_cancelled=lambda: False):
+    """Returns the list of (outputs, final) responses the request sent."""
+    sent = []
+    asyncio.run(orchestrator.generate(generate_request, lambda out, final: sent.append((out, final)), is_cancelled))
+    return sent
+
+
+def text_of(sent):
+    return "".join(out["text_output"][0].decode() for out, _ in sent)
+
+
+def engine_text(codec, models, prompt, params, method="draft_model"):
+    target, draft = models
+    proposer = DraftModelProposer(draft) if method == "draft_model" else NgramProposer(1, 3)
+    verifier = TargetVerifier(target, max_model_len=MAX_MODEL_LEN)
+    steps = generate(proposer, verifier, RejectionSampler(), codec.encode_prompt(prompt), params)
+    return codec.decode([t for step in steps for t in step.new_token_ids])
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
+def test_same_text_as_the_in_process_engine(codec, models, method, sampling):
+    orchestrator, stages = make_orchestrator(codec, models, method)
+    for prompt in PROMPTS:
+        generate_request = request(prompt, **sampling)
+        sent = run(orchestrator, generate_request)
+        assert len(sent) == 1 and sent[0][1] is True
+        params = generate_request.generation_params(16, K, codec.eos_token_ids, (), len(codec.tokenizer))
+        assert text_of(sent) == engine_text(codec, models, prompt, params, method)
+    assert len(stages.released) == len(PROMPTS)
+    assert stages.verifier.num_active_sequences == 0
+
+
+def test_streamed_pieces_add_up_to_the_single_response(codec, models):
+    orchestrator, _ = make_orchestrator(codec, models)
+    for prompt in PROMPTS:
+        whole = run(orchestrator, request(prompt))
+        pieces = run(orchestrator, request(prompt, stream=True))
+        assert len(pieces) > 1 and [final for _, final in pieces] == [False] * (len(pieces) - 1) + [True]
+        assert text_of(pieces) == text_of(whole)
+        assert [out["finish_reason"][0] for out, _ in pieces[:-1]] == [b""] * (len(pieces) - 1)
+        assert pieces[-1][0]["finish_reason"][0] == whole[0][0]["finish_reason"][0] == b"length"
+        counts = [int(out["num_output_tokens"][0]) for out, _ in pieces]
+        assert counts == sorted(counts) and counts[-1] == 20
+
+
+def test_prompt_is_prepended_unless_excluded(codec, models):
+    orchestrator, _ = make_orchestrator(codec, models)
+    excluded = text_of(run(orchestrator, request("the fox")))
+    assert text_of(run(orchestrator, request("the fox", exclude_input_in_output=False))) == "the fox" + excluded
+
+
+def run_together(orchestrator, prompts) -> list[str]:
+    """All prompts as concurrent requests on one event loop; their texts in order."""
+
+    async def together():
+        sent = [[] for _ in prompts]
+        await asyncio.gather(*(
+            orchestrator.generate(request(p), lambda out, final, s=s: s.append((out, final)), lambda: False)
+            for p, s in zip(prompts, sent)
+        ))  # fmt: skip
+        return [text_of(s) for s in sent]
+
+    return asyncio.run(together())
+
+
+def test_concurrent_requests_match_one_by_one(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models)
+    alone = [text_of(run(orchestrator, request(p))) for p in PROMPTS]
+    assert run_together(orchestrator, PROMPTS) == alone
+    assert stages.peak_sequences == len(PROMPTS)  # they really overlapped
+    assert orchestrator.num_active_sequences == 0 and stages.verifier.num_active_sequences == 0
+
+
+def test_no_more_sequences_than_the_stages_hold(codec, models):
+    reference, _ = make_orchestrator(codec, models)
+    alone = [text_of(run(reference, request(p))) for p in PROMPTS]
+    orchestrator, stages = make_orchestrator(codec, models)
+    stages.max_num_seqs = 2
+    assert run_together(orchestrator, PROMPTS) == alone
+    assert stages.peak_sequences == 2
+
+
+def test_cancellation_stops_between_steps_and_releases(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models)
+    sent = []
+    with pytest.raises(RequestCancelled):
+        asyncio.run(orchestrator.generate(
+            request("the quick", stream=True, max_tokens=60),
+            lambda out, final: sent.append(final),
+            is_cancelled=lambda: len(sent) >= 2,
+        ))  # fmt: skip
+    assert sent == [False, False]
+    assert len(stages.released) == 1 and stages.verifier.num_active_sequences == 0
+    assert FakeFamily.metrics[("spec_decode_num_active_sequences", (("model", "sd"),))].value == 0
+
+
+def test_a_failing_stage_still_releases(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models)
+    stages.fail_verify_after = 8
+    with pytest.raises(RuntimeError, match="verifier failed"):
+        run(orchestrator, request("the quick brown fox"))
+    assert len(stages.released) == 1 and orchestrator.num_active_sequences == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_speculative_tokens": K + 1}, r"'num_speculative_tokens' must be in \[0, 3\]"),
+        ({"num_speculative_tokens": -1}, r"'num_speculative_tokens' must be in \[0, 3\]"),
+        ({"max_tokens": 0}, r"max_tokens must be >= 1"),
+        ({"max_tokens": MAX_MODEL_LEN}, r"exceeds max_model_len=96"),
+        ({"temperature": -1.0}, r"temperature must be >= 0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, r"top_k must be >= 0"),
+        ({"end_id": 10**6}, r"'end_id' must be a token id in \[0, \d+\), got 1000000"),
+        ({"end_id": -1}, r"'end_id' must be a token id in \[0, \d+\), got -1"),
+        ({"text_input": "x" * 200}, r"prompt \(\d+ tokens\) \+ max_tokens \(20\) exceeds max_model_len=96"),
+    ],
+)
+def test_bad_requests_fail_before_any_model_call(codec, models, overrides, message):
+    orchestrator, stages = make_orchestrator(codec, models)
+    prompt = overrides.pop("text_input", "the fox")
+    with pytest.raises(RequestError, match=message):
+        run(orchestrator, request(prompt, **overrides))
+    assert stages.released == [] and stages.verifier.num_active_sequences == 0
+
+
+def test_counters_add_up(codec, models):
+    orchestrator, _ = make_orchestrator(codec, models, method="ngram")
+    outputs = [run(orchestrator, request(p, max_tokens=24))[-1][0] for p in ["abcabcabcabc", "the the the the"]]
+    value = {name: metric.value for (name, labels), metric in FakeFamily.metrics.items() if len(labels) == 1}
+    per_position = [FakeFamily.metrics[("spec_decode_num_accepted_tokens_per_pos",
+                                        (("model", "sd"), ("position", str(i))))].value for i in range(K)]  # fmt: skip
+    assert value["spec_decode_num_draft_tokens"] == sum(int(o["total_draft_tokens"][0]) for o in outputs) > 0
+    assert value["spec_decode_num_accepted_tokens"] == sum(int(o["total_accepted_draft_tokens"][0]) for o in outputs)
+    assert value["spec_decode_num_output_tokens"] == 48
+    assert 0 < value["spec_decode_num_accepted_tokens"] <= value["spec_decode_num_draft_tokens"]
+    assert per_position == sorted(per_position, reverse=True)
+    assert sum(per_position) == value["spec_decode_num_accepted_tokens"]
+    assert value["spec_decode_num_drafts"] <= value["spec_decode_num_draft_tokens"]

@@ -1,0 +1,136 @@
+"""Model-config parameter parsing (specdec_triton.plumbing.Parameters) and the per-model configs, without Triton."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec_triton.configs import (
+    DraftProposerConfig,
+    OrchestratorConfig,
+    RejectionSamplerConfig,
+    TargetVerifierConfig,
+    TokenizerConfig,
+)
+from specdec_triton.plumbing import ParameterError, Parameters, run_batch
+
+
+def params(base_dir=None, **raw) -> Parameters:
+    return Parameters({k: str(v) for k, v in raw.items()}, base_dir=base_dir, component="m")
+
+
+SPELLINGS = [("true", True), ("1", True), ("YES", True), ("on", True),
+             ("false", False), ("0", False), ("No", False), ("off", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("value, expected", SPELLINGS)
+def test_bool_spellings(value, expected):
+    assert params(flag=value).get_bool("flag", not expected) is expected
+
+
+def test_bool_rejects_other_words_naming_the_key():
+    with pytest.raises(ParameterError, match=r"m: parameter 'flag' must be a boolean .*got 'maybe'"):
+        params(flag="maybe").get_bool("flag", False)
+
+
+def test_empty_and_missing_values_take_the_default():
+    p = params(n="", s="  ")
+    assert p.get_int("n", 7) == 7
+    assert p.get_str("s", "d") == "d"
+    assert p.get_float("absent", 0.5) == 0.5
+
+
+def test_int_range_and_type_errors_name_key_and_range():
+    assert params(n="3").get_int("n", 0, minimum=1, maximum=5) == 3
+    with pytest.raises(ParameterError, match=r"'n' must be an integer in \[1, 5\], got '9'"):
+        params(n="9").get_int("n", 0, minimum=1, maximum=5)
+    with pytest.raises(ParameterError, match=r"'n' must be an integer >= 1, got '2.5'"):
+        params(n="2.5").get_int("n", 0, minimum=1)
+
+
+def test_float_rejects_nan_and_out_of_range():
+    assert params(x="0.25").get_float("x", 0.0, minimum=0.0, maximum=1.0) == 0.25
+    for bad in ("nan", "1.5", "abc"):
+        with pytest.raises(ParameterError, match=r"'x' must be a number in \[0.0, 1.0\]"):
+            params(x=bad).get_float("x", 0.0, minimum=0.0, maximum=1.0)
+
+
+def test_choices_listed_in_the_error():
+    with pytest.raises(ParameterError, match=r"'method' must be one of \('a', 'b'\), got 'c'"):
+        params(method="c").get_str("method", "a", choices=("a", "b"))
+
+
+def test_paths_resolve_against_the_repository_directory(tmp_path):
+    (tmp_path / "models" / "t").mkdir(parents=True)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert params(base_dir=str(repo), p="../models/t").get_path("p", None) == str(tmp_path / "models" / "t")
+    assert params(base_dir=str(repo), p=str(tmp_path)).get_path("p", None) == str(tmp_path)
+    with pytest.raises(ParameterError, match=r"'p' must be an existing path"):
+        params(base_dir=str(repo), p="missing").get_path("p", None)
+    assert params(base_dir=str(repo), p="missing").get_path("p", None, must_exist=False) == str(repo / "missing")
+
+
+def test_unknown_keys_fail_and_list_the_allowed_ones():
+    p = params(known="1", typo="2")
+    p.get_int("known", 0)
+    with pytest.raises(ParameterError, match=r"unknown parameter\(s\) \['typo'\]; allowed: \['known'\]"):
+        p.check_all_read()
+
+
+def test_from_args_reads_the_triton_config_json(tmp_path):
+    config = {"parameters": {"n": {"string_value": "5"}}}
+    args = {"model_config": json.dumps(config), "model_repository": str(tmp_path / "m"), "model_name": "m"}
+    p = Parameters.from_args(args)
+    assert p.get_int("n", 0) == 5
+    assert p.get_path("p", str(tmp_path), must_exist=True) == str(tmp_path)
+
+
+def test_component_configs_parse_and_reject(tmp_path):
+    (tmp_path / "target").mkdir()
+    base = str(tmp_path)
+    verifier = TargetVerifierConfig.from_parameters(params(base, target_model="target", max_model_len="128"))
+    assert verifier == TargetVerifierConfig(str(tmp_path / "target"), "auto", 128, engine="fast", max_num_seqs=8)
+    with pytest.raises(ParameterError, match=r"'engine' must be one of \('fast', 'hf'\), got 'vllm'"):
+        TargetVerifierConfig.from_parameters(params(base, target_model="target", engine="vllm"))
+    with pytest.raises(ParameterError, match=r"'dtype' must be one of \('auto', 'float32'"):
+        TargetVerifierConfig.from_parameters(params(base, target_model="target", dtype="fp8"))
+    tokenizer = TokenizerConfig.from_parameters(params(base, tokenizer_dir="target"))
+    assert tokenizer.tokenizer_dir == str(tmp_path / "target")
+    sampler = RejectionSamplerConfig.from_parameters(params(rejection_sample_method="strict"))
+    assert (sampler.method, sampler.synthetic_acceptance_rate, sampler.use_triton_kernel) == ("strict", 0.0, False)
+    with pytest.raises(ParameterError, match=r"'rejection_sample_method' must be one of \('strict', 'probabilistic'"):
+        RejectionSamplerConfig.from_parameters(params(rejection_sample_method="greedy"))
+    with pytest.raises(ParameterError, match=r"'synthetic_acceptance_rate' must be a number in \[0.0, 1.0\]"):
+        RejectionSamplerConfig.from_parameters(params(synthetic_acceptance_rate="2"))
+    assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(4, 64)
+    with pytest.raises(ParameterError, match=r"'num_speculative_tokens' must be an integer >= 0, got '-1'"):
+        OrchestratorConfig.from_parameters(params(num_speculative_tokens="-1"))
+
+
+def test_draft_proposer_config_per_method(tmp_path):
+    base = str(tmp_path)
+    ngram = DraftProposerConfig.from_parameters(params(base, method="ngram", prompt_lookup_max="3"))
+    assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", None, 3)
+    with pytest.raises(ParameterError, match=r"'method' must be one of \('draft_model', 'ngram'\), got 'eagle'"):
+        DraftProposerConfig.from_parameters(params(base, method="eagle"))
+    with pytest.raises(ParameterError, match=r"'draft_model' must be an existing path"):
+        DraftProposerConfig.from_parameters(params(base, method="draft_model", draft_model="nowhere"))
+    with pytest.raises(ParameterError, match=r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"):
+        DraftProposerConfig.from_parameters(params(base, method="ngram", prompt_lookup_min="4", prompt_lookup_max="2"))
+    with pytest.raises(ParameterError, match=r"unknown parameter\(s\) \['lookup_max'\]"):
+        DraftProposerConfig.from_parameters(params(base, method="ngram", lookup_max="2"))
+
+
+def test_run_batch_isolates_the_failing_item():
+    def handler(items):
+        if any(item < 0 for item in items):
+            raise ValueError(f"negative item in {items}")
+        return [item * 10 for item in items]
+
+    assert run_batch([1, 2], handler) == [10, 20]
+    results = run_batch([1, -2, 3], handler)
+    assert results[0] == 10 and results[2] == 30
+    assert isinstance(results[1], ValueError) and "[-2]" in str(results[1])
+    (only,) = run_batch([-1], handler)
+    assert isinstance(only, ValueError)
