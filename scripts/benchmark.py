@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""Benchmark speculative decoding served by Triton against plain decoding and Hugging Face.
+
+Compared in one run, on the same checkpoints and held-out prompts:
+
+* the server with ``num_speculative_tokens = 0`` (the baseline, per-request override);
+* the server with each proposer method (draft model, n-gram) at each k;
+* in-process ``generate``: plain, with ``assistant_model`` (same draft, same k) and with
+  ``prompt_lookup_num_tokens = k``, one request at a time.
+
+For each server configuration it starts ``scripts/serve.sh`` on a copy of the model
+repository whose parameters select the method, and stops it afterwards. Figures per
+configuration and concurrency: tokens/s per stream and in total, TTFT, ITL p50/p99,
+acceptance (overall and per draft position), tokens per target pass, per-step
+orchestration overhead, the analytic speedup bound and the efficiency against it
+(see ``specdec/bench``). Writes JSON (and a PNG when matplotlib is installed) to
+--out-dir and appends a markdown table to docs/benchmarks.md.
+
+    python scripts/benchmark.py --concurrency 1 --num-prompts 4 --max-tokens 64 --ks 2,4
+    python scripts/benchmark.py --target models/random-1b --draft models/random-125m --synthetic-acceptance-rate 0.8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tritonclient.grpc import InferenceServerClient
+
+from specdec.bench import report
+from specdec.bench.bound import forward_ms
+from specdec.bench.client import Job, run_load
+from specdec.bench.hf import generation_config, run_hf
+from specdec.bench.repository import get_parameters, make_variant
+from specdec.bench.results import annotate, match_reference, step_time_keys, tokens_per_step
+from specdec.bench.server import TritonServer
+from specdec.bench.stats import (
+    Samples,
+    acceptance_from_metrics,
+    counters_delta,
+    latency_summary,
+    metric_total,
+    model_counters,
+    parse_prometheus,
+    samples_delta,
+    step_overhead_ms,
+)
+from specdec.bench.workload import held_out_texts, select_prompts
+from specdec.models import load_causal_lm, load_tokenizer
+from specdec.proposers import PROPOSERS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ORCHESTRATOR = "speculative_decoding"
+TARGET_MODEL = "target_verifier"
+PROPOSER_MODEL = "draft_proposer"
+SAMPLER_MODEL = "rejection_sampler"
+TOKENIZER_MODEL = "tokenizer"
+DETOKENIZER_MODEL = "detokenizer"
+Outputs = dict[tuple[str, int], list[str]]  # (config, concurrency) -> output texts in prompt order
+ACTIVE_METRIC = "spec_decode_num_active_sequences"  # gauge: sequences each model holds
+COMPUTE_MODELS = (PROPOSER_MODEL, TARGET_MODEL, SAMPLER_MODEL)  # "model compute" of a step
+
+try:
+    from tqdm import tqdm
+except ImportError:  # a printed line per request instead
+    tqdm = None
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.bar = tqdm(total=total, unit="req", dynamic_ncols=True) if tqdm is not None else None
+
+    def phase(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(name)
+        else:
+            print(f"[bench] {name}", flush=True)
+
+    def step(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            print(f"[bench] {self.done}/{self.total} requests", flush=True)
+
+    def write(self, msg: str) -> None:
+        (self.bar.write if self.bar is not None else print)(f"[bench] {msg}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "tiny-target")
+    p.add_argument("--draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
+    p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
+    p.add_argument("--methods", default="draft_model,ngram", help="draft_proposer methods, comma-separated")
+    p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
+    p.add_argument("--num-prompts", type=int, default=16, help="requests per configuration and concurrency")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (whole lines, at least this)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="min_tokens = max_tokens, so every configuration emits the same number of tokens")
+    p.add_argument("--synthetic-acceptance-rate", type=float, default=None,
+                   help="use the synthetic rejection sampler (for random-weight models)")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="in-process HF baselines")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads here and OMP_NUM_THREADS of every server model process (serve.sh's default)")
+    p.add_argument("--timing-repeats", type=int, default=20, help="forwards per step-time median")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=None, help="default runs/benchmark-<timestamp>/")
+    p.add_argument("--docs", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="markdown to append to")
+    p.add_argument("--no-docs", action="store_true", help="do not append to --docs")
+    p.add_argument("--note", action="append", default=[], help="a line of context for the report (repeatable)")
+    args = p.parse_args()
+    if any(k < 1 for k in args.ks) or any(c < 1 for c in args.concurrency) or args.threads < 1:
+        p.error("--ks, --concurrency and --threads values must be >= 1")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in PROPOSERS]
+    if unknown or not args.methods:
+        p.error(f"--methods must name some of {sorted(PROPOSERS)}, got {args.methods}")
+    return args
+
+
+def server_dtype(repository: Path) -> str:
+    config = repository / TARGET_MODEL / "config.pbtxt"
+    return get_parameters(config.read_text()).get("dtype", "auto") if config.is_file() else "auto"
+
+
+def measure_step_times(args, target, draft) -> dict[str, float]:
+    """Median forward times (ms) on a cache of prompt + max_tokens / 2 tokens, in this process."""
+    context = args.prompt_tokens + args.max_tokens // 2
+    shapes = {name: (draft if name.startswith("draft") else target, n) for name, n in step_time_keys(args.ks)}
+    return forward_ms(shapes, context, repeats=args.timing_repeats, seed=args.seed)
+
+
+def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress: Progress) -> list[dict]:
+    config = generation_config(args.max_tokens, tokenizer.eos_token_id, args.ignore_eos)
+    runs = [("hf plain", "plain", 0, None)]
+    if args.synthetic_acceptance_rate is None:  # random weights accept nothing: assisted figures would mislead
+        for k in args.ks:
+            runs += [(f"hf assisted k={k}", "assisted", k, "draft_model"),
+                     (f"hf prompt_lookup k={k}", "prompt_lookup", k, "ngram")]
+    rows = []
+    list(run_hf(target, prompts[:1], config, "plain"))  # warm-up
+    for name, mode, k, proposer in runs:
+        progress.phase(name)
+        started = time.perf_counter()
+        timings, texts = [], []
+        for timing, output_ids in run_hf(target, prompts, config, mode, k, draft):
+            timings.append(timing)
+            # decoded as the server's detokenizer does (specdec_triton/text.py)
+            texts.append(tokenizer.decode(output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+            progress.step()
+        summary = latency_summary(timings, time.perf_counter() - started)
+        outputs[(name, 1)] = texts
+        # generate() streams one target pass per chunk; assisted passes start at the prompt
+        per_pass = summary["tokens_per_chunk"] if k else math.nan
+        rows.append({"config": name, "concurrency": 1, "k": k, "proposer": proposer, "baseline": "hf plain",
+                     "tokens_per_step": per_pass, "mean_accepted_length": per_pass, **summary})
+    return rows
+
+
+def server_edits(args, method: str) -> dict[str, dict[str, str]]:
+    edits = {
+        ORCHESTRATOR: {"num_speculative_tokens": str(max(args.ks))},
+        PROPOSER_MODEL: {"method": method},
+        TARGET_MODEL: {"target_model": str(args.target.resolve())},
+        # ids must index the target's vocabulary, so the target's tokenizer encodes and decodes
+        TOKENIZER_MODEL: {"tokenizer_dir": str(args.target.resolve())},
+        DETOKENIZER_MODEL: {"tokenizer_dir": str(args.target.resolve())},
+    }
+    if method == "draft_model":
+        edits[PROPOSER_MODEL]["draft_model"] = str(args.draft.resolve())
+    if args.synthetic_acceptance_rate is not None:
+        edits[SAMPLER_MODEL] = {"rejection_sample_method": "synthetic",
+                                "synthetic_acceptance_rate": str(args.synthetic_acceptance_rate)}
+    return edits
+
+
+def server_rows(args, method: str, prompts, workdir: Path, outputs: Outputs, progress: Progress) -> list[dict]:
+    repository = make_variant(args.repository, workdir / f"repo-{method}", server_edits(args, method))
+    base_name = f"server {method} k=0"
+    rows = []
+    log = args.out_dir / f"server-{method}.log"
+    env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
+    with TritonServer(REPO_ROOT / "scripts" / "serve.sh", repository, log, env) as server:
+        progress.write(f"{method}: tritonserver ready on {server.grpc_url} (log {server.log_path})")
+        warm = [Job(prompts[0], min(8, args.max_tokens), k, args.ignore_eos) for k in (0, max(args.ks))]
+        run_load(server.grpc_url, ORCHESTRATOR, warm, 1)
+        for concurrency in args.concurrency:
+            for k in (0, *args.ks):
+                name = base_name if k == 0 else f"{method} k={k}"
+                progress.phase(f"{name} c={concurrency}")
+                jobs = [Job(p, args.max_tokens, k, args.ignore_eos) for p in prompts]
+                row, outputs[(name, concurrency)] = measure_phase(server, jobs, concurrency, progress)
+                row.update(config=name, concurrency=concurrency, k=k, proposer=method if k else None,
+                           baseline=base_name)
+                # the server counts positions up to its configured k; this phase drafts at most k
+                row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
+                if concurrency > 1:  # component models overlap in time: not a per-step overhead any more
+                    row["step_overhead_ms_concurrent"] = row.pop("step_overhead_ms")
+                rows.append(row)
+    return rows
+
+
+def wait_idle(server: TritonServer, timeout_s: float = 60.0) -> Samples:
+    """Scrape the metrics once no model holds a sequence any more.
+
+    A request's final response goes out before the orchestrator releases its
+    sequences, so counters read right after the last response may miss those calls.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = parse_prometheus(server.metrics_text())
+        if metric_total(samples, ACTIVE_METRIC) == 0:
+            return samples
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server still holds sequences {timeout_s:.0f} s after the last response")
+        time.sleep(0.05)
+
+
+def measure_phase(
+    server: TritonServer, jobs: list[Job], concurrency: int, progress: Progress
+) -> tuple[dict, list[str]]:
+    client = InferenceServerClient(server.grpc_url)
+    try:
+        metrics_before = wait_idle(server)
+        stats_before = model_counters(client.get_inference_statistics(as_json=True))
+        results, elapsed = run_load(server.grpc_url, ORCHESTRATOR, jobs, concurrency, progress.step)
+        metrics = samples_delta(wait_idle(server), metrics_before)
+        stats = counters_delta(model_counters(client.get_inference_statistics(as_json=True)), stats_before)
+    finally:
+        client.close()
+    summary = latency_summary([r.timing for r in results], elapsed)
+    # The target serves each request's prefill, its decode steps and one release call.
+    target_calls = stats[TARGET_MODEL].inference_count if TARGET_MODEL in stats else 0
+    steps = target_calls - len(results)
+    row = {**summary, **step_overhead_ms(elapsed, stats, steps, COMPUTE_MODELS), "decode_steps": steps - len(results),
+           "tokens_per_step": tokens_per_step(summary["output_tokens"], len(results), steps - len(results))}
+    acceptance = acceptance_from_metrics(metrics)
+    if acceptance is not None:
+        row.update(acceptance.as_dict(), acceptance_source="prometheus")
+    elif all(r.drafted is not None for r in results):  # totals only: no per-position figures this way
+        drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
+        row.update(num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                   acceptance_rate=accepted / drafted if drafted else math.nan, acceptance_source="request outputs")
+    return row, [r.text for r in results]
+
+
+def main() -> None:
+    args = parse_args()
+    transformers.utils.logging.disable_progress_bar()  # one progress bar: the benchmark's
+    torch.set_num_threads(args.threads)
+    command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0])), *sys.argv[1:]])
+    args.out_dir = args.out_dir or REPO_ROOT / "runs" / f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = server_dtype(args.repository)
+
+    tokenizer = load_tokenizer(args.target)
+    prompts = select_prompts(held_out_texts(), lambda t: tokenizer(t)["input_ids"], args.num_prompts,
+                             args.prompt_tokens, args.seed)
+    print(f"[bench] {len(prompts)} held-out prompts, {sum(len(p.token_ids) for p in prompts) / len(prompts):.0f} "
+          f"tokens on average; target {args.target}, draft {args.draft}, dtype {dtype}, device {device}, "
+          f"{torch.get_num_threads()} torch threads")
+    target = load_causal_lm(args.target, dtype=dtype, device=device)
+    draft = load_causal_lm(args.draft, dtype=dtype, device=device)
+    step_times = measure_step_times(args, target, draft)
+    print("[bench] step times (ms, median): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()))
+
+    num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
+    progress = Progress(len(prompts) * (num_hf + len(args.methods) * len(args.concurrency) * (1 + len(args.ks))))
+    rows: list[dict] = []
+    outputs: Outputs = {}
+    try:
+        if args.hf:
+            rows += hf_rows(args, prompts, target, draft, tokenizer, outputs, progress)
+        del target, draft  # the servers load their own copies
+        with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
+            for method in args.methods:
+                rows += server_rows(args, method, prompts, Path(tmp), outputs, progress)
+    finally:
+        progress.close()
+    annotate(rows, step_times)
+    match_reference(rows, outputs, "hf plain" if args.hf else f"server {args.methods[0]} k=0")
+    notes = [
+        f"Workload: {len(prompts)} held-out stdlib prompts of >= {args.prompt_tokens} tokens, {args.max_tokens} "
+        f"output tokens, greedy, ignore_eos={args.ignore_eos}; {device}, dtype {dtype}, "
+        f"{torch.get_num_threads()} torch threads",
+        "Step times (ms, median, in-process): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()),
+    ]
+    notes += args.note
+    if args.synthetic_acceptance_rate is not None:
+        notes.append(f"Synthetic rejection sampler, acceptance rate {args.synthetic_acceptance_rate}: "
+                     "outputs are not the target's")
+    write_results(args, command, rows, prompts, step_times, notes)
+
+
+def write_results(args, command: str, rows: list[dict], prompts, step_times: dict, notes: list[str]) -> None:
+    machine = report.machine_info()
+    date = time.strftime("%Y-%m-%d %H:%M %Z")
+    result = {"command": command, "date": date, "machine": machine, "notes": notes,
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "prompts": [p.source for p in prompts], "step_times_ms": step_times, "rows": rows}
+    (args.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(report.markdown_table(rows))
+    print(f"[bench] {report.plot(rows, args.out_dir / 'throughput.png')}")
+    print(f"[bench] results written to {args.out_dir / 'results.json'}")
+    if not args.no_docs:
+        args.docs.parent.mkdir(parents=True, exist_ok=True)
+        if not args.docs.exists():
+            args.docs.write_text("# Benchmarks\n")
+        with args.docs.open("a") as f:
+            f.write("\n" + report.markdown_section(rows, machine, command, date, notes))
+        print(f"[bench] table appended to {args.docs}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Model repository variants: a copy of ``model_repository/`` with edited parameters.
+
+Each benchmark configuration (proposer method, models, sampler method, k) is a copy
+of the repository whose ``config.pbtxt`` files get new ``parameters`` values; the
+models read them once in ``initialize``. Only existing keys are edited: the models
+reject keys they do not know, so asking for one is an error here already. Path
+parameters are relative to the repository directory, so the copy's relative paths
+are made absolute against the original.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+# parameters { key: "name" value: { string_value: "..." } }, with or without commas.
+_PARAM = re.compile(
+    r'key\s*:\s*"(?P<key>[^"]+)"\s*,?\s*'
+    r'value\s*:\s*\{\s*string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}'
+)
+
+
+def get_parameters(pbtxt: str) -> dict[str, str]:
+    """``{key: string_value}`` of every ``parameters`` entry in a ``config.pbtxt`` text."""
+    return {m.group("key"): m.group("value") for m in _PARAM.finditer(pbtxt)}
+
+
+def set_parameters(pbtxt: str, values: dict[str, str], where: str = "config.pbtxt") -> str:
+    """Return ``pbtxt`` with the given parameters' string values replaced.
+
+    Raises KeyError naming the missing key and the keys that exist.
+    """
+    present = get_parameters(pbtxt)
+    missing = [k for k in values if k not in present]
+    if missing:
+        raise KeyError(f"{where}: no parameter {missing[0]!r}; it declares {sorted(present)}")
+
+    def replace(match: re.Match) -> str:
+        key = match.group("key")
+        if key not in values:
+            return match.group(0)
+        escaped = str(values[key]).replace("\\", "\\\\").replace('"', '\\"')
+        start, end = match.span("value")
+        base = match.start(0)
+        text = match.group(0)
+        return text[: start - base] + escaped + text[end - base :]
+
+    return _PARAM.sub(replace, pbtxt)
+
+
+def absolute_paths(pbtxt: str, base_dir: Path) -> dict[str, str]:
+    """The parameters holding a relative path (a value with a ``/`` that exists under ``base_dir``), made absolute."""
+    out = {}
+    for key, value in get_parameters(pbtxt).items():
+        if "/" in value and not Path(value).is_absolute() and (base_dir / value).exists():
+            out[key] = str((base_dir / value).resolve())
+    return out
+
+
+def make_variant(source: Path, dest: Path, edits: dict[str, dict[str, str]]) -> Path:
+    """Copy the repository ``source`` to ``dest`` and apply ``{model: {key: value}}`` edits."""
+    source, dest = Path(source).resolve(), Path(dest)
+    unknown = [m for m in edits if not (source / m / "config.pbtxt").is_file()]
+    if unknown:
+        models = sorted(p.parent.name for p in source.glob("*/config.pbtxt"))
+        raise KeyError(f"model repository {source} has no model {unknown[0]!r}; it has {models}")
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for config in sorted(dest.glob("*/config.pbtxt")):
+        model = config.parent.name
+        text = config.read_text()
+        values = {**absolute_paths(text, source), **edits.get(model, {})}
+        config.write_text(set_parameters(text, values, where=f"{model}/config.pbtxt"))
+    return dest
