@@ -1,11 +1,12 @@
 """FastTargetVerifier keeps the generic TargetVerifier's contract, batched into one forward."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import GenerationConfig
 
-from conftest import SHIPPED_TARGET
 from specdec.fast import FastTargetVerifier
 from specdec.models import load_causal_lm
 from specdec.sampling import process_logits
@@ -15,6 +16,8 @@ from test_fast_llama import random_ids, save_checkpoint
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+# Not imported from conftest: tests/e2e has a conftest module of the same name.
+SHIPPED_TARGET = Path(__file__).resolve().parents[1] / "models" / "tiny-target"
 
 
 @pytest.fixture(scope="module")
