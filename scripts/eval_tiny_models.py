@@ -14,14 +14,13 @@ import argparse
 import json
 import sys
 import time
-import zlib
-import sysconfig
 from pathlib import Path
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+from specdec.bench.workload import held_out_texts  # noqa: E402
 from specdec.engine import GenerationParams, generate  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
@@ -32,14 +31,10 @@ from specdec.verifier import TargetVerifier  # noqa: E402
 
 
 def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
-    """The first ``prompt_tokens`` tokens of held-out standard-library files (crc32(path) % 20 == 0)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The first ``prompt_tokens`` tokens of held-out standard-library files, in path order."""
     prompts = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages/" in rel or zlib.crc32(rel.encode()) % 20 != 0:
-            continue
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+    for text in held_out_texts().values():
+        ids = tokenizer(text)["input_ids"]
         if len(ids) >= prompt_tokens:
             prompts.append(ids[:prompt_tokens])
         if len(prompts) == num_prompts:

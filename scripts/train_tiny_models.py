@@ -26,7 +26,6 @@ import math
 import random
 import sysconfig
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdec.bench.workload import is_held_out  # the one definition of the held-out split
 
 EOS = "<|endoftext|>"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ def corpus_files() -> tuple[list[Path], list[Path]]:
         rel = path.relative_to(root).as_posix()
         if rel.startswith("site-packages/") or "/site-packages/" in rel:
             continue
-        (held_out if zlib.crc32(rel.encode()) % 20 == 0 else train).append(path)
+        (held_out if is_held_out(rel) else train).append(path)
     return train, held_out
 
 
