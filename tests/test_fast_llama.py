@@ -20,6 +20,7 @@ from transformers import (
 
 from specdec.fast import FastCausalLM, ForwardCall
 from specdec.fast.checkpoint import LlamaArchConfig, read_config
+from specdec.fast.cpu_linear import PackedLinear
 
 ATOL = 1e-4
 VOCAB = 128
@@ -83,6 +84,19 @@ def test_prefill_and_decode_logits_match_hf(tmp_path, family):
     for pos in range(8, 12):  # incremental decode, one token at a time
         step = lm.forward([ForwardCall("s", pos, [ids[pos]], num_logits=1)])[0]  # [1, vocab]
         torch.testing.assert_close(step, ref[pos : pos + 1], atol=ATOL, rtol=0)
+
+
+def test_linears_are_packed_on_cpu_and_the_plain_path_agrees(llama, monkeypatch):
+    """On CPU the linears run prepacked for oneDNN; a torch build without oneDNN runs ``nn.Linear``."""
+    path, hf = llama
+    ids = random_ids(9, seed=3)
+    packed = FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=32)
+    assert isinstance(packed.model.lm_head, PackedLinear)
+    monkeypatch.setattr("specdec.fast.llama.cpu_packing_available", lambda dtype: False)
+    plain = FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=32)
+    assert isinstance(plain.model.lm_head, torch.nn.Linear)
+    for lm in (packed, plain):
+        torch.testing.assert_close(lm.forward([ForwardCall("s", 0, ids, 9)])[0], hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 def test_sharded_checkpoint_loads(tmp_path):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.fast.checkpoint import LlamaArchConfig, load_state_dict, read_config, weight_names
+from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 
 
 class RMSNorm(nn.Module):
@@ -184,7 +185,11 @@ class FastLlama(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self.lm_head.out_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
 
     def forward(
         self,
@@ -211,11 +216,17 @@ class FastLlama(nn.Module):
 
 
 def load_fast_llama(
-    path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, triton_attention: bool = False
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    triton_attention: bool = False,
+    pack_cpu_weights: bool | None = None,
 ) -> FastLlama:
     """Build the model from ``config.json`` and load the safetensors weights straight onto ``device``.
 
     ``triton_attention`` runs attention with the Triton slot kernel (``attention_kernel.py``).
+    ``pack_cpu_weights`` prepacks every linear for oneDNN (``cpu_linear.py``); ``None`` does so
+    on CPU wherever the torch build supports it for ``dtype``.
     """
     device = torch.device(device)
     if triton_attention:
@@ -229,4 +240,9 @@ def load_fast_llama(
         model = FastLlama(config, biases, triton_attention)
     state = load_state_dict(path, dtype, device, config.tie_word_embeddings)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if pack_cpu_weights is None:
+        pack_cpu_weights = device.type == "cpu" and cpu_packing_available(dtype)
+    if pack_cpu_weights:
+        pack_linears(model)
+    return model

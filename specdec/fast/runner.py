@@ -50,7 +50,7 @@ class FastCausalLM:
         config.check_max_model_len(self.max_model_len)
         self.cache = StaticKVCache(
             config.num_layers, config.num_kv_heads, config.head_dim, max_num_seqs, self.max_model_len,
-            self.model.lm_head.weight.dtype, self.device,
+            self.model.dtype, self.device,
         )
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         self.graphs: StaticShapeRunner | None = (
