@@ -53,6 +53,7 @@ from specdec.bench.stats import (
     step_overhead_ms,
 )
 from specdec.bench.workload import held_out_texts, select_prompts
+from specdec.fast import FastCausalLM
 from specdec.models import load_causal_lm, load_tokenizer
 from specdec.proposers import PROPOSERS
 
@@ -137,15 +138,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def server_dtype(repository: Path) -> str:
-    config = repository / TARGET_MODEL / "config.pbtxt"
-    return get_parameters(config.read_text()).get("dtype", "auto") if config.is_file() else "auto"
+def server_parameter(repository: Path, model: str, key: str, default: str) -> str:
+    config = repository / model / "config.pbtxt"
+    return get_parameters(config.read_text()).get(key, default) if config.is_file() else default
 
 
-def measure_step_times(args, target, draft) -> dict[str, float]:
-    """Median forward times (ms) on a cache of prompt + max_tokens / 2 tokens, in this process."""
+def measure_step_times(args, target, draft, dtype: str, device: str) -> dict[str, float]:
+    """Median forward times (ms) on a cache of prompt + max_tokens / 2 tokens, in this process.
+
+    Timed on the engine each server model runs (``engine`` in its config.pbtxt), so the
+    analytic bound is that of the serving path; the ``hf`` engine reuses the loaded models.
+    """
     context = args.prompt_tokens + args.max_tokens // 2
-    shapes = {name: (draft if name.startswith("draft") else target, n) for name, n in step_time_keys(args.ks)}
+    models = {}
+    for role, model_name, hf_model, path in (("target", TARGET_MODEL, target, args.target),
+                                              ("draft", PROPOSER_MODEL, draft, args.draft)):
+        engine = server_parameter(args.repository, model_name, "engine", "fast")
+        models[role] = (FastCausalLM(path, dtype, device, max_num_seqs=len(args.ks) + 1, max_model_len=context + 16)
+                        if engine == "fast" else hf_model)
+    shapes = {name: (models["draft" if name.startswith("draft") else "target"], n) for name, n in step_time_keys(args.ks)}
     return forward_ms(shapes, context, repeats=args.timing_repeats, seed=args.seed)
 
 
@@ -271,7 +282,7 @@ def main() -> None:
     args.out_dir = args.out_dir or REPO_ROOT / "runs" / f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = server_dtype(args.repository)
+    dtype = server_parameter(args.repository, TARGET_MODEL, "dtype", "auto")
 
     tokenizer = load_tokenizer(args.target)
     prompts = select_prompts(held_out_texts(), lambda t: tokenizer(t)["input_ids"], args.num_prompts,
@@ -281,7 +292,7 @@ def main() -> None:
           f"{torch.get_num_threads()} torch threads")
     target = load_causal_lm(args.target, dtype=dtype, device=device)
     draft = load_causal_lm(args.draft, dtype=dtype, device=device)
-    step_times = measure_step_times(args, target, draft)
+    step_times = measure_step_times(args, target, draft, dtype, device)
     print("[bench] step times (ms, median): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()))
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0

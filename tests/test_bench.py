@@ -7,6 +7,7 @@ import zlib
 import pytest
 
 from specdec.bench.bound import efficiency, forward_ms, speedup_bound
+from specdec.fast import FastCausalLM
 from specdec.bench.client import Job, build_inputs
 from specdec.bench.hf import generation_config, run_hf
 from specdec.bench.report import COLUMNS, format_cell, markdown_section, markdown_table
@@ -379,6 +380,14 @@ def test_forward_ms_times_a_cached_forward(tiny_llama):
     assert sorted(times) == ["draft_1", "target_1", "target_3"] and all(0 < t < 1000 for t in times.values())
     with pytest.raises(ValueError, match="num_tokens"):
         forward_ms({"x": (model, 0)}, context_len=16)
+
+
+def test_forward_ms_times_the_fast_engine_and_frees_its_slots(tiny_llama, tmp_path):
+    tiny_llama(seed=0).save_pretrained(tmp_path)
+    lm = FastCausalLM(tmp_path, dtype="float32", max_num_seqs=2, max_model_len=32)
+    times = forward_ms({"target_1": (lm, 1), "target_3": (lm, 3)}, context_len=16, repeats=3, warmup=1)
+    assert sorted(times) == ["target_1", "target_3"] and all(0 < t < 1000 for t in times.values())
+    assert lm.num_sequences == 0
 
 
 def test_client_builds_request_tensors_in_the_model_datatypes():

@@ -21,12 +21,17 @@ by the bound -- the *efficiency* -- is the share of the ideal that the serving p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import statistics
 import time
 
 import torch
 
+from specdec.fast.runner import FastCausalLM, ForwardCall
 from specdec.models import CachedCausalLM
+
+# One forward of one sequence: (seq_id, position, token_ids, num_logits) -> logits
+ForwardFn = Callable[[str, int, list[int], int], object]
 
 
 def speedup_bound(
@@ -64,34 +69,57 @@ def efficiency(measured_speedup: float, bound: float) -> float:
 
 
 def forward_ms(
-    shapes: dict[str, tuple[torch.nn.Module, int]], context_len: int, repeats: int = 20, warmup: int = 5, seed: int = 0
+    shapes: dict[str, tuple[torch.nn.Module | FastCausalLM, int]],
+    context_len: int,
+    repeats: int = 20,
+    warmup: int = 5,
+    seed: int = 0,
 ) -> dict[str, float]:
     """Median wall time (ms) of one forward per ``{name: (model, num_tokens)}`` on a ``context_len``-token KV cache.
 
-    Runs through :class:`~specdec.models.CachedCausalLM`, the cache owner the verifier and
-    the draft proposer use; each repeat cuts the cache back to ``context_len`` first, as a
-    rejected draft does, so every repeat sees the same cache length. The shapes are timed
-    in turn within each round, so a burst of load elsewhere on the machine skews them alike.
+    A model is a Hugging Face module, timed through :class:`~specdec.models.CachedCausalLM`
+    (the ``hf`` engine's cache owner), or a :class:`~specdec.fast.FastCausalLM` (the ``fast``
+    engine), so the bound is computed from the engine the server runs. Each repeat cuts the
+    cache back to ``context_len`` first, as a rejected draft does, so every repeat sees the
+    same cache length. The shapes are timed in turn within each round, so a burst of load
+    elsewhere on the machine skews them alike.
     """
     if context_len < 1 or any(n < 1 for _, n in shapes.values()):
         raise ValueError(f"context_len and every num_tokens must be >= 1, got {context_len} and {shapes}")
     gen = torch.Generator().manual_seed(seed)
     runs = []
     for name, (model, num_tokens) in shapes.items():
-        lm = CachedCausalLM(model, device=next(model.parameters()).device)
-        ids = torch.randint(0, lm.vocab_size, (context_len + num_tokens,), generator=gen).tolist()
-        lm.forward(name, 0, ids[:context_len], num_logits=1)
-        runs.append((name, lm, ids[context_len:]))
+        forward, vocab_size, device = _one_sequence_forward(model)
+        ids = torch.randint(0, vocab_size, (context_len + num_tokens,), generator=gen).tolist()
+        forward(name, 0, ids[:context_len], 1)
+        runs.append((name, forward, device, ids[context_len:]))
     times: dict[str, list[float]] = {name: [] for name in shapes}
     for i in range(warmup + repeats):
-        for name, lm, step in runs:
-            _sync(lm.device)
+        for name, forward, device, step in runs:
+            _sync(device)
             start = time.perf_counter()
-            lm.forward(name, context_len, step, num_logits=len(step))
-            _sync(lm.device)
+            forward(name, context_len, step, len(step))
+            _sync(device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
+    for name, (model, _) in shapes.items():
+        if isinstance(model, FastCausalLM):
+            model.release(name)  # the timing sequences leave no slot taken
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def _one_sequence_forward(model: torch.nn.Module | FastCausalLM) -> tuple[ForwardFn, int, torch.device]:
+    if isinstance(model, FastCausalLM):
+        def fast_forward(seq_id: str, position: int, ids: list[int], num_logits: int):
+            return model.forward([ForwardCall(seq_id, position, ids, num_logits)])
+
+        return fast_forward, model.vocab_size, model.device
+    lm = CachedCausalLM(model, device=next(model.parameters()).device)
+
+    def hf_forward(seq_id: str, position: int, ids: list[int], num_logits: int):
+        return lm.forward(seq_id, position, ids, num_logits=num_logits)
+
+    return hf_forward, lm.vocab_size, lm.device
 
 
 def _sync(device: torch.device) -> None:
