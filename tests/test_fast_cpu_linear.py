@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.fast.cpu_linear import DENSE_COPY_MAX_ELEMENTS, MIN_ROWS, PackedLinear, cpu_packing_available, pack_linears
+from specdec.fast.cpu_linear import DENSE_COPY_MAX_ELEMENTS, MIN_ROWS, PACK_MIN_ELEMENTS, PackedLinear, cpu_packing_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(torch.float32), reason="torch built without oneDNN")
 
@@ -60,11 +60,14 @@ def test_unpackable_dtype_is_refused_naming_it():
         PackedLinear(nn.Linear(8, 8).to(torch.float16))
 
 
-def test_pack_linears_replaces_every_linear_and_nothing_else():
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)))
-    x = torch.randn(3, 8)
+def test_pack_linears_replaces_the_large_linears_and_nothing_else():
+    wide = PACK_MIN_ELEMENTS // 64
+    model = nn.Sequential(nn.Linear(64, wide), nn.ReLU(), nn.Sequential(nn.Linear(wide, 64), nn.LayerNorm(64)),
+                          nn.Linear(64, 64))
+    x = torch.randn(3, 64)
     expected = model(x)
     assert pack_linears(model) == 2
-    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert type(model[3]) is nn.Linear  # too small to gain from packing
     assert isinstance(model[2][1], nn.LayerNorm)
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)

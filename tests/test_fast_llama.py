@@ -73,10 +73,18 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]
     return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("linears", ["packed", "plain"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_prefill_and_decode_logits_match_hf(tmp_path, family):
+def test_prefill_and_decode_logits_match_hf(tmp_path, family, linears, monkeypatch):
+    """Both CPU linear paths: every linear prepacked for oneDNN, and ``nn.Linear`` (a torch without oneDNN)."""
+    if linears == "packed":
+        monkeypatch.setattr("specdec.fast.cpu_linear.PACK_MIN_ELEMENTS", 0)  # the test model's weights are tiny
+    else:
+        monkeypatch.setattr("specdec.fast.llama.cpu_packing_available", lambda dtype: False)
     path, hf = save_checkpoint(tmp_path, family)
     lm = FastCausalLM(path, dtype="float32", max_num_seqs=2, max_model_len=64)
+    expected_type = PackedLinear if linears == "packed" else torch.nn.Linear
+    assert all(isinstance(layer.mlp.down_proj, expected_type) for layer in lm.model.model.layers)
     ids = random_ids(12, seed=1)
     ref = hf_logits(hf, ids)  # [12, vocab]
     prefill = lm.forward([ForwardCall("s", 0, ids[:8], num_logits=8)])[0]  # [8, vocab]
@@ -84,19 +92,6 @@ def test_prefill_and_decode_logits_match_hf(tmp_path, family):
     for pos in range(8, 12):  # incremental decode, one token at a time
         step = lm.forward([ForwardCall("s", pos, [ids[pos]], num_logits=1)])[0]  # [1, vocab]
         torch.testing.assert_close(step, ref[pos : pos + 1], atol=ATOL, rtol=0)
-
-
-def test_linears_are_packed_on_cpu_and_the_plain_path_agrees(llama, monkeypatch):
-    """On CPU the linears run prepacked for oneDNN; a torch build without oneDNN runs ``nn.Linear``."""
-    path, hf = llama
-    ids = random_ids(9, seed=3)
-    packed = FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=32)
-    assert isinstance(packed.model.lm_head, PackedLinear)
-    monkeypatch.setattr("specdec.fast.llama.cpu_packing_available", lambda dtype: False)
-    plain = FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=32)
-    assert isinstance(plain.model.lm_head, torch.nn.Linear)
-    for lm in (packed, plain):
-        torch.testing.assert_close(lm.forward([ForwardCall("s", 0, ids, 9)])[0], hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 def test_sharded_checkpoint_loads(tmp_path):

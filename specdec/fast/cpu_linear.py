@@ -11,7 +11,8 @@ inductor's CPU freezing pass does) streams the weights near memory bandwidth for
 A verify pass then costs about what a one-token step costs, which is the premise
 of speculative decoding (the 125M model: 32 ms for one token, 32 for five, against
 36 and 66 before). Small weights, which stay in cache and where a call's fixed cost
-dominates, also keep a dense copy for one-row passes (a draft model's steps).
+dominates, also keep a dense copy for one-row passes (a draft model's steps), and
+the smallest (under ``PACK_MIN_ELEMENTS``) are not packed at all.
 
 The packed weight is an opaque oneDNN tensor; the numerics are those of an fp32
 (or bf16) GEMM, equal to ``F.linear`` up to summation order.
@@ -24,6 +25,7 @@ from torch import nn
 
 MIN_ROWS = 4  # passes of fewer rows are padded: oneDNN's 3-6 row kernels beat its 1-2 row ones
 PACKING_BATCH_HINT = 8  # the row count the blocked layout is tuned for (decode and verify sizes)
+PACK_MIN_ELEMENTS = 1 << 17  # smaller weights stay nn.Linear: a oneDNN call's fixed cost outweighs its gain
 DENSE_COPY_MAX_ELEMENTS = 1 << 20  # weights below this keep a dense copy for one-row passes (4 MiB in fp32)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -69,12 +71,13 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many were replaced."""
+    """Replace each ``nn.Linear`` under ``module`` of at least ``PACK_MIN_ELEMENTS`` weights by a
+    ``PackedLinear``; returns how many were replaced."""
     replaced = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) and child.weight.numel() >= PACK_MIN_ELEMENTS:
             setattr(module, name, PackedLinear(child))
             replaced += 1
-        else:
+        elif not isinstance(child, nn.Linear):
             replaced += pack_linears(child)
     return replaced
