@@ -7,9 +7,10 @@ import numpy as np
 
 from specdec.types import Proposal, ProposeRequest, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
-from specdec_triton.orchestrator import Limits, Tokenized
-from specdec_triton.plumbing import ModelLogger, bls, bytes_array
+from specdec_triton.orchestrator import Limits, Ready, Tokenized
+from specdec_triton.plumbing import ModelLogger, bls, bytes_array, ensure_bls_threads
 
+_THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
 _LIMITS_PROBE_SEQ_ID = ""  # releasing a sequence that never existed is a no-op that still reports limits
 
 
@@ -40,18 +41,23 @@ class BlsStages:
             bls(wire.DRAFT_PROPOSER, probe, wire.PROPOSE_OUTPUTS, batched=True),
         )
         max_num_seqs = [n for n in (wire.optional_limit(m, "max_num_seqs") for m in (verifier, proposer)) if n]
-        return Limits(
+        limits = Limits(
             max_model_len=wire.optional_limit(verifier, "max_model_len"),
             vocab_size=int(verifier["vocab_size"][0]),
             max_num_seqs=min(max_num_seqs, default=None),
         )
+        # every running sequence has one call in flight, two while it is released
+        ensure_bls_threads(2 * (limits.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
+        return limits
 
-    async def propose(self, request: ProposeRequest) -> Proposal:
-        out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(request), wire.PROPOSE_OUTPUTS, batched=True)
+    async def propose(self, request: ProposeRequest, ready: Ready | None = None) -> Proposal:
+        inputs = wire.propose_inputs(request)
+        out = await bls(wire.DRAFT_PROPOSER, inputs, wire.PROPOSE_OUTPUTS, batched=True, ready=ready)
         return wire.proposal_of(out)
 
-    async def verify(self, request: VerifyRequest) -> VerifyResult:
-        out = await bls(wire.TARGET_VERIFIER, wire.verify_inputs(request), wire.VERIFY_OUTPUTS, batched=True)
+    async def verify(self, request: VerifyRequest, ready: Ready | None = None) -> VerifyResult:
+        inputs = wire.verify_inputs(request)
+        out = await bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True, ready=ready)
         return wire.verify_result_of(out)
 
     async def sample(self, proposal: Proposal, verify: VerifyResult, seed: int) -> SampleResult:

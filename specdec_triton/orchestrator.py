@@ -6,9 +6,10 @@ the calls differ. Like tensorrtllm_backend's ``decode.py`` this file has no
 Triton import: :class:`Stages` is the seam, implemented with BLS requests in
 :mod:`specdec_triton.bls_stages` and with local objects in the tests.
 
-Many requests progress at once because every stage call is awaited: while one
-sequence waits for the target, another drafts, and the calls that meet at a stage
-run there as one dynamic batch. No more sequences run than the stages can hold
+Many requests progress at once because every stage call is awaited, and a
+:class:`~specdec_triton.step_barrier.StepBarrier` holds each built propose and
+verify call until every decoding sequence has built its own, so the calls of all
+sequences reach the models at the same moment and run there as one dynamic batch. No more sequences run than the stages can hold
 (``max_num_seqs``); later requests wait for a free slot. Cancellation is checked
 between steps (a step is the unit of work; Triton does not cancel BLS children), and
 every stage's state for the sequence is released however the request ends.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +32,7 @@ from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.plumbing import RequestCancelled, RequestError
 from specdec_triton.request import GenerateRequest, generate_outputs
+from specdec_triton.step_barrier import StepBarrier
 
 
 @dataclass(frozen=True)
@@ -47,14 +49,22 @@ class Limits:
     max_num_seqs: int | None = None  # sequences the stages can hold at once; None: no limit
 
 
+# Awaited by a stage call between building its request and sending it (see StepBarrier).
+Ready = Callable[[], Awaitable[None]]
+
+
 class Stages(Protocol):
-    """The composing models, one awaitable call each."""
+    """The composing models, one awaitable call each.
+
+    ``propose`` and ``verify`` await ``ready`` right before they send, so the calls of
+    all decoding sequences reach the batched models together.
+    """
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized: ...
     async def detokenize(self, token_ids: list[int]) -> str: ...
     async def limits(self) -> Limits: ...
-    async def propose(self, request: ProposeRequest) -> Proposal: ...
-    async def verify(self, request: VerifyRequest) -> VerifyResult: ...
+    async def propose(self, request: ProposeRequest, ready: Ready | None = None) -> Proposal: ...
+    async def verify(self, request: VerifyRequest, ready: Ready | None = None) -> VerifyResult: ...
     async def sample(self, proposal: Proposal, verify: VerifyResult, seed: int) -> SampleResult: ...
     async def release(self, seq_id: str) -> None: ...
 
@@ -76,6 +86,7 @@ class Orchestrator:
         self.counters = counters
         self.active = active
         self.num_active_sequences = 0
+        self.step_barrier = StepBarrier()  # members: the sequences in their decode loop
         self._limits: Limits | None = None
         self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
 
@@ -122,16 +133,20 @@ class Orchestrator:
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
         """Steps until the sequence finishes; returns the final response's outputs."""
         stream = TextStream()
-        while True:
-            if is_cancelled():
-                raise RequestCancelled(f"request cancelled after {len(state.output_ids)} output tokens")
-            await self._step(state)
-            if state.finished:
-                break
-            if request.stream:
-                new_text = stream.push(await self.stages.detokenize(state.output_ids))
-                if new_text:
-                    send(self._outputs(state, new_text), False)
+        self.step_barrier.join()
+        try:
+            while True:
+                if is_cancelled():
+                    raise RequestCancelled(f"request cancelled after {len(state.output_ids)} output tokens")
+                await self._step(state)
+                if state.finished:
+                    break
+                if request.stream:
+                    new_text = stream.push(await self.stages.detokenize(state.output_ids))
+                    if new_text:
+                        send(self._outputs(state, new_text), False)
+        finally:
+            self.step_barrier.leave()
         text = await self.stages.detokenize(state.output_ids)
         if request.stream:
             return self._outputs(state, stream.push(text, final=True))
@@ -144,9 +159,15 @@ class Orchestrator:
             self.active.set(self.num_active_sequences)
 
     async def _step(self, state: SequenceState) -> None:
+        """One propose / verify / sample round; every member of the step barrier passes it twice."""
+        ready = self.step_barrier.wait
         propose_request = state.propose_request()
-        proposal = await self.stages.propose(propose_request) if propose_request is not None else None
-        verify_result = await self.stages.verify(state.verify_request(proposal))
+        if propose_request is not None:
+            proposal = await self.stages.propose(propose_request, ready)
+        else:
+            await ready()  # a sequence with nothing to draft still keeps step with the others
+            proposal = None
+        verify_result = await self.stages.verify(state.verify_request(proposal), ready)
         if proposal is None:
             proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long))
         result = await self.stages.sample(proposal, verify_result, state.sample_seed())

@@ -8,10 +8,13 @@ parameter parsing -- the part worth unit-testing -- needs none of it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -286,11 +289,18 @@ class BlsError(RuntimeError):
 
 
 async def bls(
-    model_name: str, inputs: Mapping[str, np.ndarray], output_names: Sequence[str], batched: bool = False
+    model_name: str,
+    inputs: Mapping[str, np.ndarray],
+    output_names: Sequence[str],
+    batched: bool = False,
+    ready: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, np.ndarray]:
     """One BLS request to ``model_name``; returns the requested outputs as numpy arrays.
 
     ``batched``: the model has ``max_batch_size > 0``, so this request is one batch item.
+    ``ready`` is awaited after the request is built and right before it is sent, so the
+    requests that wait on it together leave within microseconds of each other and meet
+    in one dynamic batch.
     """
     pb_utils = triton_utils()
     request = pb_utils.InferenceRequest(
@@ -298,11 +308,30 @@ async def bls(
         inputs=[pb_utils.Tensor(name, array[None] if batched else array) for name, array in inputs.items()],
         requested_output_names=list(output_names),
     )
+    if ready is not None:
+        await ready()
     response = await request.async_exec()
     if response.has_error():
         raise BlsError(response.error().message(), response.error().code())
     outputs = {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in output_names}
     return {name: array[0] for name, array in outputs.items()} if batched else outputs
+
+
+def ensure_bls_threads(num_threads: int) -> None:
+    """Give the running event loop a default executor of at least ``num_threads`` threads.
+
+    ``async_exec`` waits for each BLS response on a thread of the loop's default executor,
+    whose size is ``min(32, cpus + 4)`` -- 6 on a 2-core machine. With more requests in
+    flight than threads, the rest queue in the executor instead of at the model, where
+    they could have joined a dynamic batch.
+    """
+    loop = asyncio.get_running_loop()
+    if num_threads > _bls_threads.get(loop, 0):
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="specdec-bls"))
+        _bls_threads[loop] = num_threads
+
+
+_bls_threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its executor's threads
 
 
 # --- logging -----------------------------------------------------------------------------------

@@ -75,12 +75,16 @@ class LocalStages:
     async def limits(self):
         return Limits(self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs)
 
-    async def propose(self, request):
+    async def propose(self, request, ready=None):
         await asyncio.sleep(0)
+        if ready is not None:
+            await ready()
         return self.proposer.propose([request])[0]
 
-    async def verify(self, request):
+    async def verify(self, request, ready=None):
         await asyncio.sleep(0)
+        if ready is not None:
+            await ready()
         if self.fail_verify_after is not None and request.position >= self.fail_verify_after:
             raise RuntimeError("verifier failed")
         result = self.verifier.verify([request])[0]
