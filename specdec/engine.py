@@ -129,22 +129,22 @@ class SequenceState:
         k = self.num_draft_tokens()
         if k == 0:
             return None
+        banned = self._num_banned(k)  # draft i becomes output index len(output_ids) + i
         return ProposeRequest(
             seq_id=self.seq_id,
             token_ids=self.token_ids,
             num_tokens=k,
             sampling=self.params.sampling,
             seed=derive_seed(self._base_seed, self._step, PROPOSE_STREAM),
+            num_banned_tokens=banned,
+            banned_token_ids=self._banned_token_ids if banned else (),
         )
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
         self._check_running()
         drafts = self._draft_ids(proposal)
         num_logits = len(drafts) + 1
-        # Row i predicts output index len(output_ids) + i; those below min_tokens cannot stop.
-        banned_rows = min(num_logits, max(0, self.params.min_tokens - len(self.output_ids)))
-        if not self._banned_token_ids:
-            banned_rows = 0
+        banned_rows = self._num_banned(num_logits)  # row i predicts output index len(output_ids) + i
         if self._step == 0:
             position, token_ids = 0, self.prompt_ids
         else:
@@ -158,6 +158,12 @@ class SequenceState:
             num_banned_rows=banned_rows,
             banned_token_ids=self._banned_token_ids if banned_rows else (),
         )
+
+    def _num_banned(self, num_positions: int) -> int:
+        """Of the next ``num_positions`` output indices, how many lie below ``min_tokens`` (and cannot stop)."""
+        if not self._banned_token_ids:
+            return 0
+        return min(num_positions, max(0, self.params.min_tokens - len(self.output_ids)))
 
     def sample_seed(self) -> int:
         return derive_seed(self._base_seed, self._step, SAMPLE_STREAM)

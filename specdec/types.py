@@ -51,6 +51,10 @@ class ProposeRequest:
     num_tokens: int  # k: how many tokens to propose (may be 0)
     sampling: SamplingParams
     seed: int  # seed for this call's draws (derived per step by the engine)
+    # min_tokens: the first `num_banned_tokens` drafts may not be any of `banned_token_ids`,
+    # which the target cannot emit there either (a banned draft could only be rejected)
+    num_banned_tokens: int = 0
+    banned_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

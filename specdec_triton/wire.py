@@ -29,7 +29,8 @@ TARGET_VERIFIER = "target_verifier"
 REJECTION_SAMPLER = "rejection_sampler"
 
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
-PROPOSE_INPUTS = ("seq_id", "release", "token_ids", "num_tokens", *SAMPLING_INPUTS, "seed")
+PROPOSE_INPUTS = ("seq_id", "release", "token_ids", "num_tokens", *SAMPLING_INPUTS, "seed",
+                  "num_banned_tokens", "banned_token_ids")  # fmt: skip
 PROPOSE_OUTPUTS = ("draft_token_ids", "draft_probs", "max_num_seqs")
 VERIFY_INPUTS = ("seq_id", "release", "position", "token_ids", "num_logits", *SAMPLING_INPUTS,
                  "num_banned_rows", "banned_token_ids")  # fmt: skip
@@ -105,22 +106,29 @@ def _sampling_of(inputs: Mapping[str, np.ndarray]) -> SamplingParams:
 
 
 def propose_inputs(request: ProposeRequest) -> dict[str, np.ndarray]:
-    return {
+    inputs = {
         "seq_id": bytes_array([request.seq_id]),
         "token_ids": _i64(request.token_ids),  # [seq_len]: prompt + output so far
         "num_tokens": _one(request.num_tokens, np.int32),
         **_sampling_inputs(request.sampling),
         "seed": _one(request.seed, np.uint64),
     }
+    if request.num_banned_tokens:
+        inputs["num_banned_tokens"] = _one(request.num_banned_tokens, np.int32)
+        inputs["banned_token_ids"] = _i64(request.banned_token_ids)
+    return inputs
 
 
 def propose_request_of(inputs: Mapping[str, np.ndarray]) -> ProposeRequest:
+    banned = inputs.get("banned_token_ids")
     return ProposeRequest(
         seq_id=seq_id_of(inputs),
         token_ids=_required(inputs, "token_ids").reshape(-1).tolist(),
         num_tokens=scalar(inputs, "num_tokens", int, 0),
         sampling=_sampling_of(inputs),
         seed=scalar(inputs, "seed", int, 0),
+        num_banned_tokens=scalar(inputs, "num_banned_tokens", int, 0),
+        banned_token_ids=() if banned is None else tuple(banned.reshape(-1).tolist()),
     )
 
 

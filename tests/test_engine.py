@@ -302,6 +302,11 @@ def test_state_machine_seeds_and_min_tokens_bans():
     assert a.sample_seed() == b.sample_seed()
     request = a.verify_request(None)
     assert request.num_banned_rows == 1 and request.banned_token_ids == (0, 9)  # single-token stops too
+    c = SequenceState("c", [1], GenerationParams(max_tokens=8, min_tokens=4, eos_token_ids=(0,),
+                                                 num_speculative_tokens=4))
+    c.commit(None, result([7], 0))  # the prefill step drafts nothing
+    propose = c.propose_request()
+    assert propose.num_banned_tokens == 3 and propose.banned_token_ids == (0,)  # drafts below min_tokens
     a.commit(None, result([7], 0))
     assert a.sample_seed() != b.sample_seed()  # seeds move with the step
     assert a.verify_request(None).num_banned_rows == 1

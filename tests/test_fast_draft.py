@@ -113,3 +113,20 @@ def test_engine_sampled_fast_pair_equals_generic_pair(draft, target):
         for p, v in pairs
     )
     assert fast == generic and len(fast) == 16
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_min_tokens_bans_reach_the_draft(draft, sampling):
+    """The first num_banned_tokens drafts avoid the banned ids (q is 0 there); later ones may use them."""
+    path, hf = draft
+    ids = random_ids(6, 26)
+    plain = DraftModelProposer(hf, max_model_len=64).propose([request("a", ids, 4, sampling, 3)])[0]
+    banned = tuple(dict.fromkeys(plain.token_ids.tolist()[:2]))  # what the draft would propose first
+    for proposer in (FastDraftProposer(path, dtype="float32", max_num_seqs=1, max_model_len=64),
+                     DraftModelProposer(hf, max_model_len=64)):
+        proposal = proposer.propose([ProposeRequest("a", ids, 4, sampling, 3, num_banned_tokens=2,
+                                                    banned_token_ids=banned)])[0]
+        assert not set(proposal.token_ids.tolist()[:2]) & set(banned)
+        if proposal.probs is not None:
+            assert (proposal.probs[:2, list(banned)] == 0).all()
+            assert (proposal.probs[2:].sum(-1) > 0.99).all()

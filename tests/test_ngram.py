@@ -15,6 +15,16 @@ def propose(proposer: NgramProposer, token_ids: list[int], k: int) -> list[int]:
     return proposal.token_ids.tolist()
 
 
+def test_min_tokens_ban_cuts_the_proposal_at_a_banned_draft():
+    tokens = [5, 6, 0, 7, 8, 5, 6]  # [5, 6] recurs: the continuation is [0, 7, 8]
+    request = ProposeRequest("s", tokens, 3, SamplingParams(), 0, num_banned_tokens=1, banned_token_ids=(0,))
+    assert NgramProposer(2, 2).propose([request])[0].token_ids.tolist() == []
+    request = ProposeRequest("s", tokens, 3, SamplingParams(), 0, num_banned_tokens=1, banned_token_ids=(7,))
+    assert NgramProposer(2, 2).propose([request])[0].token_ids.tolist() == [0, 7, 8]  # 7 is banned at index 0 only
+    request = ProposeRequest("s", tokens, 3, SamplingParams(), 0, num_banned_tokens=2, banned_token_ids=(7,))
+    assert NgramProposer(2, 2).propose([request])[0].token_ids.tolist() == [0]
+
+
 def test_longest_match_wins():
     # Suffix [1, 2, 3] occurs once at index 4 (followed by 7); its 1-gram [3] occurs first at index 0 (then 9).
     tokens = [3, 9, 9, 9, 1, 2, 3, 7, 7, 0, 2, 3, 1, 2, 3]

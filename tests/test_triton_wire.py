@@ -70,6 +70,8 @@ def test_ensemble_maps_every_public_tensor_to_speculative_decoding():
 def test_propose_round_trip():
     request = ProposeRequest("s1", [1, 2, 3], 4, SAMPLING, seed=2**63 + 5)
     assert wire.propose_request_of(wire.propose_inputs(request)) == request
+    banned = ProposeRequest("s1", [1, 2, 3], 4, SAMPLING, seed=1, num_banned_tokens=2, banned_token_ids=(0, 9))
+    assert wire.propose_request_of(wire.propose_inputs(banned)) == banned
     q = torch.softmax(torch.randn(2, 7), dim=-1)  # [k, vocab]
     outputs = wire.proposal_outputs(Proposal(torch.tensor([3, 4]), q), max_num_seqs=8)
     back = wire.proposal_of(outputs)

@@ -17,7 +17,7 @@ import torch
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS
 from specdec.fast.runner import FastCausalLM, ForwardCall
 from specdec.models import common_prefix_length
-from specdec.sampling import make_generator, process_logits, sample_from_probs
+from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
 
@@ -97,10 +97,11 @@ class FastDraftProposer:
                     self._token_ids[requests[i].seq_id].append(drafts[i][-1])
             tokens = []  # len(live) x [1]
             for i in live:
+                banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)  # min_tokens
                 if generators[i] is None:
-                    tokens.append(logits[i].argmax(dim=-1))
+                    tokens.append(greedy_tokens(logits[i], *banned))
                 else:
-                    q = process_logits(logits[i], requests[i].sampling)  # [1, vocab]
+                    q = process_logits(logits[i], requests[i].sampling, *banned)  # [1, vocab]
                     tokens.append(sample_from_probs(q, generators[i]))
                     q_rows[i].append(q)
             for i, token in zip(live, torch.cat(tokens).tolist()):  # one device sync per step

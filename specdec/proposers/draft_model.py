@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.models import CachedCausalLM, common_prefix_length, model_vocab_size
-from specdec.sampling import make_generator, process_logits, sample_from_probs
+from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
 
@@ -54,10 +54,11 @@ class DraftModelProposer:
         for i in range(k):
             if i:
                 logits = self._lm.forward(seq_id, len(tokens) + i - 1, [int(drafts[-1])], num_logits=1)
+            banned = (int(i < request.num_banned_tokens), request.banned_token_ids)  # min_tokens
             if greedy:
-                drafts.append(logits.argmax(dim=-1))
+                drafts.append(greedy_tokens(logits, *banned))
             else:
-                q = process_logits(logits, request.sampling)  # [1, vocab]
+                q = process_logits(logits, request.sampling, *banned)  # [1, vocab]
                 drafts.append(sample_from_probs(q, generator))
                 q_rows.append(q)
         token_ids = torch.cat(drafts)  # [k]

@@ -85,4 +85,7 @@ class NgramProposer:
         drafts = find_ngram_continuation(
             tokens, request.num_tokens, self.config.prompt_lookup_min, self.config.prompt_lookup_max
         )
+        if request.num_banned_tokens:  # min_tokens: a banned draft is sure to be rejected, and all after it
+            banned = np.flatnonzero(np.isin(drafts[: request.num_banned_tokens], request.banned_token_ids))
+            drafts = drafts[: banned[0]] if banned.size else drafts
         return Proposal(token_ids=torch.from_numpy(drafts.copy()), probs=None)
