@@ -119,6 +119,8 @@ def parse_args() -> argparse.Namespace:
                    help="min_tokens = max_tokens, so every configuration emits the same number of tokens")
     p.add_argument("--synthetic-acceptance-rate", type=float, default=None,
                    help="use the synthetic rejection sampler (for random-weight models)")
+    p.add_argument("--align-steps", action="store_true",
+                   help="set speculative_decoding's align_steps: concurrent sequences step together")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="in-process HF baselines")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads here and OMP_NUM_THREADS of every server model process (serve.sh's default)")
@@ -189,7 +191,7 @@ def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress:
 
 def server_edits(args, method: str) -> dict[str, dict[str, str]]:
     edits = {
-        ORCHESTRATOR: {"num_speculative_tokens": str(max(args.ks))},
+        ORCHESTRATOR: {"num_speculative_tokens": str(max(args.ks)), "align_steps": str(args.align_steps).lower()},
         PROPOSER_MODEL: {"method": method},
         TARGET_MODEL: {"target_model": str(args.target.resolve())},
         # ids must index the target's vocabulary, so the target's tokenizer encodes and decodes

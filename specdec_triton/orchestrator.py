@@ -6,10 +6,12 @@ the calls differ. Like tensorrtllm_backend's ``decode.py`` this file has no
 Triton import: :class:`Stages` is the seam, implemented with BLS requests in
 :mod:`specdec_triton.bls_stages` and with local objects in the tests.
 
-Many requests progress at once because every stage call is awaited, and a
+Many requests progress at once because every stage call is awaited: while one
+sequence waits for the target, another drafts, and the calls that meet at a stage
+run there as one dynamic batch. With ``align_steps``, a
 :class:`~specdec_triton.step_barrier.StepBarrier` holds each built propose and
 verify call until every decoding sequence has built its own, so the calls of all
-sequences reach the models at the same moment and run there as one dynamic batch. No more sequences run than the stages can hold
+sequences reach the models together and batch fully, at the price of that overlap. No more sequences run than the stages can hold
 (``max_num_seqs``); later requests wait for a free slot. Cancellation is checked
 between steps (a step is the unit of work; Triton does not cancel BLS children), and
 every stage's state for the sequence is released however the request ends.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,6 +36,17 @@ from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.plumbing import RequestCancelled, RequestError
 from specdec_triton.request import GenerateRequest, generate_outputs
 from specdec_triton.step_barrier import StepBarrier
+
+
+_PROPOSE_STAGE, _VERIFY_STAGE = 0, 1  # the batched stages of a step, in order, for the step barrier
+
+
+class _NoBarrier:
+    def join(self) -> None: ...
+    def leave(self) -> None: ...
+
+
+_NO_BARRIER = _NoBarrier()
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,8 @@ class Orchestrator:
         self.counters = counters
         self.active = active
         self.num_active_sequences = 0
-        self.step_barrier = StepBarrier()  # members: the sequences in their decode loop
+        # members: the sequences in their decode loop; None: sequences decode at their own pace
+        self.step_barrier = StepBarrier() if config.align_steps else None
         self._limits: Limits | None = None
         self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
 
@@ -133,7 +148,8 @@ class Orchestrator:
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
         """Steps until the sequence finishes; returns the final response's outputs."""
         stream = TextStream()
-        self.step_barrier.join()
+        barrier = self.step_barrier or _NO_BARRIER
+        barrier.join()
         try:
             while True:
                 if is_cancelled():
@@ -146,7 +162,7 @@ class Orchestrator:
                     if new_text:
                         send(self._outputs(state, new_text), False)
         finally:
-            self.step_barrier.leave()
+            barrier.leave()
         text = await self.stages.detokenize(state.output_ids)
         if request.stream:
             return self._outputs(state, stream.push(text, final=True))
@@ -159,15 +175,18 @@ class Orchestrator:
             self.active.set(self.num_active_sequences)
 
     async def _step(self, state: SequenceState) -> None:
-        """One propose / verify / sample round; every member of the step barrier passes it twice."""
-        ready = self.step_barrier.wait
+        """One propose / verify / sample round; with ``align_steps``, each member of the barrier waits twice."""
+        barrier = self.step_barrier
+        propose_ready = functools.partial(barrier.wait, _PROPOSE_STAGE) if barrier else None
+        verify_ready = functools.partial(barrier.wait, _VERIFY_STAGE) if barrier else None
         propose_request = state.propose_request()
         if propose_request is not None:
-            proposal = await self.stages.propose(propose_request, ready)
+            proposal = await self.stages.propose(propose_request, propose_ready)
         else:
-            await ready()  # a sequence with nothing to draft still keeps step with the others
+            if propose_ready is not None:
+                await propose_ready()  # a sequence with nothing to draft still keeps step with the others
             proposal = None
-        verify_result = await self.stages.verify(state.verify_request(proposal), ready)
+        verify_result = await self.stages.verify(state.verify_request(proposal), verify_ready)
         if proposal is None:
             proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long))
         result = await self.stages.sample(proposal, verify_result, state.sample_seed())

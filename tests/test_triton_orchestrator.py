@@ -59,6 +59,8 @@ class LocalStages:
         self.fail_verify_after: int | None = None
         self.max_num_seqs: int | None = None
         self.peak_sequences = 0
+        self.sent: list[str] = []  # the batched stage of each propose / verify call, in the order they are sent
+        self.draft_delays: dict[str, int] = {}  # seq_id -> extra event-loop turns each of its proposals takes
 
     async def tokenize(self, text, stop_words):
         await asyncio.sleep(0)
@@ -79,12 +81,16 @@ class LocalStages:
         await asyncio.sleep(0)
         if ready is not None:
             await ready()
+        self.sent.append("propose")
+        for _ in range(self.draft_delays.setdefault(request.seq_id, len(self.draft_delays) % 3)):
+            await asyncio.sleep(0)  # sequences draft at different speeds, as they do in a server
         return self.proposer.propose([request])[0]
 
     async def verify(self, request, ready=None):
         await asyncio.sleep(0)
         if ready is not None:
             await ready()
+        self.sent.append("verify")
         if self.fail_verify_after is not None and request.position >= self.fail_verify_after:
             raise RuntimeError("verifier failed")
         result = self.verifier.verify([request])[0]
@@ -114,14 +120,14 @@ def models(codec, tiny_llama):
     return tiny_llama(seed=0, vocab_size=vocab), tiny_llama(seed=1, vocab_size=vocab, num_hidden_layers=1)
 
 
-def make_orchestrator(codec, models, method="draft_model", k=K):
+def make_orchestrator(codec, models, method="draft_model", k=K, align_steps=False):
     target, draft = models
     proposer = DraftModelProposer(draft) if method == "draft_model" else NgramProposer(1, 3)
     stages = LocalStages(codec, proposer, TargetVerifier(target, max_model_len=MAX_MODEL_LEN), RejectionSampler())
     FakeFamily.metrics = {}
     counters = SpecDecodeCounters("sd", k, family_type=FakeFamily)
     active = ActiveSequences("sd", family_type=FakeFamily)
-    return Orchestrator(stages, OrchestratorConfig(k, 16), counters, active), stages
+    return Orchestrator(stages, OrchestratorConfig(k, 16, align_steps), counters, active), stages
 
 
 def request(text, **overrides):
@@ -210,6 +216,29 @@ def test_concurrent_requests_match_one_by_one(codec, models):
     assert run_together(orchestrator, PROMPTS) == alone
     assert stages.peak_sequences == len(PROMPTS)  # they really overlapped
     assert orchestrator.num_active_sequences == 0 and stages.verifier.num_active_sequences == 0
+
+
+def run_lengths(stages: list[str]) -> list[int]:
+    """Lengths of the runs of consecutive calls to one stage: the calls that could share a batch."""
+    runs = [1]
+    for previous, current in zip(stages, stages[1:]):
+        runs[-1:] = [runs[-1] + 1] if current == previous else [runs[-1], 1]
+    return runs
+
+
+def test_align_steps_sends_the_calls_of_a_step_together(codec, models):
+    reference, _ = make_orchestrator(codec, models)
+    alone = [text_of(run(reference, request(p))) for p in PROMPTS]
+    free, free_stages = make_orchestrator(codec, models)
+    aligned, aligned_stages = make_orchestrator(codec, models, align_steps=True)
+    assert run_together(free, PROMPTS) == run_together(aligned, PROMPTS) == alone
+    assert aligned.step_barrier.num_members == 0  # every request left the barrier
+    free_runs, aligned_runs = run_lengths(free_stages.sent), run_lengths(aligned_stages.sent)
+    # while all four decode, every propose and verify round holds all four calls (a round of a
+    # stage with fewer callers, e.g. nothing left to draft, can merge with the next)
+    full = [n for n in aligned_runs if n >= len(PROMPTS)]
+    assert len(full) >= 2 * 4 and sum(full) / len(aligned_stages.sent) > 0.5
+    assert len(aligned_runs) < len(free_runs)
 
 
 def test_no_more_sequences_than_the_stages_hold(codec, models):

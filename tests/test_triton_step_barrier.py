@@ -93,3 +93,37 @@ def test_a_cancelled_waiter_is_forgotten():
 def test_leave_without_join_is_an_error():
     with pytest.raises(RuntimeError, match="without a matching join"):
         StepBarrier().leave()
+
+
+def test_a_member_a_stage_out_of_step_is_brought_back_in_step():
+    """A newcomer waiting at stage 0 while the others wait at stage 1: stage 1 goes first, then all together."""
+    log: list[tuple[str, int, int]] = []  # (member, step, stage)
+
+    async def member(barrier, name, steps, first_stage):
+        try:
+            for step in range(steps):
+                for stage in (0, 1):
+                    if step == 0 and stage < first_stage:
+                        continue
+                    await barrier.wait(stage)
+                    log.append((name, step, stage))
+                    await asyncio.sleep(0)
+        finally:
+            barrier.leave()
+
+    async def main():
+        barrier = StepBarrier()
+        for _ in range(3):
+            barrier.join()
+        # a and b are mid-step (next: stage 1); c has just joined (next: stage 0)
+        await asyncio.gather(member(barrier, "a", 4, 1), member(barrier, "b", 4, 1), member(barrier, "c", 3, 0))
+
+    asyncio.run(main())
+    groups: list[tuple[int, set]] = []  # (stage, members) of each release, in order
+    for name, _, stage in log:
+        if not groups or groups[-1][0] != stage:
+            groups.append((stage, set()))
+        groups[-1][1].add(name)
+    assert groups[0] == (1, {"a", "b"})  # the later stage first, without c
+    assert all(members == {"a", "b", "c"} for _, members in groups[1:])  # then all three keep step
+    assert [stage for stage, _ in groups[1:]] == [0, 1] * 3
