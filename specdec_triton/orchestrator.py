@@ -11,8 +11,9 @@ sequence waits for the target, another drafts, and the calls that meet at a stag
 run there as one dynamic batch. With ``align_steps``, a
 :class:`~specdec_triton.step_barrier.StepBarrier` holds each built propose and
 verify call until every decoding sequence has built its own, so the calls of all
-sequences reach the models together and batch fully, at the price of that overlap. No more sequences run than the stages can hold
-(``max_num_seqs``); later requests wait for a free slot. Cancellation is checked
+sequences reach the models together and batch fully, at the price of that overlap.
+No more sequences run than the stages can hold (``max_num_seqs``); later requests
+wait for a free slot. Cancellation is checked
 between steps (a step is the unit of work; Triton does not cancel BLS children), and
 every stage's state for the sequence is released however the request ends.
 """

@@ -143,6 +143,33 @@ def load_state_dict(
     return state
 
 
+FUSED_PROJECTIONS = {  # fused module -> the Hugging Face projections it concatenates, in order
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Concatenate each layer's q/k/v and gate/up weights (and biases) along the output rows.
+
+    One GEMM then reads the input once instead of three and two times; on CPU it also
+    halves the per-call overhead that dominates small models (as vLLM's QKVParallelLinear
+    and MergedColumnParallelLinear do). A projection without a bias gets zeros where
+    another of its group has one.
+    """
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        for fused, parts in FUSED_PROJECTIONS.items():
+            weights = [state.pop(f"{prefix}{part}.weight") for part in parts]  # each [rows_i, hidden]
+            biases = [state.pop(f"{prefix}{part}.bias", None) for part in parts]
+            state[f"{prefix}{fused}.weight"] = torch.cat(weights)  # [sum rows_i, hidden]
+            if any(b is not None for b in biases):
+                state[f"{prefix}{fused}.bias"] = torch.cat([
+                    b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)
+                ])  # fmt: skip
+    return state
+
+
 def _check_dir(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if not os.path.isdir(path):

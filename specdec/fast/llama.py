@@ -8,7 +8,9 @@ start position and number of new tokens (rows are right-padded to the longest); 
 keys and values are written into the slot at their positions and every query attends
 causally over ``cache[slot, :start + s + 1]`` via a position mask. With
 ``kv_len = max_model_len`` every shape is static, which is what CUDA graphs need.
-Module names mirror transformers', so a Hugging Face state dict loads unchanged.
+Module names mirror transformers', except that q/k/v and gate/up run as one fused
+projection each (``qkv_proj``, ``gate_up_proj``); ``checkpoint.fuse_projections``
+concatenates a Hugging Face state dict's weights to match.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.fast.checkpoint import LlamaArchConfig, load_state_dict, read_config, weight_names
+from specdec.fast.checkpoint import LlamaArchConfig, fuse_projections, load_state_dict, read_config, weight_names
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 
 
@@ -71,9 +73,8 @@ class Attention(nn.Module):
             from specdec.fast.attention_kernel import slot_attention
 
             self.kernel = slot_attention
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias="q_proj" in biases)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias="k_proj" in biases)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias="v_proj" in biases)
+        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bool({"q_proj", "k_proj", "v_proj"} & biases))
         self.o_proj = nn.Linear(config.num_heads * d, h, bias="o_proj" in biases)
 
     def forward(
@@ -85,9 +86,10 @@ class Attention(nn.Module):
         batch: BatchIndex,
     ) -> torch.Tensor:  # [B, S, hidden]
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, S, D]
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, S, D]
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
         q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
         k = k * cos + rotate_half(k) * sin  # [B, KVH, S, D]
         kv[0][batch.write_slot, :, batch.write_pos] = k.transpose(1, 2)  # [B, S, KVH, D] into the slots
@@ -119,12 +121,12 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaArchConfig, biases: set[str]):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias="gate_proj" in biases)
-        self.up_proj = nn.Linear(h, i, bias="up_proj" in biases)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=bool({"gate_proj", "up_proj"} & biases))
         self.down_proj = nn.Linear(i, h, bias="down_proj" in biases)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [B, S, intermediate]
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -238,7 +240,7 @@ def load_fast_llama(
     biases = {n.split(".")[-2] for n in names if n.startswith("model.layers.0.") and n.endswith(".bias")}
     with torch.device("meta"):
         model = FastLlama(config, biases, triton_attention)
-    state = load_state_dict(path, dtype, device, config.tie_word_embeddings)
+    state = fuse_projections(load_state_dict(path, dtype, device, config.tie_word_embeddings), config.num_layers)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
     if pack_cpu_weights is None:
