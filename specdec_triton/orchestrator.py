@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import uuid
 from collections.abc import Awaitable, Callable
@@ -149,26 +150,49 @@ class Orchestrator:
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
         """Steps until the sequence finishes; returns the final response's outputs."""
         stream = TextStream()
+        streaming: asyncio.Future | None = None  # the last step's detokenize-and-send, running beside the next step
         barrier = self.step_barrier or _NO_BARRIER
         barrier.join()
         try:
             while True:
                 if is_cancelled():
                     raise RequestCancelled(f"request cancelled after {len(state.output_ids)} output tokens")
+                if streaming is not None and streaming.done():
+                    streaming.result()  # a failed detokenize fails the request now, not at the end
                 await self._step(state)
                 if state.finished:
                     break
                 if request.stream:
-                    new_text = stream.push(await self.stages.detokenize(state.output_ids))
-                    if new_text:
-                        send(self._outputs(state, new_text), False)
+                    streaming = asyncio.ensure_future(self._stream_text(stream, state, send, streaming))
+            if streaming is not None:
+                await streaming  # every streamed piece goes out before the final response
         finally:
             barrier.leave()
+            if streaming is not None and not streaming.done():
+                streaming.cancel()  # also cancels the earlier pieces it waits on
+                await asyncio.gather(streaming, return_exceptions=True)
         text = await self.stages.detokenize(state.output_ids)
         if request.stream:
             return self._outputs(state, stream.push(text, final=True))
         prefix = "" if request.exclude_input_in_output else request.text_input
         return self._outputs(state, prefix + text)
+
+    async def _stream_text(self, stream: TextStream, state: SequenceState, send: Send, previous) -> None:
+        """Detokenize the output so far and send what is new, while the next step already runs.
+
+        The detokenizer round trip leaves the decode loop's critical path. The counts in
+        the response are those of the step that produced the text; ``previous`` (the last
+        step's piece) goes out first, so pieces keep their order.
+        """
+        num_output_tokens, stats = len(state.output_ids), copy.deepcopy(state.stats)
+        try:
+            text = await self.stages.detokenize(list(state.output_ids))
+        finally:
+            if previous is not None:
+                await previous  # in order; a failure there is raised (and so retrieved) first
+        new_text = stream.push(text)
+        if new_text:
+            send(generate_outputs(new_text, None, len(state.prompt_ids), num_output_tokens, stats), False)
 
     def _set_active(self, change: int) -> None:
         self.num_active_sequences += change

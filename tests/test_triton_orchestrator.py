@@ -57,6 +57,7 @@ class LocalStages:
         self.codec, self.proposer, self.verifier, self.sampler = codec, proposer, verifier, sampler
         self.released: list[str] = []
         self.fail_verify_after: int | None = None
+        self.fail_detokenize_at: int | None = None  # fail every detokenize call of at least this many tokens
         self.max_num_seqs: int | None = None
         self.peak_sequences = 0
         self.sent: list[str] = []  # the batched stage of each propose / verify call, in the order they are sent
@@ -71,7 +72,10 @@ class LocalStages:
         )
 
     async def detokenize(self, token_ids):
-        await asyncio.sleep(0)
+        for _ in range(len(token_ids) % 3):
+            await asyncio.sleep(0)  # some calls return later than the next ones start: order must hold
+        if self.fail_detokenize_at is not None and len(token_ids) >= self.fail_detokenize_at:
+            raise RuntimeError("detokenizer failed")
         return self.codec.decode(token_ids)
 
     async def limits(self):
@@ -269,6 +273,18 @@ def test_a_failing_stage_still_releases(codec, models):
     stages.fail_verify_after = 8
     with pytest.raises(RuntimeError, match="verifier failed"):
         run(orchestrator, request("the quick brown fox"))
+    assert len(stages.released) == 1 and orchestrator.num_active_sequences == 0
+
+
+def test_a_failing_streaming_detokenize_fails_the_request_and_releases(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models)
+    stages.fail_detokenize_at = 5
+    sent = []
+    with pytest.raises(RuntimeError, match="detokenizer failed"):
+        asyncio.run(orchestrator.generate(
+            request("the quick brown fox", stream=True), lambda out, final: sent.append(final), lambda: False
+        ))  # fmt: skip
+    assert True not in sent  # no final response after a failure
     assert len(stages.released) == 1 and orchestrator.num_active_sequences == 0
 
 
