@@ -266,6 +266,9 @@ def measure_phase(
     steps = target_calls - len(results)
     row = {**summary, **step_overhead_ms(elapsed, stats, steps, COMPUTE_MODELS), "decode_steps": steps - len(results),
            "tokens_per_step": tokens_per_step(summary["output_tokens"], len(results), steps - len(results))}
+    if TARGET_MODEL in stats and stats[TARGET_MODEL].execution_count:  # the dynamic batches the target saw
+        target = stats[TARGET_MODEL]
+        row["target_sequences_per_execution"] = target.inference_count / target.execution_count
     acceptance = acceptance_from_metrics(metrics)
     if acceptance is not None:
         row.update(acceptance.as_dict(), acceptance_source="prometheus")

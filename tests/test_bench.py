@@ -255,13 +255,13 @@ def test_markdown_table_formats_rows_and_dashes_missing_values():
          "speedup": 1.0, "ttft_ms_p50": 5.04, "itl_ms_p50": 9.9, "itl_ms_p99": 12.0},
         {"config": "draft_model k=2", "concurrency": 4, "speedup": 1.734, "acceptance_rate": 0.8123,
          "mean_accepted_length": 2.5, "per_position_acceptance": [0.9, 0.75], "speedup_bound": 2.1,
-         "efficiency": 0.8257, "step_overhead_ms": math.nan},
+         "efficiency": 0.8257, "step_overhead_ms": math.nan, "target_sequences_per_execution": 3.25},
     ]
     table = markdown_table(rows).splitlines()
     assert len(table) == 4 and table[0].count("|") == len(COLUMNS) + 1
     assert table[2].startswith("| server k=0 | 1 | 101.3 | 101.3 | 1.00x | 5.0 | 9.9 / 12.0 | - |")
     cells = [c.strip() for c in table[3].strip("|").split("|")]
-    assert cells == ["draft_model k=2", "4", "-", "-", "1.73x", "-", "-", "0.81", "2.50", "-", "0.90 0.75",
+    assert cells == ["draft_model k=2", "4", "-", "-", "1.73x", "-", "-", "0.81", "2.50", "-", "3.25", "0.90 0.75",
                      "2.10x", "83%", "-", "-"]
     assert format_cell({}, "per_position_acceptance", None) == "-"
 

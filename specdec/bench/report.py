@@ -18,6 +18,7 @@ COLUMNS = (
     ("accept", "acceptance_rate", "{:.2f}"),
     ("mean len", "mean_accepted_length", "{:.2f}"),
     ("tok/pass", "tokens_per_step", "{:.2f}"),
+    ("seqs/forward", "target_sequences_per_execution", "{:.2f}"),
     ("per-position accept", "per_position_acceptance", None),
     ("bound", "speedup_bound", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.0%}"),
