@@ -92,9 +92,12 @@ def plot(rows: list[dict], path: Path) -> str:
         return "matplotlib is not installed; no plot written"
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for config in configs:
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colors: a run can have more than the default 10 configs
+    for index, config in enumerate(configs):
         points = sorted((r["concurrency"], r["tokens_per_s_aggregate"]) for r in rows if r["config"] == config)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config)
+        marker = "s" if config.startswith("hf ") else "o"  # in-process rows apart from served ones
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=colors[index % len(colors)],
+                label=config)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens/s (aggregate)")
     ax.set_xscale("log", base=2)
