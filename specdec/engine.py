@@ -16,6 +16,7 @@ The first step is the prefill: the whole prompt at position 0, no drafts.
 """
 from __future__ import annotations
 
+import copy
 import secrets
 import uuid
 from collections.abc import Callable, Iterator
@@ -116,6 +117,13 @@ class SequenceState:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def snapshot(self) -> SequenceState:
+        """A copy that later steps do not change: its output, stats and finish state stay as they are now."""
+        frozen = copy.copy(self)  # the prompt and params are never mutated, so they are shared
+        frozen.output_ids = list(self.output_ids)
+        frozen.stats = copy.deepcopy(self.stats)
+        return frozen
 
     def num_draft_tokens(self) -> int:
         """k_eff for this step: drafts + one recovered/bonus token fit in the tokens left."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import uuid
 from collections.abc import Awaitable, Callable
@@ -162,8 +161,9 @@ class Orchestrator:
                 await self._step(state)
                 if state.finished:
                     break
-                if request.stream:
-                    streaming = asyncio.ensure_future(self._stream_text(stream, state, send, streaming))
+                if request.stream:  # the piece is cut from this step's state, before the next step changes it
+                    piece = self._stream_text(stream, state.snapshot(), send, streaming)
+                    streaming = asyncio.ensure_future(piece)
             if streaming is not None:
                 await streaming  # every streamed piece goes out before the final response
         finally:
@@ -178,21 +178,20 @@ class Orchestrator:
         return self._outputs(state, prefix + text)
 
     async def _stream_text(self, stream: TextStream, state: SequenceState, send: Send, previous) -> None:
-        """Detokenize the output so far and send what is new, while the next step already runs.
+        """Detokenize the output of ``state`` (a snapshot) and send what is new, while the next step runs.
 
         The detokenizer round trip leaves the decode loop's critical path. The counts in
         the response are those of the step that produced the text; ``previous`` (the last
         step's piece) goes out first, so pieces keep their order.
         """
-        num_output_tokens, stats = len(state.output_ids), copy.deepcopy(state.stats)
         try:
-            text = await self.stages.detokenize(list(state.output_ids))
+            text = await self.stages.detokenize(state.output_ids)
         finally:
             if previous is not None:
                 await previous  # in order; a failure there is raised (and so retrieved) first
         new_text = stream.push(text)
         if new_text:
-            send(generate_outputs(new_text, None, len(state.prompt_ids), num_output_tokens, stats), False)
+            send(self._outputs(state, new_text), False)
 
     def _set_active(self, change: int) -> None:
         self.num_active_sequences += change

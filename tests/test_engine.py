@@ -313,3 +313,13 @@ def test_state_machine_seeds_and_min_tokens_bans():
     a.commit(None, result([8], 0))  # (7, 8) completes at index 1 < min_tokens: no stop
     assert not a.finished and a.verify_request(None).num_banned_rows == 0
     assert a.commit(None, result([0], 0)).finish_reason == "stop"
+
+
+def test_snapshot_keeps_the_state_of_its_step():
+    state = SequenceState("s", [1, 2], GenerationParams(max_tokens=6, num_speculative_tokens=2))
+    state.commit(None, result([7], 0))
+    frozen = state.snapshot()
+    state.commit(None, result([8], 0))
+    assert frozen.output_ids == [7] and state.output_ids == [7, 8]
+    assert frozen.stats.num_steps != state.stats.num_steps
+    assert frozen.prompt_ids == state.prompt_ids and not frozen.finished
