@@ -66,6 +66,7 @@ TOKENIZER_MODEL = "tokenizer"
 DETOKENIZER_MODEL = "detokenizer"
 Outputs = dict[tuple[str, int], list[str]]  # (config, concurrency) -> output texts in prompt order
 ACTIVE_METRIC = "spec_decode_num_active_sequences"  # gauge: sequences each model holds
+STEPS_METRIC = "spec_decode_num_steps"  # counter: target passes, prefills included
 COMPUTE_MODELS = (PROPOSER_MODEL, TARGET_MODEL, SAMPLER_MODEL)  # "model compute" of a step
 
 try:
@@ -261,9 +262,10 @@ def measure_phase(
     finally:
         client.close()
     summary = latency_summary([r.timing for r in results], elapsed)
-    # The target serves each request's prefill, its decode steps and one release call.
-    target_calls = stats[TARGET_MODEL].inference_count if TARGET_MODEL in stats else 0
-    steps = target_calls - len(results)
+    if STEPS_METRIC in {name for name, _ in metrics}:  # the orchestrator counts its steps, prefills included
+        steps = round(metric_total(metrics, STEPS_METRIC))
+    else:  # a repository without the counter: the target serves each prefill, decode step and one release
+        steps = (stats[TARGET_MODEL].inference_count if TARGET_MODEL in stats else 0) - len(results)
     row = {**summary, **step_overhead_ms(elapsed, stats, steps, COMPUTE_MODELS), "decode_steps": steps - len(results),
            "tokens_per_step": tokens_per_step(summary["output_tokens"], len(results), steps - len(results))}
     if TARGET_MODEL in stats and stats[TARGET_MODEL].execution_count:  # the dynamic batches the target saw

@@ -14,6 +14,7 @@ from __future__ import annotations
 from specdec_triton.plumbing import triton_utils
 
 _COUNTERS = {
+    "spec_decode_num_steps": "Target passes of all requests (steps), each request's prefill pass included",
     "spec_decode_num_drafts": "Speculative steps that proposed at least one draft token",
     "spec_decode_num_draft_tokens": "Draft tokens proposed",
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the rejection sampler",
@@ -54,6 +55,7 @@ class SpecDecodeCounters:
         ]
 
     def record_step(self, num_draft_tokens: int, num_accepted: int, num_output_tokens: int) -> None:
+        self._counters["spec_decode_num_steps"].increment(1)
         if num_draft_tokens:
             self._counters["spec_decode_num_drafts"].increment(1)
             self._counters["spec_decode_num_draft_tokens"].increment(num_draft_tokens)

@@ -312,7 +312,7 @@ def test_bad_requests_fail_before_any_model_call(codec, models, overrides, messa
 
 
 def test_counters_add_up(codec, models):
-    orchestrator, _ = make_orchestrator(codec, models, method="ngram")
+    orchestrator, stages = make_orchestrator(codec, models, method="ngram")
     outputs = [run(orchestrator, request(p, max_tokens=24))[-1][0] for p in ["abcabcabcabc", "the the the the"]]
     value = {name: metric.value for (name, labels), metric in FakeFamily.metrics.items() if len(labels) == 1}
     per_position = [FakeFamily.metrics[("spec_decode_num_accepted_tokens_per_pos",
@@ -324,3 +324,5 @@ def test_counters_add_up(codec, models):
     assert per_position == sorted(per_position, reverse=True)
     assert sum(per_position) == value["spec_decode_num_accepted_tokens"]
     assert value["spec_decode_num_drafts"] <= value["spec_decode_num_draft_tokens"]
+    assert value["spec_decode_num_steps"] == stages.sent.count("verify")  # one target pass per step
+    assert value["spec_decode_num_drafts"] + len(outputs) <= value["spec_decode_num_steps"]

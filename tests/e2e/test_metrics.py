@@ -23,7 +23,7 @@ def test_metrics_add_up(server):
     ]
     after = server.metrics()
     delta = {name: counter(after, name) - counter(before, name) for name in (
-        "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+        "spec_decode_num_steps", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
         "spec_decode_num_output_tokens",
     )}  # fmt: skip
     assert delta["spec_decode_num_output_tokens"] == sum(r.num_output_tokens for r in results)
@@ -32,6 +32,8 @@ def test_metrics_add_up(server):
     assert delta["spec_decode_num_accepted_tokens"] <= delta["spec_decode_num_draft_tokens"]
     drafts = delta["spec_decode_num_drafts"]
     assert drafts <= delta["spec_decode_num_draft_tokens"] <= K * drafts
+    # every request has a prefill step that drafts nothing; every step emits at least one token
+    assert drafts + len(results) <= delta["spec_decode_num_steps"] <= delta["spec_decode_num_output_tokens"]
 
     per_position = [after[("spec_decode_num_accepted_tokens_per_pos", ORCHESTRATOR + (("position", str(i)),))]
                     for i in range(K)]  # fmt: skip
