@@ -102,25 +102,33 @@ def _sampling_of(inputs: Mapping[str, np.ndarray]) -> SamplingParams:
     )
 
 
+def _ban_inputs(count_name: str, count: int, banned_token_ids: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """min_tokens: how many positions (drafts or target rows) may not emit ``banned_token_ids``; none: no inputs."""
+    if not count:
+        return {}
+    return {count_name: _one(count, np.int32), "banned_token_ids": _i64(banned_token_ids)}
+
+
+def _banned_ids_of(inputs: Mapping[str, np.ndarray]) -> tuple[int, ...]:
+    banned = inputs.get("banned_token_ids")
+    return () if banned is None else tuple(banned.reshape(-1).tolist())
+
+
 # --- draft_proposer ----------------------------------------------------------------------------
 
 
 def propose_inputs(request: ProposeRequest) -> dict[str, np.ndarray]:
-    inputs = {
+    return {
         "seq_id": bytes_array([request.seq_id]),
         "token_ids": _i64(request.token_ids),  # [seq_len]: prompt + output so far
         "num_tokens": _one(request.num_tokens, np.int32),
         **_sampling_inputs(request.sampling),
         "seed": _one(request.seed, np.uint64),
+        **_ban_inputs("num_banned_tokens", request.num_banned_tokens, request.banned_token_ids),
     }
-    if request.num_banned_tokens:
-        inputs["num_banned_tokens"] = _one(request.num_banned_tokens, np.int32)
-        inputs["banned_token_ids"] = _i64(request.banned_token_ids)
-    return inputs
 
 
 def propose_request_of(inputs: Mapping[str, np.ndarray]) -> ProposeRequest:
-    banned = inputs.get("banned_token_ids")
     return ProposeRequest(
         seq_id=seq_id_of(inputs),
         token_ids=_required(inputs, "token_ids").reshape(-1).tolist(),
@@ -128,7 +136,7 @@ def propose_request_of(inputs: Mapping[str, np.ndarray]) -> ProposeRequest:
         sampling=_sampling_of(inputs),
         seed=scalar(inputs, "seed", int, 0),
         num_banned_tokens=scalar(inputs, "num_banned_tokens", int, 0),
-        banned_token_ids=() if banned is None else tuple(banned.reshape(-1).tolist()),
+        banned_token_ids=_banned_ids_of(inputs),
     )
 
 
@@ -152,21 +160,17 @@ def proposal_of(outputs: Mapping[str, np.ndarray]) -> Proposal:
 
 
 def verify_inputs(request: VerifyRequest) -> dict[str, np.ndarray]:
-    inputs = {
+    return {
         "seq_id": bytes_array([request.seq_id]),
         "position": _one(request.position, np.int64),
         "token_ids": _i64(request.token_ids),  # [n]: tokens not yet in the target's cache
         "num_logits": _one(request.num_logits, np.int32),
         **_sampling_inputs(request.sampling),
+        **_ban_inputs("num_banned_rows", request.num_banned_rows, request.banned_token_ids),
     }
-    if request.num_banned_rows:
-        inputs["num_banned_rows"] = _one(request.num_banned_rows, np.int32)
-        inputs["banned_token_ids"] = _i64(request.banned_token_ids)
-    return inputs
 
 
 def verify_request_of(inputs: Mapping[str, np.ndarray]) -> VerifyRequest:
-    banned = inputs.get("banned_token_ids")
     return VerifyRequest(
         seq_id=seq_id_of(inputs),
         position=scalar(inputs, "position", int, 0),
@@ -174,7 +178,7 @@ def verify_request_of(inputs: Mapping[str, np.ndarray]) -> VerifyRequest:
         num_logits=scalar(inputs, "num_logits", int, 1),
         sampling=_sampling_of(inputs),
         num_banned_rows=scalar(inputs, "num_banned_rows", int, 0),
-        banned_token_ids=() if banned is None else tuple(banned.reshape(-1).tolist()),
+        banned_token_ids=_banned_ids_of(inputs),
     )
 
 
