@@ -3,14 +3,14 @@
 A decode or verify pass multiplies every weight by a handful of rows (``k + 1``
 tokens per sequence). On CPU, ``F.linear`` sends that through MKL's GEMM, whose
 skinny-matrix paths vary two- to four-fold with the row count: on a 2-core EPYC,
-the linears of a 125M Llama took 35 ms for one row and 55-65 ms for two to five.
-Speculation then loses, because verifying ``k + 1`` tokens costs almost twice a
-plain step. oneDNN with the weight reordered once into its blocked layout (what
+a 125M Llama's forward took 35 ms for one token and 66 ms for five (step times of
+the 08:51 run in docs/benchmarks.md). Speculation then gains little, because
+verifying ``k + 1`` tokens costs almost twice a plain step. oneDNN with the weight reordered once into its blocked layout (what
 inductor's CPU freezing pass does) streams the weights near memory bandwidth for
 3-8 rows; 1-2 rows are slower there, so such passes are padded to ``MIN_ROWS``.
 A verify pass then costs about what a one-token step costs, which is the premise
-of speculative decoding (the 125M model: 32 ms for one token, 32 for five, against
-36 and 66 before). Small weights, which stay in cache and where a call's fixed cost
+of speculative decoding (the same model: 33 ms for one token and for five, 09:42
+run). Small weights, which stay in cache and where a call's fixed cost
 dominates, also keep a dense copy for one-row passes (a draft model's steps), and
 the smallest (under ``PACK_MIN_ELEMENTS``) are not packed at all.
 
@@ -53,7 +53,7 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)  # oneDNN layout
         self.bias = None if linear.bias is None else linear.bias.detach()  # [out_features]
         # a small weight stays cache-resident, where MKL's one-row GEMV beats a padded oneDNN pass
-        # (a 0.9M-parameter draft step: 0.8 against 1.35 ms); a copy of a small weight costs little
+        # (the shipped draft's one-token steps got slower when packed); a copy of a small weight costs little
         self.dense_weight = weight if weight.numel() < DENSE_COPY_MAX_ELEMENTS else None  # [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
