@@ -40,7 +40,19 @@ def wait_until_idle(server, timeout_s: float = 5.0) -> float:
     pytest.fail(f"sequences still held after {timeout_s} s: {active_sequences(server)}")
 
 
-def test_concurrent_streams_match_one_by_one_and_overlap(server):
+def target_batched_requests(server) -> int:
+    """target_verifier requests so far that ran in one execution with another (inference - execution count)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        (stats,) = client.get_inference_statistics(model_name="target_verifier").model_stats
+    finally:
+        client.close()
+    return stats.inference_count - stats.execution_count
+
+
+@pytest.mark.parametrize("server_name", ["server", "ngram_server"], ids=["align_steps-off", "align_steps-on"])
+def test_concurrent_streams_match_one_by_one_and_share_forwards(server_name, request):
+    server = request.getfixturevalue(server_name)
     params = {"stream": True, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
     generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], params)  # warm up every model
     start = time.perf_counter()
@@ -53,6 +65,7 @@ def test_concurrent_streams_match_one_by_one_and_overlap(server):
         together[i] = generate_grpc(server.grpc_url, "ensemble", PROMPTS[i], params).text
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(NUM_STREAMS)]
+    batched_before = target_batched_requests(server)
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -60,9 +73,9 @@ def test_concurrent_streams_match_one_by_one_and_overlap(server):
         thread.join()
     concurrent_s = time.perf_counter() - start
     assert together == alone
-    # Eight at once must take well under the time of eight one after another.
+    # They ran at once: the target verified several of them in one forward (speed is the benchmark's job).
+    assert target_batched_requests(server) > batched_before
     print(f"8 one by one: {one_by_one_s:.2f} s, 8 concurrent: {concurrent_s:.2f} s")
-    assert concurrent_s < 0.7 * one_by_one_s, (one_by_one_s, concurrent_s)
     wait_until_idle(server)
 
 
