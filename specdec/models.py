@@ -69,6 +69,31 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+class OwnsOneModel:
+    """What a verifier or draft proposer reports about the one cached model it owns (``self._lm``).
+
+    ``_lm`` is a :class:`CachedCausalLM` or a :class:`specdec.fast.FastCausalLM`; both keep
+    ``num_sequences``, ``vocab_size``, ``max_model_len`` and ``release``.
+    """
+
+    _lm: CachedCausalLM
+
+    @property
+    def num_active_sequences(self) -> int:
+        return self._lm.num_sequences
+
+    @property
+    def vocab_size(self) -> int:
+        return self._lm.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._lm.max_model_len
+
+    def release(self, seq_id: str) -> None:
+        self._lm.release(seq_id)
+
+
 class CachedCausalLM:
     """One causal LM serving many sequences, each with its own ``DynamicCache``.
 

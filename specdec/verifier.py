@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specdec.models import CachedCausalLM
+from specdec.models import CachedCausalLM, OwnsOneModel
 from specdec.sampling import greedy_tokens, process_logits
 from specdec.types import VerifyRequest, VerifyResult
 
@@ -25,7 +25,7 @@ def verify_result(logits: torch.Tensor, request: VerifyRequest) -> VerifyResult:
     return VerifyResult(argmax=argmax, probs=process_logits(logits, request.sampling, *banned))
 
 
-class TargetVerifier:
+class TargetVerifier(OwnsOneModel):
     """Verifies drafts with any Hugging Face ``AutoModelForCausalLM``.
 
     Requests in a batch run one after another over per-sequence ``DynamicCache``s;
@@ -35,22 +35,7 @@ class TargetVerifier:
     def __init__(self, model: PreTrainedModel, device: str | torch.device = "cpu", max_model_len: int | None = None):
         self._lm = CachedCausalLM(model, device, max_model_len)
 
-    @property
-    def num_active_sequences(self) -> int:
-        return self._lm.num_sequences
-
-    @property
-    def vocab_size(self) -> int:
-        return self._lm.vocab_size
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self._lm.max_model_len
-
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         return [
             verify_result(self._lm.forward(r.seq_id, r.position, r.token_ids, r.num_logits), r) for r in requests
         ]
-
-    def release(self, seq_id: str) -> None:
-        self._lm.release(seq_id)

@@ -14,42 +14,20 @@ import os
 
 import torch
 
-from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS
 from specdec.fast.runner import FastCausalLM, ForwardCall
-from specdec.models import common_prefix_length
+from specdec.models import OwnsOneModel, common_prefix_length
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
 
-class FastDraftProposer:
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        dtype: str = "auto",
-        device: str | torch.device = "cpu",
-        max_num_seqs: int = 8,
-        max_model_len: int | None = None,
-        cuda_graphs: bool | None = None,
-        *,
-        graph_num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS,
-        triton_attention: bool = False,
-    ):
-        self._lm = FastCausalLM(
-            path, dtype, device, max_num_seqs, max_model_len, cuda_graphs,
-            graph_num_tokens=graph_num_tokens, triton_attention=triton_attention,
-        )
+class FastDraftProposer(OwnsOneModel):
+    def __init__(self, path: str | os.PathLike, *args, **kwargs):
+        """Arguments: those of :class:`~specdec.fast.runner.FastCausalLM`, which owns the model and its cache."""
+        self._lm = FastCausalLM(path, *args, **kwargs)
         self._token_ids: dict[str, list[int]] = {}  # the ids each slot holds, in order
 
-    @property
-    def num_active_sequences(self) -> int:
-        return self._lm.num_sequences
-
-    @property
-    def vocab_size(self) -> int:
-        return self._lm.vocab_size
-
     def release(self, seq_id: str) -> None:
-        self._lm.release(seq_id)
+        super().release(seq_id)
         self._token_ids.pop(seq_id, None)
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specdec.models import CachedCausalLM, common_prefix_length, model_vocab_size
+from specdec.models import CachedCausalLM, OwnsOneModel, common_prefix_length, model_vocab_size
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
@@ -26,19 +26,12 @@ def check_vocab_compatible(draft_model: PreTrainedModel, target_model: PreTraine
         )
 
 
-class DraftModelProposer:
+class DraftModelProposer(OwnsOneModel):
     def __init__(self, model: PreTrainedModel, device: str | torch.device = "cpu", max_model_len: int | None = None):
         self._lm = CachedCausalLM(model, device, max_model_len)
 
-    @property
-    def num_active_sequences(self) -> int:
-        return self._lm.num_sequences
-
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         return [self._propose_one(request) for request in requests]
-
-    def release(self, seq_id: str) -> None:
-        self._lm.release(seq_id)
 
     def _propose_one(self, request: ProposeRequest) -> Proposal:
         k, tokens, seq_id = request.num_tokens, request.token_ids, request.seq_id
