@@ -15,7 +15,7 @@ All calls take a list of requests, so a batched engine can serve them in one pas
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -86,6 +86,26 @@ class VerifyResult:
 class SampleResult:
     output_token_ids: torch.Tensor  # [num_accepted + 1] int64: accepted + recovered/bonus
     num_accepted: int
+
+
+@dataclass(frozen=True)
+class SampleCall:
+    """One sequence's rejection-sampling input: its drafts, ``q``, the target's result and a seed."""
+
+    draft_token_ids: torch.Tensor  # [k] int64
+    draft_probs: torch.Tensor | None  # [k, vocab] q; None -> one-hot q at the drafts
+    verify: VerifyResult  # argmax [k + 1]; probs [k + 1, vocab] p or None (greedy)
+    seed: int | None  # None -> a fresh random seed
+    method: str | None = None  # overrides the sampler's configured method
+
+    def to(self, device: str | torch.device) -> SampleCall:
+        probs = self.verify.probs
+        return replace(
+            self,
+            draft_token_ids=self.draft_token_ids.to(device),
+            draft_probs=None if self.draft_probs is None else self.draft_probs.to(device),
+            verify=VerifyResult(self.verify.argmax.to(device), None if probs is None else probs.to(device)),
+        )
 
 
 @dataclass

@@ -5,9 +5,9 @@ import asyncio
 
 import numpy as np
 
-from specdec.types import Proposal, ProposeRequest, SampleResult, VerifyRequest, VerifyResult
+from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
-from specdec_triton.orchestrator import Limits, Ready, Tokenized
+from specdec_triton.orchestrator import Limits, Tokenized
 from specdec_triton.plumbing import ModelLogger, bls, bytes_array, ensure_bls_threads
 
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
@@ -35,7 +35,7 @@ class BlsStages:
         return out["text_output"].reshape(-1)[0].decode("utf-8")
 
     async def limits(self) -> Limits:
-        probe = wire.release_inputs(_LIMITS_PROBE_SEQ_ID)
+        probe = wire.release_inputs([_LIMITS_PROBE_SEQ_ID])
         verifier, proposer = await asyncio.gather(
             bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS, batched=True),
             bls(wire.DRAFT_PROPOSER, probe, wire.PROPOSE_OUTPUTS, batched=True),
@@ -46,28 +46,25 @@ class BlsStages:
             vocab_size=int(verifier["vocab_size"][0]),
             max_num_seqs=min(max_num_seqs, default=None),
         )
-        # every running sequence has one call in flight, two while it is released
+        # at most one call in flight per sequence, two while it is released
         ensure_bls_threads(2 * (limits.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
         return limits
 
-    async def propose(self, request: ProposeRequest, ready: Ready | None = None) -> Proposal:
-        inputs = wire.propose_inputs(request)
-        out = await bls(wire.DRAFT_PROPOSER, inputs, wire.PROPOSE_OUTPUTS, batched=True, ready=ready)
-        return wire.proposal_of(out)
+    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(requests), wire.PROPOSE_OUTPUTS, batched=True)
+        return wire.proposals_of(out)
 
-    async def verify(self, request: VerifyRequest, ready: Ready | None = None) -> VerifyResult:
-        inputs = wire.verify_inputs(request)
-        out = await bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True, ready=ready)
-        return wire.verify_result_of(out)
+    async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        out = await bls(wire.TARGET_VERIFIER, wire.verify_inputs(requests), wire.VERIFY_OUTPUTS, batched=True)
+        return wire.verify_results_of(out, [r.num_logits for r in requests])
 
-    async def sample(self, proposal: Proposal, verify: VerifyResult, seed: int) -> SampleResult:
-        inputs = wire.sample_inputs(proposal.token_ids, proposal.probs, verify, seed)
-        out = await bls(wire.REJECTION_SAMPLER, inputs, wire.SAMPLE_OUTPUTS)
-        return wire.sample_result_of(out)
+    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
+        out = await bls(wire.REJECTION_SAMPLER, wire.sample_inputs(calls), wire.SAMPLE_OUTPUTS)
+        return wire.sample_results_of(out)
 
     async def release(self, seq_id: str) -> None:
         """Frees the sequence in both models that hold state; failures are logged, never raised."""
-        inputs = wire.release_inputs(seq_id)
+        inputs = wire.release_inputs([seq_id])
         results = await asyncio.gather(
             bls(wire.DRAFT_PROPOSER, inputs, wire.PROPOSE_OUTPUTS, batched=True),
             bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),

@@ -107,16 +107,12 @@ class RejectionSamplerConfig:
 class OrchestratorConfig:
     num_speculative_tokens: int  # k by default, and the most a request may ask for
     default_max_tokens: int  # when a request sends no max_tokens
-    # Concurrent sequences send their propose and verify calls together (a step barrier), so
-    # they batch; off, each decodes at its own pace, and the draft and target overlap in time.
-    align_steps: bool = False
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
         config = cls(
             num_speculative_tokens=params.get_int("num_speculative_tokens", 4, minimum=0),
             default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
-            align_steps=params.get_bool("align_steps", False),
         )
         params.check_all_read()
         return config

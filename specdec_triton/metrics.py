@@ -15,6 +15,7 @@ from specdec_triton.plumbing import triton_utils
 
 _COUNTERS = {
     "spec_decode_num_steps": "Target passes of all requests (steps), each request's prefill pass included",
+    "spec_decode_num_verify_calls": "Calls to the target verifier; each carries the steps of one or more sequences",
     "spec_decode_num_drafts": "Speculative steps that proposed at least one draft token",
     "spec_decode_num_draft_tokens": "Draft tokens proposed",
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the rejection sampler",
@@ -53,6 +54,9 @@ class SpecDecodeCounters:
         self._per_position = [
             self._per_position_family.Metric(labels={**labels, "position": str(i)}) for i in range(max_positions)
         ]
+
+    def record_verify_call(self) -> None:
+        self._counters["spec_decode_num_verify_calls"].increment(1)
 
     def record_step(self, num_draft_tokens: int, num_accepted: int, num_output_tokens: int) -> None:
         self._counters["spec_decode_num_steps"].increment(1)

@@ -6,22 +6,19 @@ the calls differ. Like tensorrtllm_backend's ``decode.py`` this file has no
 Triton import: :class:`Stages` is the seam, implemented with BLS requests in
 :mod:`specdec_triton.bls_stages` and with local objects in the tests.
 
-Many requests progress at once because every stage call is awaited: while one
-sequence waits for the target, another drafts, and the calls that meet at a stage
-run there as one dynamic batch. With ``align_steps``, a
-:class:`~specdec_triton.step_barrier.StepBarrier` holds each built propose and
-verify call until every decoding sequence has built its own, so the calls of all
-sequences reach the models together and batch fully, at the price of that overlap.
-No more sequences run than the stages can hold (``max_num_seqs``); later requests
-wait for a free slot. Cancellation is checked
-between steps (a step is the unit of work; Triton does not cancel BLS children), and
-every stage's state for the sequence is released however the request ends.
+Many requests progress at once: each decodes in its own coroutine, and its propose,
+verify and sample calls go through a :class:`~specdec_triton.stage_batcher.StageBatcher`
+per stage, so the calls of the sequences that are ready together leave as one
+request (one BLS round trip, one forward) while another group of sequences is at
+another stage. No more sequences run than the stages can hold (``max_num_seqs``);
+later requests wait for a free slot. Cancellation is checked between steps (a step
+is the unit of work; Triton does not cancel BLS children), and every stage's state
+for the sequence is released however the request ends.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,23 +28,12 @@ import torch
 
 from specdec.detokenize import TextStream
 from specdec.engine import SequenceState, check_token_ids
-from specdec.types import Proposal, ProposeRequest, SampleResult, VerifyRequest, VerifyResult
+from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.plumbing import RequestCancelled, RequestError
 from specdec_triton.request import GenerateRequest, generate_outputs
-from specdec_triton.step_barrier import StepBarrier
-
-
-_PROPOSE_STAGE, _VERIFY_STAGE = 0, 1  # the batched stages of a step, in order, for the step barrier
-
-
-class _NoBarrier:
-    def join(self) -> None: ...
-    def leave(self) -> None: ...
-
-
-_NO_BARRIER = _NoBarrier()
+from specdec_triton.stage_batcher import StageBatcher
 
 
 @dataclass(frozen=True)
@@ -64,23 +50,15 @@ class Limits:
     max_num_seqs: int | None = None  # sequences the stages can hold at once; None: no limit
 
 
-# Awaited by a stage call between building its request and sending it (see StepBarrier).
-Ready = Callable[[], Awaitable[None]]
-
-
 class Stages(Protocol):
-    """The composing models, one awaitable call each.
-
-    ``propose`` and ``verify`` await ``ready`` right before they send, so the calls of
-    all decoding sequences reach the batched models together.
-    """
+    """The composing models, one awaitable call each; propose, verify and sample take a batch of sequences."""
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized: ...
     async def detokenize(self, token_ids: list[int]) -> str: ...
     async def limits(self) -> Limits: ...
-    async def propose(self, request: ProposeRequest, ready: Ready | None = None) -> Proposal: ...
-    async def verify(self, request: VerifyRequest, ready: Ready | None = None) -> VerifyResult: ...
-    async def sample(self, proposal: Proposal, verify: VerifyResult, seed: int) -> SampleResult: ...
+    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
+    async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
+    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]: ...
     async def release(self, seq_id: str) -> None: ...
 
 
@@ -101,8 +79,10 @@ class Orchestrator:
         self.counters = counters
         self.active = active
         self.num_active_sequences = 0
-        # members: the sequences in their decode loop; None: sequences decode at their own pace
-        self.step_barrier = StepBarrier() if config.align_steps else None
+        # one per batched stage: the calls of sequences that are ready together leave as one
+        self.proposals: StageBatcher[ProposeRequest, Proposal] = StageBatcher(stages.propose)
+        self.verifications: StageBatcher[VerifyRequest, VerifyResult] = StageBatcher(self._verify_batch)
+        self.samples: StageBatcher[SampleCall, SampleResult] = StageBatcher(stages.sample)
         self._limits: Limits | None = None
         self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
 
@@ -150,8 +130,6 @@ class Orchestrator:
         """Steps until the sequence finishes; returns the final response's outputs."""
         stream = TextStream()
         streaming: asyncio.Future | None = None  # the last step's detokenize-and-send, running beside the next step
-        barrier = self.step_barrier or _NO_BARRIER
-        barrier.join()
         try:
             while True:
                 if is_cancelled():
@@ -167,7 +145,6 @@ class Orchestrator:
             if streaming is not None:
                 await streaming  # every streamed piece goes out before the final response
         finally:
-            barrier.leave()
             if streaming is not None and not streaming.done():
                 streaming.cancel()  # also cancels the earlier pieces it waits on
                 await asyncio.gather(streaming, return_exceptions=True)
@@ -199,24 +176,21 @@ class Orchestrator:
             self.active.set(self.num_active_sequences)
 
     async def _step(self, state: SequenceState) -> None:
-        """One propose / verify / sample round; with ``align_steps``, each member of the barrier waits twice."""
-        barrier = self.step_barrier
-        propose_ready = functools.partial(barrier.wait, _PROPOSE_STAGE) if barrier else None
-        verify_ready = functools.partial(barrier.wait, _VERIFY_STAGE) if barrier else None
+        """One propose / verify / sample round, each call batched with those of other ready sequences."""
         propose_request = state.propose_request()
-        if propose_request is not None:
-            proposal = await self.stages.propose(propose_request, propose_ready)
-        else:
-            if propose_ready is not None:
-                await propose_ready()  # a sequence with nothing to draft still keeps step with the others
-            proposal = None
-        verify_result = await self.stages.verify(state.verify_request(proposal), verify_ready)
+        proposal = await self.proposals(propose_request) if propose_request is not None else None
+        verify_result = await self.verifications(state.verify_request(proposal))
         if proposal is None:
             proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long))
-        result = await self.stages.sample(proposal, verify_result, state.sample_seed())
+        result = await self.samples(SampleCall(proposal.token_ids, proposal.probs, verify_result, state.sample_seed()))
         step = state.commit(proposal, result)
         if self.counters is not None:
             self.counters.record_step(len(proposal.token_ids), result.num_accepted, len(step.new_token_ids))
+
+    async def _verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        if self.counters is not None:
+            self.counters.record_verify_call()
+        return await self.stages.verify(requests)
 
     @staticmethod
     def _outputs(state: SequenceState, text: str) -> dict:

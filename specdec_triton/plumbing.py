@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -293,14 +293,10 @@ async def bls(
     inputs: Mapping[str, np.ndarray],
     output_names: Sequence[str],
     batched: bool = False,
-    ready: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, np.ndarray]:
     """One BLS request to ``model_name``; returns the requested outputs as numpy arrays.
 
     ``batched``: the model has ``max_batch_size > 0``, so this request is one batch item.
-    ``ready`` is awaited after the request is built and right before it is sent, so the
-    requests that wait on it together leave within microseconds of each other and meet
-    in one dynamic batch.
     """
     pb_utils = triton_utils()
     request = pb_utils.InferenceRequest(
@@ -308,8 +304,6 @@ async def bls(
         inputs=[pb_utils.Tensor(name, array[None] if batched else array) for name, array in inputs.items()],
         requested_output_names=list(output_names),
     )
-    if ready is not None:
-        await ready()
     response = await request.async_exec()
     if response.has_error():
         raise BlsError(response.error().message(), response.error().code())

@@ -7,20 +7,36 @@ without a batch dimension: for the dynamically batched models (draft_proposer,
 target_verifier) ``plumbing.bls(batched=True)`` and ``plumbing.answer_batch`` add and
 strip the one batch item per request.
 
-A distribution that is absent (greedy ``p``, one-hot ``q``) travels as a
-``[0, 0]`` array, so every model always returns the same outputs.
+A request to draft_proposer, target_verifier or rejection_sampler carries one or more
+sequences, packed: a per-sequence value is an ``[S]`` array, a per-sequence list is
+one flat array plus ``num_<name>`` (its length for each sequence), and distributions
+are rows stacked across the sequences that have one, flagged by ``has_<name>``. The
+orchestrator sends the steps of all sequences ready at once as one request, so one
+BLS round trip and one forward serve them all. A lone sequence may leave out the
+``num_*`` and ``has_*`` inputs (the form a client calling a model on its own writes).
+
+A distribution that is absent (greedy ``p``, one-hot ``q``) has no rows; when no
+sequence has one it travels as a ``[0, 0]`` array, so every model always returns the
+same outputs.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from specdec.rejection_sampler import METHODS
-from specdec.types import Proposal, ProposeRequest, SampleResult, SamplingParams, VerifyRequest, VerifyResult
-from specdec_triton.plumbing import RequestError, bytes_array, scalar, text
+from specdec.types import (
+    Proposal,
+    ProposeRequest,
+    SampleCall,
+    SampleResult,
+    SamplingParams,
+    VerifyRequest,
+    VerifyResult,
+)
+from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 TOKENIZER = "tokenizer"
 DETOKENIZER = "detokenizer"
@@ -29,14 +45,16 @@ TARGET_VERIFIER = "target_verifier"
 REJECTION_SAMPLER = "rejection_sampler"
 
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
-PROPOSE_INPUTS = ("seq_id", "release", "token_ids", "num_tokens", *SAMPLING_INPUTS, "seed",
-                  "num_banned_tokens", "banned_token_ids")  # fmt: skip
-PROPOSE_OUTPUTS = ("draft_token_ids", "draft_probs", "max_num_seqs")
-VERIFY_INPUTS = ("seq_id", "release", "position", "token_ids", "num_logits", *SAMPLING_INPUTS,
-                 "num_banned_rows", "banned_token_ids")  # fmt: skip
-VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "max_model_len", "vocab_size", "max_num_seqs")
-SAMPLE_INPUTS = ("draft_token_ids", "draft_probs", "target_probs", "target_token_ids", "seed",
-                 "rejection_sample_method")  # fmt: skip
+BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
+PROPOSE_INPUTS = ("seq_id", "release", "token_ids", "num_token_ids", "num_tokens", *SAMPLING_INPUTS, "seed",
+                  "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
+PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "max_num_seqs")
+VERIFY_INPUTS = ("seq_id", "release", "position", "token_ids", "num_token_ids", "num_logits", *SAMPLING_INPUTS,
+                 "num_banned_rows", *BAN_INPUTS)  # fmt: skip
+VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs", "max_model_len", "vocab_size",
+                  "max_num_seqs")  # fmt: skip
+SAMPLE_INPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
+                 "has_target_probs", "target_token_ids", "seed", "rejection_sample_method")  # fmt: skip
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted")
 TOKENIZE_INPUTS = ("text_input", "stop_words")
 TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
@@ -50,16 +68,12 @@ def _i64(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
+def _i32(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1)
+
+
 def _one(value, dtype) -> np.ndarray:
     return np.array([value], dtype=dtype)
-
-
-def _probs_array(probs: torch.Tensor | None) -> np.ndarray:
-    return _NO_PROBS if probs is None else probs.detach().float().cpu().numpy()
-
-
-def _probs_tensor(array: np.ndarray | None) -> torch.Tensor | None:
-    return None if array is None or array.size == 0 else torch.from_numpy(np.ascontiguousarray(array, np.float32))
 
 
 def _required(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -68,138 +82,234 @@ def _required(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray:
     return inputs[name]
 
 
+# --- packing: per-sequence values, flat lists and stacked distributions -------------------------
+
+
+def _each(inputs: Mapping[str, np.ndarray], name: str, count: int, kind: type, default) -> list:
+    """One value per sequence from an ``[S]`` input; ``default`` for each when it is absent."""
+    if name not in inputs:
+        return [default] * count
+    values = np.asarray(inputs[name]).reshape(-1)
+    if values.size != count:
+        raise RequestError(f"input '{name}' must hold one value per sequence ({count}), got {values.size}")
+    if kind is float and not np.all(np.isfinite(values)):
+        raise RequestError(f"input '{name}' must hold finite numbers, got {values.tolist()}")
+    return [kind(v) for v in values.tolist()]
+
+
+def _flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
+    return _i64([value for values in lists for value in values])
+
+
+def _split(inputs: Mapping[str, np.ndarray], name: str, lengths: list[int] | str, count: int) -> list[list[int]]:
+    """A flat input cut into the sequences' lists; ``lengths`` a str: the input that holds them."""
+    flat = _i64(inputs.get(name, np.zeros(0, np.int64))).tolist()
+    if isinstance(lengths, str):
+        count_name = lengths
+        if count_name not in inputs:
+            if count != 1:
+                raise RequestError(f"input '{count_name}' is required when a request carries {count} sequences")
+            return [flat]
+        lengths = _each(inputs, count_name, count, int, 0)
+        if any(n < 0 for n in lengths):
+            raise RequestError(f"input '{count_name}' must not be negative, got {lengths}")
+    if sum(lengths) != len(flat):
+        raise RequestError(f"input '{name}' holds {len(flat)} values but its sequences' lengths add up to {sum(lengths)}")
+    out, start = [], 0
+    for n in lengths:
+        out.append(flat[start : start + n])
+        start += n
+    return out
+
+
+def _stack_probs(probs: Sequence[torch.Tensor | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the sequences that have a distribution, stacked, and the ``has_*`` flag of each."""
+    present = [p.detach().float().cpu() for p in probs if p is not None]
+    stacked = torch.cat(present).numpy() if present else _NO_PROBS
+    return stacked, np.array([p is not None for p in probs], dtype=np.bool_)
+
+
+def _unstack_probs(
+    inputs: Mapping[str, np.ndarray], name: str, rows: list[int]
+) -> list[torch.Tensor | None]:
+    """Each sequence's ``[rows, vocab]`` slice of ``name``, or None when it has none (``has_<name>``)."""
+    array = inputs.get(name)
+    if array is None or array.size == 0:
+        return [None] * len(rows)
+    tensor = torch.from_numpy(np.ascontiguousarray(array, np.float32))
+    flag_name = f"has_{name}"
+    if flag_name not in inputs:
+        if len(rows) == 1:  # a lone sequence: its distribution, whatever its shape (the model checks it)
+            return [tensor]
+        has = [True] * len(rows)
+    else:
+        has = _each(inputs, flag_name, len(rows), bool, False)
+    wanted = sum(n for n, h in zip(rows, has) if h)
+    if tensor.dim() != 2 or tensor.shape[0] != wanted:
+        raise RequestError(f"input '{name}' must have {wanted} rows (one per position of the flagged sequences), "
+                           f"got shape {list(tensor.shape)}")  # fmt: skip
+    out, start = [], 0
+    for n, h in zip(rows, has):
+        out.append(tensor[start : start + n] if h else None)
+        start += n if h else 0
+    return out
+
+
 # --- per-sequence state: seq_id and release ----------------------------------------------------
 
 
-def release_inputs(seq_id: str) -> dict[str, np.ndarray]:
-    return {"seq_id": bytes_array([seq_id]), "release": _one(True, np.bool_)}
+def release_inputs(seq_ids: Sequence[str]) -> dict[str, np.ndarray]:
+    return {"seq_id": bytes_array(list(seq_ids)), "release": _one(True, np.bool_)}
 
 
-def seq_id_of(inputs: Mapping[str, np.ndarray]) -> str:
-    seq_id = text(inputs, "seq_id")
-    if seq_id is None:
-        raise RequestError("input 'seq_id' is required")
-    return seq_id
+def seq_ids_of(inputs: Mapping[str, np.ndarray]) -> list[str]:
+    seq_ids = texts(inputs, "seq_id")
+    if not seq_ids:
+        raise RequestError("input 'seq_id' is required and must name at least one sequence")
+    return seq_ids
 
 
 def is_release(inputs: Mapping[str, np.ndarray]) -> bool:
     return scalar(inputs, "release", bool, False)
 
 
-def _sampling_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
+def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
     return {
-        "temperature": _one(sampling.temperature, np.float32),
-        "top_k": _one(sampling.top_k, np.int32),
-        "top_p": _one(sampling.top_p, np.float32),
+        "temperature": np.array([s.temperature for s in sampling], dtype=np.float32),
+        "top_k": _i32([s.top_k for s in sampling]),
+        "top_p": np.array([s.top_p for s in sampling], dtype=np.float32),
     }
 
 
-def _sampling_of(inputs: Mapping[str, np.ndarray]) -> SamplingParams:
-    return SamplingParams(
-        temperature=scalar(inputs, "temperature", float, 0.0),
-        top_k=scalar(inputs, "top_k", int, 0),
-        top_p=scalar(inputs, "top_p", float, 1.0),
-    )
+def _sampling_of(inputs: Mapping[str, np.ndarray], count: int) -> list[SamplingParams]:
+    temperature = _each(inputs, "temperature", count, float, 0.0)
+    top_k = _each(inputs, "top_k", count, int, 0)
+    top_p = _each(inputs, "top_p", count, float, 1.0)
+    return [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
 
 
-def _ban_inputs(count_name: str, count: int, banned_token_ids: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """min_tokens: how many positions (drafts or target rows) may not emit ``banned_token_ids``; none: no inputs."""
-    if not count:
+def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """min_tokens: how many positions (drafts or target rows) may not emit each sequence's banned ids."""
+    if not any(counts):
         return {}
-    return {count_name: _one(count, np.int32), "banned_token_ids": _i64(banned_token_ids)}
+    banned = [ids if n else () for n, ids in zip(counts, banned)]
+    return {count_name: _i32(counts), "banned_token_ids": _flat(banned), "num_banned_token_ids": _i32([len(ids) for ids in banned])}
 
 
-def _banned_ids_of(inputs: Mapping[str, np.ndarray]) -> tuple[int, ...]:
-    banned = inputs.get("banned_token_ids")
-    return () if banned is None else tuple(banned.reshape(-1).tolist())
+def _bans_of(inputs: Mapping[str, np.ndarray], count_name: str, count: int) -> list[tuple[int, tuple[int, ...]]]:
+    counts = _each(inputs, count_name, count, int, 0)
+    if "banned_token_ids" not in inputs:
+        return [(n, ()) for n in counts]
+    return [(n, tuple(ids)) for n, ids in zip(counts, _split(inputs, "banned_token_ids", "num_banned_token_ids", count))]
 
 
 # --- draft_proposer ----------------------------------------------------------------------------
 
 
-def propose_inputs(request: ProposeRequest) -> dict[str, np.ndarray]:
+def propose_inputs(requests: Sequence[ProposeRequest]) -> dict[str, np.ndarray]:
     return {
-        "seq_id": bytes_array([request.seq_id]),
-        "token_ids": _i64(request.token_ids),  # [seq_len]: prompt + output so far
-        "num_tokens": _one(request.num_tokens, np.int32),
-        **_sampling_inputs(request.sampling),
-        "seed": _one(request.seed, np.uint64),
-        **_ban_inputs("num_banned_tokens", request.num_banned_tokens, request.banned_token_ids),
+        "seq_id": bytes_array([r.seq_id for r in requests]),  # [S]
+        "token_ids": _flat([r.token_ids for r in requests]),  # each prompt + output so far, concatenated
+        "num_token_ids": _i32([len(r.token_ids) for r in requests]),  # [S]
+        "num_tokens": _i32([r.num_tokens for r in requests]),  # [S]: k
+        **_sampling_inputs([r.sampling for r in requests]),
+        "seed": np.array([r.seed for r in requests], dtype=np.uint64),
+        **_ban_inputs("num_banned_tokens", [r.num_banned_tokens for r in requests],
+                      [r.banned_token_ids for r in requests]),  # fmt: skip
     }
 
 
-def propose_request_of(inputs: Mapping[str, np.ndarray]) -> ProposeRequest:
-    return ProposeRequest(
-        seq_id=seq_id_of(inputs),
-        token_ids=_required(inputs, "token_ids").reshape(-1).tolist(),
-        num_tokens=scalar(inputs, "num_tokens", int, 0),
-        sampling=_sampling_of(inputs),
-        seed=scalar(inputs, "seed", int, 0),
-        num_banned_tokens=scalar(inputs, "num_banned_tokens", int, 0),
-        banned_token_ids=_banned_ids_of(inputs),
+def propose_requests_of(inputs: Mapping[str, np.ndarray]) -> list[ProposeRequest]:
+    seq_ids = seq_ids_of(inputs)
+    count = len(seq_ids)
+    _required(inputs, "token_ids")
+    fields = zip(
+        seq_ids,
+        _split(inputs, "token_ids", "num_token_ids", count),
+        _each(inputs, "num_tokens", count, int, 0),
+        _sampling_of(inputs, count),
+        _each(inputs, "seed", count, int, 0),
+        _bans_of(inputs, "num_banned_tokens", count),
     )
+    return [
+        ProposeRequest(seq_id, token_ids, num_tokens, sampling, seed, num_banned, banned)
+        for seq_id, token_ids, num_tokens, sampling, seed, (num_banned, banned) in fields
+    ]
 
 
-def proposal_outputs(proposal: Proposal | None, max_num_seqs: int | None) -> dict[str, np.ndarray]:
-    """``proposal`` None answers a release. ``max_num_seqs``: the sequences it can hold (None: no limit)."""
+def proposal_outputs(proposals: Sequence[Proposal], max_num_seqs: int | None) -> dict[str, np.ndarray]:
+    """One proposal per sequence of the request (none for a release); ``max_num_seqs`` None: no limit."""
+    probs, has_probs = _stack_probs([p.probs for p in proposals])
     return {
-        "draft_token_ids": _i64([] if proposal is None else proposal.token_ids.cpu().numpy()),  # [k']
-        "draft_probs": _probs_array(None if proposal is None else proposal.probs),  # [k', vocab] q or [0, 0]
+        "draft_token_ids": _flat([p.token_ids.cpu().tolist() for p in proposals]),  # [sum of k'], k' <= k
+        "num_draft_tokens": _i32([len(p.token_ids) for p in proposals]),  # [S]: k' of each sequence
+        "draft_probs": probs,  # [sum of k' over has_draft_probs, vocab] q; one-hot q has no rows
+        "has_draft_probs": has_probs,  # [S]
         "max_num_seqs": _one(max_num_seqs or 0, np.int64),  # 0: no limit
     }
 
 
-def proposal_of(outputs: Mapping[str, np.ndarray]) -> Proposal:
-    return Proposal(
-        token_ids=torch.from_numpy(_i64(outputs["draft_token_ids"]).copy()),
-        probs=_probs_tensor(outputs.get("draft_probs")),
-    )
+def proposals_of(outputs: Mapping[str, np.ndarray]) -> list[Proposal]:
+    count = np.asarray(outputs["num_draft_tokens"]).size
+    token_ids = _split(outputs, "draft_token_ids", "num_draft_tokens", count)
+    probs = _unstack_probs(outputs, "draft_probs", [len(ids) for ids in token_ids])
+    return [Proposal(token_ids=torch.tensor(ids, dtype=torch.long), probs=q) for ids, q in zip(token_ids, probs)]
 
 
 # --- target_verifier ---------------------------------------------------------------------------
 
 
-def verify_inputs(request: VerifyRequest) -> dict[str, np.ndarray]:
+def verify_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
     return {
-        "seq_id": bytes_array([request.seq_id]),
-        "position": _one(request.position, np.int64),
-        "token_ids": _i64(request.token_ids),  # [n]: tokens not yet in the target's cache
-        "num_logits": _one(request.num_logits, np.int32),
-        **_sampling_inputs(request.sampling),
-        **_ban_inputs("num_banned_rows", request.num_banned_rows, request.banned_token_ids),
+        "seq_id": bytes_array([r.seq_id for r in requests]),  # [S]
+        "position": _i64([r.position for r in requests]),  # [S]
+        "token_ids": _flat([r.token_ids for r in requests]),  # tokens not yet in the target's cache, concatenated
+        "num_token_ids": _i32([len(r.token_ids) for r in requests]),  # [S]
+        "num_logits": _i32([r.num_logits for r in requests]),  # [S]: k + 1
+        **_sampling_inputs([r.sampling for r in requests]),
+        **_ban_inputs("num_banned_rows", [r.num_banned_rows for r in requests],
+                      [r.banned_token_ids for r in requests]),  # fmt: skip
     }
 
 
-def verify_request_of(inputs: Mapping[str, np.ndarray]) -> VerifyRequest:
-    return VerifyRequest(
-        seq_id=seq_id_of(inputs),
-        position=scalar(inputs, "position", int, 0),
-        token_ids=_required(inputs, "token_ids").reshape(-1).tolist(),
-        num_logits=scalar(inputs, "num_logits", int, 1),
-        sampling=_sampling_of(inputs),
-        num_banned_rows=scalar(inputs, "num_banned_rows", int, 0),
-        banned_token_ids=_banned_ids_of(inputs),
+def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
+    seq_ids = seq_ids_of(inputs)
+    count = len(seq_ids)
+    _required(inputs, "token_ids")
+    fields = zip(
+        seq_ids,
+        _each(inputs, "position", count, int, 0),
+        _split(inputs, "token_ids", "num_token_ids", count),
+        _each(inputs, "num_logits", count, int, 1),
+        _sampling_of(inputs, count),
+        _bans_of(inputs, "num_banned_rows", count),
     )
+    return [
+        VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned)
+        for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned) in fields
+    ]
 
 
 def verify_outputs(
-    result: VerifyResult | None, max_model_len: int | None, vocab_size: int, max_num_seqs: int | None
+    results: Sequence[VerifyResult], max_model_len: int | None, vocab_size: int, max_num_seqs: int | None
 ) -> dict[str, np.ndarray]:
-    """``result`` None answers a release. Every response also reports the limits requests are checked against."""
+    """One result per sequence (none for a release); every response also reports the limits."""
+    probs, has_probs = _stack_probs([r.probs for r in results])
     return {
-        "target_token_ids": _i64([] if result is None else result.argmax.cpu().numpy()),  # [num_logits]
-        "target_probs": _probs_array(None if result is None else result.probs),  # [num_logits, vocab] p or [0, 0]
+        "target_token_ids": _flat([r.argmax.cpu().tolist() for r in results]),  # [sum of num_logits] argmax
+        "target_probs": probs,  # [sum of num_logits over has_target_probs, vocab] p; greedy has no rows
+        "has_target_probs": has_probs,  # [S]
         "max_model_len": _one(max_model_len or 0, np.int64),  # 0: no limit
         "vocab_size": _one(vocab_size, np.int64),
         "max_num_seqs": _one(max_num_seqs or 0, np.int64),  # 0: no limit
     }
 
 
-def verify_result_of(outputs: Mapping[str, np.ndarray]) -> VerifyResult:
-    return VerifyResult(
-        argmax=torch.from_numpy(_i64(outputs["target_token_ids"]).copy()),
-        probs=_probs_tensor(outputs.get("target_probs")),
-    )
+def verify_results_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[int]) -> list[VerifyResult]:
+    """The results of a request whose sequences asked for ``num_logits`` rows each."""
+    argmax = _split(outputs, "target_token_ids", list(num_logits), len(num_logits))
+    probs = _unstack_probs(outputs, "target_probs", list(num_logits))
+    return [VerifyResult(argmax=torch.tensor(ids, dtype=torch.long), probs=p) for ids, p in zip(argmax, probs)]
 
 
 def optional_limit(outputs: Mapping[str, np.ndarray], name: str) -> int | None:
@@ -210,77 +320,63 @@ def optional_limit(outputs: Mapping[str, np.ndarray], name: str) -> int | None:
 # --- rejection_sampler -------------------------------------------------------------------------
 
 
-def sample_inputs(
-    draft_token_ids: torch.Tensor,  # [k]
-    draft_probs: torch.Tensor | None,  # [k, vocab] q or None (one-hot)
-    verify: VerifyResult,
-    seed: int,
-) -> dict[str, np.ndarray]:
+def sample_inputs(calls: Sequence[SampleCall]) -> dict[str, np.ndarray]:
+    """One rejection_sampler request for ``calls``; their ``method`` must agree (it is one per request)."""
+    methods = {call.method for call in calls}
+    if len(methods) > 1:
+        raise ValueError(f"one rejection_sampler request takes one method, got {sorted(map(str, methods))}")
+    draft_probs, has_draft_probs = _stack_probs([call.draft_probs for call in calls])
+    target_probs, has_target_probs = _stack_probs([call.verify.probs for call in calls])
     inputs = {
-        "draft_token_ids": _i64(draft_token_ids.cpu().numpy()),
-        "target_token_ids": _i64(verify.argmax.cpu().numpy()),  # [k + 1]
-        "seed": _one(seed, np.uint64),
+        "draft_token_ids": _flat([call.draft_token_ids.cpu().tolist() for call in calls]),  # [sum of k]
+        "num_draft_tokens": _i32([len(call.draft_token_ids) for call in calls]),  # [S]
+        "target_token_ids": _flat([call.verify.argmax.cpu().tolist() for call in calls]),  # [sum of k + 1]
+        "seed": np.array([call.seed for call in calls], dtype=np.uint64),
     }
-    if draft_probs is not None:
-        inputs["draft_probs"] = _probs_array(draft_probs)
-    if verify.probs is not None:
-        inputs["target_probs"] = _probs_array(verify.probs)  # [k + 1, vocab]
+    if has_draft_probs.any():
+        inputs.update(draft_probs=draft_probs, has_draft_probs=has_draft_probs)
+    if has_target_probs.any():
+        inputs.update(target_probs=target_probs, has_target_probs=has_target_probs)
+    (method,) = methods
+    if method is not None:
+        inputs["rejection_sample_method"] = bytes_array([method])
     return inputs
 
 
-@dataclass(frozen=True)
-class SampleCall:
-    """One rejection_sampler request, decoded."""
-
-    draft_token_ids: torch.Tensor  # [k] int64
-    draft_probs: torch.Tensor | None  # [k, vocab] q; None -> one-hot at the drafts
-    verify: VerifyResult  # argmax [k + 1]; probs [k + 1, vocab] p or None (greedy)
-    seed: int | None  # None -> a fresh random seed
-    method: str | None  # per-request override of the configured method
-
-    def to(self, device: str) -> SampleCall:
-        probs = self.verify.probs
-        return replace(
-            self,
-            draft_token_ids=self.draft_token_ids.to(device),
-            draft_probs=None if self.draft_probs is None else self.draft_probs.to(device),
-            verify=VerifyResult(self.verify.argmax.to(device), None if probs is None else probs.to(device)),
-        )
-
-
-def sample_call_of(inputs: Mapping[str, np.ndarray]) -> SampleCall:
-    draft_token_ids = torch.from_numpy(_i64(_required(inputs, "draft_token_ids")).copy())
-    target_probs = _probs_tensor(inputs.get("target_probs"))
+def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
+    _required(inputs, "draft_token_ids")
+    count = np.asarray(inputs["num_draft_tokens"]).size if "num_draft_tokens" in inputs else 1
+    drafts = _split(inputs, "draft_token_ids", "num_draft_tokens", count)
+    rows = [len(d) + 1 for d in drafts]
+    target_probs = _unstack_probs(inputs, "target_probs", rows)
     if "target_token_ids" in inputs:
-        argmax = torch.from_numpy(_i64(inputs["target_token_ids"]).copy())
-    elif target_probs is not None:
-        argmax = target_probs.argmax(dim=-1)  # [k + 1]
+        argmax = [torch.tensor(ids, dtype=torch.long) for ids in _split(inputs, "target_token_ids", rows, count)]
+    elif all(p is not None for p in target_probs):
+        argmax = [p.argmax(dim=-1) for p in target_probs]  # [k + 1] each
     else:
         raise RequestError("one of the inputs 'target_probs' or 'target_token_ids' is required")
     method = text(inputs, "rejection_sample_method")
     if method is not None and method not in METHODS:
         raise RequestError(f"input 'rejection_sample_method' must be one of {METHODS}, got {method!r}")
-    return SampleCall(
-        draft_token_ids=draft_token_ids,
-        draft_probs=_probs_tensor(inputs.get("draft_probs")),
-        verify=VerifyResult(argmax=argmax, probs=target_probs),
-        seed=scalar(inputs, "seed", int),
-        method=method,
-    )
+    fields = zip(drafts, _unstack_probs(inputs, "draft_probs", [len(d) for d in drafts]), argmax, target_probs,
+                 _each(inputs, "seed", count, int, None))  # fmt: skip
+    return [
+        SampleCall(torch.tensor(d, dtype=torch.long), q, VerifyResult(argmax=a, probs=p), seed, method)
+        for d, q, a, p, seed in fields
+    ]
 
 
-def sample_result_outputs(result: SampleResult) -> dict[str, np.ndarray]:
+def sample_result_outputs(results: Sequence[SampleResult]) -> dict[str, np.ndarray]:
     return {
-        "output_token_ids": _i64(result.output_token_ids.cpu().numpy()),  # [num_accepted + 1]
-        "num_accepted": _one(result.num_accepted, np.int32),
+        "output_token_ids": _flat([r.output_token_ids.cpu().tolist() for r in results]),  # [sum of accepted + 1]
+        "num_accepted": _i32([r.num_accepted for r in results]),  # [S]
     }
 
 
-def sample_result_of(outputs: Mapping[str, np.ndarray]) -> SampleResult:
-    return SampleResult(
-        output_token_ids=torch.from_numpy(_i64(outputs["output_token_ids"]).copy()),
-        num_accepted=int(outputs["num_accepted"][0]),
-    )
+def sample_results_of(outputs: Mapping[str, np.ndarray]) -> list[SampleResult]:
+    accepted = _i32(outputs["num_accepted"]).tolist()
+    tokens = _split(outputs, "output_token_ids", [n + 1 for n in accepted], len(accepted))
+    return [SampleResult(torch.tensor(ids, dtype=torch.long), n) for ids, n in zip(tokens, accepted)]
 
 
 # --- tokenizer: stop words travel as one flat id array plus lengths -----------------------------

@@ -60,7 +60,7 @@ class LocalStages:
         self.fail_detokenize_at: int | None = None  # fail every detokenize call of at least this many tokens
         self.max_num_seqs: int | None = None
         self.peak_sequences = 0
-        self.sent: list[str] = []  # the batched stage of each propose / verify call, in the order they are sent
+        self.sent: list[tuple[str, int]] = []  # (stage, sequences) of each propose / verify / sample call, in order
         self.draft_delays: dict[str, int] = {}  # seq_id -> extra event-loop turns each of its proposals takes
 
     async def tokenize(self, text, stop_words):
@@ -81,29 +81,27 @@ class LocalStages:
     async def limits(self):
         return Limits(self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs)
 
-    async def propose(self, request, ready=None):
+    async def propose(self, requests):
         await asyncio.sleep(0)
-        if ready is not None:
-            await ready()
-        self.sent.append("propose")
-        for _ in range(self.draft_delays.setdefault(request.seq_id, len(self.draft_delays) % 3)):
+        self.sent.append(("propose", len(requests)))
+        delays = [self.draft_delays.setdefault(r.seq_id, len(self.draft_delays) % 3) for r in requests]
+        for _ in range(max(delays)):
             await asyncio.sleep(0)  # sequences draft at different speeds, as they do in a server
-        return self.proposer.propose([request])[0]
+        return self.proposer.propose(requests)
 
-    async def verify(self, request, ready=None):
+    async def verify(self, requests):
         await asyncio.sleep(0)
-        if ready is not None:
-            await ready()
-        self.sent.append("verify")
-        if self.fail_verify_after is not None and request.position >= self.fail_verify_after:
+        self.sent.append(("verify", len(requests)))
+        if self.fail_verify_after is not None and any(r.position >= self.fail_verify_after for r in requests):
             raise RuntimeError("verifier failed")
-        result = self.verifier.verify([request])[0]
+        results = self.verifier.verify(requests)
         self.peak_sequences = max(self.peak_sequences, self.verifier.num_active_sequences)
-        return result
+        return results
 
-    async def sample(self, proposal, verify, seed):
+    async def sample(self, calls):
         await asyncio.sleep(0)
-        return self.sampler(proposal.token_ids, proposal.probs, verify, seed)
+        self.sent.append(("sample", len(calls)))
+        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed) for c in calls]
 
     async def release(self, seq_id):
         self.proposer.release(seq_id)
@@ -124,14 +122,14 @@ def models(codec, tiny_llama):
     return tiny_llama(seed=0, vocab_size=vocab), tiny_llama(seed=1, vocab_size=vocab, num_hidden_layers=1)
 
 
-def make_orchestrator(codec, models, method="draft_model", k=K, align_steps=False):
+def make_orchestrator(codec, models, method="draft_model", k=K):
     target, draft = models
     proposer = DraftModelProposer(draft) if method == "draft_model" else NgramProposer(1, 3)
     stages = LocalStages(codec, proposer, TargetVerifier(target, max_model_len=MAX_MODEL_LEN), RejectionSampler())
     FakeFamily.metrics = {}
     counters = SpecDecodeCounters("sd", k, family_type=FakeFamily)
     active = ActiveSequences("sd", family_type=FakeFamily)
-    return Orchestrator(stages, OrchestratorConfig(k, 16, align_steps), counters, active), stages
+    return Orchestrator(stages, OrchestratorConfig(k, 16), counters, active), stages
 
 
 def request(text, **overrides):
@@ -222,27 +220,42 @@ def test_concurrent_requests_match_one_by_one(codec, models):
     assert orchestrator.num_active_sequences == 0 and stages.verifier.num_active_sequences == 0
 
 
-def run_lengths(stages: list[str]) -> list[int]:
-    """Lengths of the runs of consecutive calls to one stage: the calls that could share a batch."""
-    runs = [1]
-    for previous, current in zip(stages, stages[1:]):
-        runs[-1:] = [runs[-1] + 1] if current == previous else [runs[-1], 1]
-    return runs
+def test_concurrent_steps_share_stage_calls(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models)
+    alone = [text_of(run(orchestrator, request(p))) for p in PROMPTS]
+    one_by_one = len(stages.sent)
+    stages.sent.clear()
+    verify_calls = FakeFamily.metrics[("spec_decode_num_verify_calls", (("model", "sd"),))]
+    calls_before, batcher_calls_before = verify_calls.value, orchestrator.verifications.num_calls
+    assert run_together(orchestrator, PROMPTS) == alone
+    sizes = {stage: [n for s, n in stages.sent if s == stage] for stage in ("propose", "verify", "sample")}
+    for stage, calls in sizes.items():  # the same sequence-steps, in fewer and fuller calls
+        assert max(calls) == len(PROMPTS), stage
+    assert sum(n for _, n in stages.sent) == one_by_one and len(stages.sent) < one_by_one / 2
+    calls = verify_calls.value - calls_before
+    assert calls == len(sizes["verify"]) == orchestrator.verifications.num_calls - batcher_calls_before
 
 
-def test_align_steps_sends_the_calls_of_a_step_together(codec, models):
-    reference, _ = make_orchestrator(codec, models)
-    alone = [text_of(run(reference, request(p))) for p in PROMPTS]
-    free, free_stages = make_orchestrator(codec, models)
-    aligned, aligned_stages = make_orchestrator(codec, models, align_steps=True)
-    assert run_together(free, PROMPTS) == run_together(aligned, PROMPTS) == alone
-    assert aligned.step_barrier.num_members == 0  # every request left the barrier
-    free_runs, aligned_runs = run_lengths(free_stages.sent), run_lengths(aligned_stages.sent)
-    # while all four decode, every propose and verify round holds all four calls (a round of a
-    # stage with fewer callers, e.g. nothing left to draft, can merge with the next)
-    full = [n for n in aligned_runs if n >= len(PROMPTS)]
-    assert len(full) >= 2 * 4 and sum(full) / len(aligned_stages.sent) > 0.5
-    assert len(aligned_runs) < len(free_runs)
+def test_one_failing_sequence_does_not_fail_the_others(codec, models):
+    """A failed batched call is retried per sequence: only the sequence that fails alone gets the error."""
+    orchestrator, stages = make_orchestrator(codec, models)
+    short, long = "ab", "the quick brown fox jumps over"
+    expected = text_of(run(orchestrator, request(short, max_tokens=4)))
+    stages.fail_verify_after = len(codec.encode_prompt(long)) + 2  # only the long prompt gets that far
+
+    async def together():
+        return await asyncio.gather(
+            orchestrator.generate(request(short, max_tokens=4), lambda out, final: got.append((out, final)),
+                                  lambda: False),
+            orchestrator.generate(request(long), lambda out, final: None, lambda: False),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    got = []
+    first, second = asyncio.run(together())
+    assert first is None and text_of(got) == expected
+    assert isinstance(second, RuntimeError) and "verifier failed" in str(second)
+    assert len(stages.released) == 3 and orchestrator.num_active_sequences == 0
 
 
 def test_no_more_sequences_than_the_stages_hold(codec, models):
@@ -324,5 +337,5 @@ def test_counters_add_up(codec, models):
     assert per_position == sorted(per_position, reverse=True)
     assert sum(per_position) == value["spec_decode_num_accepted_tokens"]
     assert value["spec_decode_num_drafts"] <= value["spec_decode_num_draft_tokens"]
-    assert value["spec_decode_num_steps"] == stages.sent.count("verify")  # one target pass per step
+    assert value["spec_decode_num_steps"] == sum(n for stage, n in stages.sent if stage == "verify")  # a pass per step
     assert value["spec_decode_num_drafts"] + len(outputs) <= value["spec_decode_num_steps"]

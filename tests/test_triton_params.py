@@ -103,8 +103,7 @@ def test_component_configs_parse_and_reject(tmp_path):
         RejectionSamplerConfig.from_parameters(params(rejection_sample_method="greedy"))
     with pytest.raises(ParameterError, match=r"'synthetic_acceptance_rate' must be a number in \[0.0, 1.0\]"):
         RejectionSamplerConfig.from_parameters(params(synthetic_acceptance_rate="2"))
-    assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(4, 64, align_steps=False)
-    assert OrchestratorConfig.from_parameters(params(align_steps="true")).align_steps is True
+    assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(4, 64)
     with pytest.raises(ParameterError, match=r"'num_speculative_tokens' must be an integer >= 0, got '-1'"):
         OrchestratorConfig.from_parameters(params(num_speculative_tokens="-1"))
 

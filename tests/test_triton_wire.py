@@ -9,7 +9,15 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from specdec.types import Proposal, ProposeRequest, SampleResult, SamplingParams, VerifyRequest, VerifyResult
+from specdec.types import (
+    Proposal,
+    ProposeRequest,
+    SampleCall,
+    SampleResult,
+    SamplingParams,
+    VerifyRequest,
+    VerifyResult,
+)
 from specdec_triton import configs, wire
 from specdec_triton.plumbing import Parameters, RequestError
 from specdec_triton.request import GENERATE_INPUTS, GENERATE_OUTPUTS
@@ -44,7 +52,9 @@ def test_config_declares_exactly_the_wire_tensors(model):
     assert [t.name for t in config.output] == list(outputs)
     if model in BATCHED:  # one batch item per request, so that concurrent sequences share a forward
         assert config.max_batch_size > 0 and config.HasField("dynamic_batching")
+        # a request carries any number of sequences: every per-sequence input is ragged
         assert all(t.allow_ragged_batch for t in config.input if list(t.dims) == [-1])
+        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release"]
     else:
         assert config.max_batch_size == 0
 
@@ -67,57 +77,111 @@ def test_ensemble_maps_every_public_tensor_to_speculative_decoding():
     assert load_config("speculative_decoding").model_transaction_policy.decoupled
 
 
-def test_propose_round_trip():
-    request = ProposeRequest("s1", [1, 2, 3], 4, SAMPLING, seed=2**63 + 5)
-    assert wire.propose_request_of(wire.propose_inputs(request)) == request
-    banned = ProposeRequest("s1", [1, 2, 3], 4, SAMPLING, seed=1, num_banned_tokens=2, banned_token_ids=(0, 9))
-    assert wire.propose_request_of(wire.propose_inputs(banned)) == banned
+GREEDY = SamplingParams()
+
+
+def test_propose_round_trip_of_packed_sequences():
+    requests = [
+        ProposeRequest("s1", [1, 2, 3], 4, SAMPLING, seed=2**63 + 5),
+        ProposeRequest("s2", [7], 2, GREEDY, seed=1, num_banned_tokens=2, banned_token_ids=(0, 9)),
+        ProposeRequest("s3", [4, 5], 0, GREEDY, seed=3, num_banned_tokens=1, banned_token_ids=(8,)),
+    ]
+    assert wire.propose_requests_of(wire.propose_inputs(requests)) == requests
+    assert "banned_token_ids" not in wire.propose_inputs(requests[:1])  # no bans, no ban inputs
     q = torch.softmax(torch.randn(2, 7), dim=-1)  # [k, vocab]
-    outputs = wire.proposal_outputs(Proposal(torch.tensor([3, 4]), q), max_num_seqs=8)
-    back = wire.proposal_of(outputs)
-    assert back.token_ids.tolist() == [3, 4] and torch.equal(back.probs, q)
+    proposals = [Proposal(torch.tensor([3, 4]), q), Proposal(torch.tensor([5]), None), Proposal(torch.tensor([]))]
+    outputs = wire.proposal_outputs(proposals, max_num_seqs=8)
+    back = wire.proposals_of(outputs)
+    assert [p.token_ids.tolist() for p in back] == [[3, 4], [5], []]
+    assert torch.equal(back[0].probs, q) and back[1].probs is None and back[2].probs is None
     assert wire.optional_limit(outputs, "max_num_seqs") == 8
-    one_hot = wire.proposal_of(wire.proposal_outputs(Proposal(torch.tensor([3]), None), max_num_seqs=None))
-    assert one_hot.probs is None
-    released = wire.proposal_outputs(None, max_num_seqs=None)
-    assert len(wire.proposal_of(released).token_ids) == 0 and wire.optional_limit(released, "max_num_seqs") is None
+    released = wire.proposal_outputs([], max_num_seqs=None)
+    assert wire.proposals_of(released) == [] and wire.optional_limit(released, "max_num_seqs") is None
+
+
+def test_a_lone_sequence_may_leave_out_the_counts():
+    """A client calling a model on its own sends one sequence the short way: no num_* inputs."""
+    inputs = {"seq_id": np.array([b"s"], dtype=np.object_), "token_ids": np.array([1, 2, 3]),
+              "num_tokens": np.array([2], dtype=np.int32)}  # fmt: skip
+    (request,) = wire.propose_requests_of(inputs)
+    assert (request.seq_id, request.token_ids, request.num_tokens, request.sampling) == ("s", [1, 2, 3], 2, GREEDY)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_token_ids": None}, r"'num_token_ids' is required when a request carries 2 sequences"),
+        ({"num_token_ids": np.array([1, 1], dtype=np.int32)}, r"'token_ids' holds 3 values but .* add up to 2"),
+        ({"num_tokens": np.array([2], dtype=np.int32)}, r"'num_tokens' must hold one value per sequence \(2\), got 1"),
+        ({"temperature": np.array([0.5, np.nan], dtype=np.float32)}, r"'temperature' must hold finite numbers"),
+        ({"seq_id": np.array([], dtype=np.object_)}, r"'seq_id' is required and must name at least one sequence"),
+    ],
+)
+def test_packed_inputs_are_checked(change, message):
+    inputs = wire.propose_inputs([ProposeRequest("a", [1, 2], 1, GREEDY, 0), ProposeRequest("b", [3], 1, GREEDY, 0)])
+    for name, value in change.items():
+        inputs.pop(name) if value is None else inputs.update({name: value})
+    with pytest.raises(RequestError, match=message):
+        wire.propose_requests_of(inputs)
 
 
 def test_verify_round_trip_with_banned_rows_and_limits():
-    request = VerifyRequest("s", 7, [5, 6], 2, SAMPLING, num_banned_rows=1, banned_token_ids=(0, 9))
-    back = wire.verify_request_of(wire.verify_inputs(request))
-    assert (back.seq_id, back.position, back.token_ids, back.num_logits) == ("s", 7, [5, 6], 2)
-    assert (back.num_banned_rows, back.banned_token_ids, back.sampling) == (1, (0, 9), SAMPLING)
+    requests = [
+        VerifyRequest("s", 7, [5, 6], 2, SAMPLING, num_banned_rows=1, banned_token_ids=(0, 9)),
+        VerifyRequest("t", 0, [1, 2, 3, 4], 1, GREEDY),
+    ]
+    assert wire.verify_requests_of(wire.verify_inputs(requests)) == requests
     p = torch.softmax(torch.randn(2, 7), dim=-1)  # [k + 1, vocab]
-    outputs = wire.verify_outputs(VerifyResult(torch.tensor([1, 2]), p), None, vocab_size=7, max_num_seqs=4)
-    result = wire.verify_result_of(outputs)
-    assert result.argmax.tolist() == [1, 2] and torch.equal(result.probs, p)
+    results = [VerifyResult(torch.tensor([1, 2]), p), VerifyResult(torch.tensor([3]), None)]
+    outputs = wire.verify_outputs(results, None, vocab_size=7, max_num_seqs=4)
+    back = wire.verify_results_of(outputs, [2, 1])
+    assert [r.argmax.tolist() for r in back] == [[1, 2], [3]]
+    assert torch.equal(back[0].probs, p) and back[1].probs is None
     assert wire.optional_limit(outputs, "max_model_len") is None and wire.optional_limit(outputs, "max_num_seqs") == 4
-    released = wire.verify_outputs(None, max_model_len=128, vocab_size=7, max_num_seqs=None)
-    assert wire.verify_result_of(released).probs is None and wire.optional_limit(released, "max_model_len") == 128
+    released = wire.verify_outputs([], max_model_len=128, vocab_size=7, max_num_seqs=None)
+    assert wire.verify_results_of(released, []) == [] and wire.optional_limit(released, "max_model_len") == 128
+    with pytest.raises(RequestError, match=r"'target_probs' must have 3 rows .* got shape \[2, 7\]"):
+        wire.verify_results_of({**outputs, "has_target_probs": np.array([True, True])}, [2, 1])
 
 
 def test_release_inputs():
-    inputs = wire.release_inputs("abc")
-    assert wire.is_release(inputs) and wire.seq_id_of(inputs) == "abc"
+    inputs = wire.release_inputs(["abc", "d"])
+    assert wire.is_release(inputs) and wire.seq_ids_of(inputs) == ["abc", "d"]
     assert not wire.is_release({"seq_id": inputs["seq_id"]})
 
 
-def test_sample_call_defaults_and_errors():
+def test_sample_round_trip_of_packed_sequences():
     p = torch.softmax(torch.randn(3, 7), dim=-1)  # [k + 1, vocab]
-    inputs = wire.sample_inputs(torch.tensor([1, 2]), None, VerifyResult(p.argmax(-1), p), seed=11)
-    call = wire.sample_call_of(inputs)
+    q = torch.softmax(torch.randn(1, 7), dim=-1)  # [k, vocab]
+    calls = [
+        SampleCall(torch.tensor([1, 2]), None, VerifyResult(p.argmax(-1), p), seed=11),
+        SampleCall(torch.tensor([4]), q, VerifyResult(torch.tensor([4, 0]), None), seed=12),
+        SampleCall(torch.tensor([], dtype=torch.long), None, VerifyResult(torch.tensor([6]), None), seed=13),
+    ]
+    back = wire.sample_calls_of(wire.sample_inputs(calls))
+    assert [c.draft_token_ids.tolist() for c in back] == [[1, 2], [4], []]
+    assert back[0].draft_probs is None and torch.equal(back[1].draft_probs, q) and back[2].draft_probs is None
+    assert torch.equal(back[0].verify.probs, p) and back[1].verify.probs is None
+    assert [c.verify.argmax.tolist() for c in back] == [p.argmax(-1).tolist(), [4, 0], [6]]
+    assert [c.seed for c in back] == [11, 12, 13] and {c.method for c in back} == {None}
+    results = [SampleResult(torch.tensor([4, 5]), 1), SampleResult(torch.tensor([7]), 0)]
+    back_results = wire.sample_results_of(wire.sample_result_outputs(results))
+    assert [(r.output_token_ids.tolist(), r.num_accepted) for r in back_results] == [([4, 5], 1), ([7], 0)]
+    with pytest.raises(ValueError, match="one rejection_sampler request takes one method"):
+        wire.sample_inputs([calls[0], SampleCall(torch.tensor([1]), None, calls[1].verify, 0, "strict")])
+
+
+def test_a_lone_sample_call_defaults_and_errors():
+    p = torch.softmax(torch.randn(3, 7), dim=-1)  # [k + 1, vocab]
+    inputs = {"draft_token_ids": np.array([1, 2]), "target_probs": p.numpy(), "seed": np.array([11], np.uint64)}
+    (call,) = wire.sample_calls_of(inputs)
     assert call.draft_probs is None and call.seed == 11 and call.method is None
-    assert torch.equal(call.verify.probs, p)
-    del inputs["target_token_ids"]  # standalone callers may send p alone: argmax is derived
-    assert torch.equal(wire.sample_call_of(inputs).verify.argmax, p.argmax(-1))
+    assert torch.equal(call.verify.probs, p) and torch.equal(call.verify.argmax, p.argmax(-1))  # argmax derived
     with pytest.raises(RequestError, match="'target_probs' or 'target_token_ids' is required"):
-        wire.sample_call_of({"draft_token_ids": np.array([1])})
+        wire.sample_calls_of({"draft_token_ids": np.array([1])})
     inputs["rejection_sample_method"] = np.array([b"fastest"], dtype=np.object_)
     with pytest.raises(RequestError, match=r"'rejection_sample_method' must be one of \('strict'"):
-        wire.sample_call_of(inputs)
-    result = wire.sample_result_of(wire.sample_result_outputs(SampleResult(torch.tensor([4, 5]), 1)))
-    assert result.output_token_ids.tolist() == [4, 5] and result.num_accepted == 1
+        wire.sample_calls_of(inputs)
 
 
 def test_stop_words_round_trip():

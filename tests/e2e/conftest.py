@@ -2,8 +2,7 @@
 
 The default server serves the committed ``model_repository`` as is (draft_model
 proposer, paths relative to the repository). The n-gram server serves a copy made in
-a temporary directory with ``method: ngram`` and ``align_steps: true``, so the step
-barrier runs through Triton too. ``SPECDEC_E2E_MODELS`` may name another
+a temporary directory with ``method: ngram``. ``SPECDEC_E2E_MODELS`` may name another
 directory holding ``tiny-target`` and ``tiny-draft``; both servers then use copies
 pointing there. Without the model pair the tests skip.
 """
@@ -27,9 +26,7 @@ def _start_server(tmp_path_factory, method: str):
         pytest.skip(f"model pair not found under {models}")
     workdir = tmp_path_factory.mktemp(f"server_{method}")
     committed = method == "draft_model" and models == REPO_ROOT / "models"
-    align_steps = method == "ngram"  # the committed default (off) is served by the draft_model server
-    repository = (REPO_ROOT / "model_repository" if committed
-                  else repository_copy(workdir, models, method, align_steps=align_steps))
+    repository = REPO_ROOT / "model_repository" if committed else repository_copy(workdir, models, method)
     server = server_on_free_ports(workdir, repository)
     server.start()
     return server

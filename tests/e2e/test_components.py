@@ -51,6 +51,17 @@ def test_rejection_sampler_is_seeded_and_validates_shapes(server):
         infer(server, "rejection_sampler", **{**inputs, "target_probs": p[:3]})
 
 
+def test_rejection_sampler_takes_packed_sequences(server):
+    """Two sequences in one request: drafts concatenated with their counts, p rows of the flagged one only."""
+    out = infer(server, "rejection_sampler",
+                draft_token_ids=np.array([1, 2, 4], dtype=np.int64), num_draft_tokens=np.array([2, 1], dtype=np.int32),
+                target_probs=one_hot([1, 3, 0]), has_target_probs=np.array([True, False]),
+                target_token_ids=np.array([1, 3, 0, 4, 5], dtype=np.int64),
+                seed=np.array([1, 2], dtype=np.uint64))  # fmt: skip
+    # the first accepts draft 1 and recovers 3 from p; the greedy second accepts 4 and adds the bonus 5
+    assert out["output_token_ids"].tolist() == [1, 3, 4, 5] and out["num_accepted"].tolist() == [1, 1]
+
+
 def test_tokenizer_and_detokenizer_round_trip(server):
     text = "Grüße aus München 🚀"
     out = infer(server, "tokenizer", text_input=np.array([text.encode()], dtype=np.object_),

@@ -131,11 +131,9 @@ def _set_parameter(text: str, key: str, value: Callable[[str], str]) -> str:
     return re.sub(pattern, lambda match: f'{match.group(1)}{value(match.group(2))}"', text)
 
 
-def repository_copy(
-    destination: Path, models: Path, method: str, only: tuple[str, ...] = (), align_steps: bool = False
-) -> Path:
+def repository_copy(destination: Path, models: Path, method: str, only: tuple[str, ...] = ()) -> Path:
     """The committed repository (or just the models in ``only``) with model paths pointing into
-    ``models``, the proposer method and the orchestrator's ``align_steps`` set."""
+    ``models`` and the proposer method set."""
     repository = destination / "model_repository"
     shutil.copytree(REPO_ROOT / "model_repository", repository)
     for model in repository.iterdir():
@@ -145,7 +143,6 @@ def repository_copy(
         text = config.read_text()
         for key in MODEL_PATH_KEYS:
             text = _set_parameter(text, key, lambda old: str(models / Path(old).name))
-        text = _set_parameter(text, "align_steps", lambda old: str(align_steps).lower())
         config.write_text(_set_parameter(text, "method", lambda old: method))
     return repository
 

@@ -1,8 +1,9 @@
 """draft_proposer: k draft tokens per sequence from a draft model or n-gram lookup.
 
 Holds a KV cache per live sequence (method draft_model); a request with ``release``
-set frees one. Requests arrive in dynamic batches (one item per request), so with the
-fast engine all sequences drafting at the same moment share each forward.
+set frees one. A request carries one or more sequences (``wire``), and requests arrive in dynamic
+batches, so with the fast engine all sequences drafting at the same moment share each
+forward.
 """
 from specdec.fast import FastDraftProposer
 from specdec.models import load_causal_lm
@@ -35,10 +36,11 @@ class TritonPythonModel:
         return responses
 
     def _propose(self, batch):
-        """Releases first, then every propose request of the batch in one ``propose`` call."""
+        """Releases first, then every sequence of every propose request in one ``propose`` call."""
         for inputs in batch:
             if wire.is_release(inputs):
-                self.proposer.release(wire.seq_id_of(inputs))
-        work = [i for i, inputs in enumerate(batch) if not wire.is_release(inputs)]
-        proposals = dict(zip(work, self.proposer.propose([wire.propose_request_of(batch[i]) for i in work])))
-        return [wire.proposal_outputs(proposals.get(i), self.max_num_seqs) for i in range(len(batch))]
+                for seq_id in wire.seq_ids_of(inputs):
+                    self.proposer.release(seq_id)
+        requests = [[] if wire.is_release(inputs) else wire.propose_requests_of(inputs) for inputs in batch]
+        proposals = iter(self.proposer.propose([r for group in requests for r in group]))
+        return [wire.proposal_outputs([next(proposals) for _ in group], self.max_num_seqs) for group in requests]

@@ -1,7 +1,8 @@
 """rejection_sampler: which drafts the target keeps, plus the recovered or bonus token.
 
-Callable on its own: draft_probs absent means one-hot q at the drafts; target_probs
-absent means a greedy target given by target_token_ids; seed absent draws a fresh one.
+A request carries one sequence or several packed ones (``wire``). Callable on its own:
+draft_probs absent means one-hot q at the drafts; target_probs absent means a greedy
+target given by target_token_ids; seed absent draws a fresh one.
 """
 import secrets
 
@@ -25,7 +26,9 @@ class TritonPythonModel:
         return answer(requests, wire.SAMPLE_INPUTS, self._sample)
 
     def _sample(self, inputs):
-        call = wire.sample_call_of(inputs).to(self.device)
-        seed = call.seed if call.seed is not None else secrets.randbits(63)
-        result = self.sampler(call.draft_token_ids, call.draft_probs, call.verify, seed, call.method)
-        return wire.sample_result_outputs(result)
+        results = []
+        for call in wire.sample_calls_of(inputs):  # one or more sequences
+            call = call.to(self.device)
+            seed = call.seed if call.seed is not None else secrets.randbits(63)
+            results.append(self.sampler(call.draft_token_ids, call.draft_probs, call.verify, seed, call.method))
+        return wire.sample_result_outputs(results)

@@ -1,8 +1,9 @@
 """target_verifier: one target forward scores the last token and k drafts of every sequence in a batch.
 
 Holds the KV cache of every live sequence; a request with ``release`` set frees one.
-Requests arrive in dynamic batches (one item per request), so with the fast engine
-all sequences verifying at the same moment share one forward. Every response also
+A request carries one or more sequences (``wire``), and requests arrive in dynamic
+batches, so with the fast engine all sequences verifying at the same moment share one
+forward. Every response also
 reports ``max_model_len``, ``vocab_size`` and ``max_num_seqs``, which the orchestrator
 checks requests against.
 """
@@ -36,11 +37,12 @@ class TritonPythonModel:
         return responses
 
     def _verify(self, batch):
-        """Releases first, then every verify request of the batch in one ``verify`` call."""
+        """Releases first, then every sequence of every verify request in one ``verify`` call."""
         for inputs in batch:
             if wire.is_release(inputs):
-                self.verifier.release(wire.seq_id_of(inputs))
-        work = [i for i, inputs in enumerate(batch) if not wire.is_release(inputs)]
-        results = dict(zip(work, self.verifier.verify([wire.verify_request_of(batch[i]) for i in work])))
+                for seq_id in wire.seq_ids_of(inputs):
+                    self.verifier.release(seq_id)
+        requests = [[] if wire.is_release(inputs) else wire.verify_requests_of(inputs) for inputs in batch]
+        results = iter(self.verifier.verify([r for group in requests for r in group]))
         limits = (self.verifier.max_model_len, self.verifier.vocab_size, self.config.max_num_seqs)
-        return [wire.verify_outputs(results.get(i), *limits) for i in range(len(batch))]
+        return [wire.verify_outputs([next(results) for _ in group], *limits) for group in requests]
