@@ -67,6 +67,7 @@ DETOKENIZER_MODEL = "detokenizer"
 Outputs = dict[tuple[str, int], list[str]]  # (config, concurrency) -> output texts in prompt order
 ACTIVE_METRIC = "spec_decode_num_active_sequences"  # gauge: sequences each model holds
 STEPS_METRIC = "spec_decode_num_steps"  # counter: target passes, prefills included
+VERIFY_CALLS_METRIC = "spec_decode_num_verify_calls"  # counter: target_verifier calls, each one forward
 COMPUTE_MODELS = (PROPOSER_MODEL, TARGET_MODEL, SAMPLER_MODEL)  # "model compute" of a step
 
 try:
@@ -120,8 +121,6 @@ def parse_args() -> argparse.Namespace:
                    help="min_tokens = max_tokens, so every configuration emits the same number of tokens")
     p.add_argument("--synthetic-acceptance-rate", type=float, default=None,
                    help="use the synthetic rejection sampler (for random-weight models)")
-    p.add_argument("--align-steps", action="store_true",
-                   help="set speculative_decoding's align_steps: concurrent sequences step together")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="in-process HF baselines")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads here and OMP_NUM_THREADS of every server model process (serve.sh's default)")
@@ -192,7 +191,7 @@ def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress:
 
 def server_edits(args, method: str) -> dict[str, dict[str, str]]:
     edits = {
-        ORCHESTRATOR: {"num_speculative_tokens": str(max(args.ks)), "align_steps": str(args.align_steps).lower()},
+        ORCHESTRATOR: {"num_speculative_tokens": str(max(args.ks))},
         PROPOSER_MODEL: {"method": method},
         TARGET_MODEL: {"target_model": str(args.target.resolve())},
         # ids must index the target's vocabulary, so the target's tokenizer encodes and decodes
@@ -268,7 +267,10 @@ def measure_phase(
         steps = (stats[TARGET_MODEL].inference_count if TARGET_MODEL in stats else 0) - len(results)
     row = {**summary, **step_overhead_ms(elapsed, stats, steps, COMPUTE_MODELS), "decode_steps": steps - len(results),
            "tokens_per_step": tokens_per_step(summary["output_tokens"], len(results), steps - len(results))}
-    if TARGET_MODEL in stats and stats[TARGET_MODEL].execution_count:  # the dynamic batches the target saw
+    verify_calls = metric_total(metrics, VERIFY_CALLS_METRIC)
+    if verify_calls:  # one call in flight at a time, so one forward per call: the sequences each forward served
+        row["target_sequences_per_execution"] = steps / verify_calls
+    elif TARGET_MODEL in stats and stats[TARGET_MODEL].execution_count:  # a repository without the counter
         target = stats[TARGET_MODEL]
         row["target_sequences_per_execution"] = target.inference_count / target.execution_count
     acceptance = acceptance_from_metrics(metrics)
