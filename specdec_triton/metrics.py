@@ -11,6 +11,8 @@ description across models, each model adding its own ``model`` label.
 """
 from __future__ import annotations
 
+import asyncio
+
 from specdec_triton.plumbing import triton_utils
 
 _COUNTERS = {
@@ -43,7 +45,14 @@ class ActiveSequences:
 
 
 class SpecDecodeCounters:
-    """The orchestrator's per-step counters."""
+    """The orchestrator's per-step counters.
+
+    Every ``pb_utils`` metric update is a round trip to the server process, and a step
+    touches up to ``k + 5`` counters. So updates are summed and applied once per turn
+    of the event loop: the sequences whose steps end together (one batched call) cost
+    one update per counter, and the metrics are exact as soon as the loop runs on.
+    Outside an event loop, updates apply at once.
+    """
 
     def __init__(self, model_name: str, max_positions: int, family_type=None):
         labels = {"model": model_name}
@@ -54,17 +63,39 @@ class SpecDecodeCounters:
         self._per_position = [
             self._per_position_family.Metric(labels={**labels, "position": str(i)}) for i in range(max_positions)
         ]
+        self._pending: dict[object, int] = {}  # metric -> increment not applied yet
+        self._flush_scheduled = False
 
     def record_verify_call(self) -> None:
-        self._counters["spec_decode_num_verify_calls"].increment(1)
+        self._add(self._counters["spec_decode_num_verify_calls"], 1)
 
     def record_step(self, num_draft_tokens: int, num_accepted: int, num_output_tokens: int) -> None:
-        self._counters["spec_decode_num_steps"].increment(1)
+        self._add(self._counters["spec_decode_num_steps"], 1)
         if num_draft_tokens:
-            self._counters["spec_decode_num_drafts"].increment(1)
-            self._counters["spec_decode_num_draft_tokens"].increment(num_draft_tokens)
-            self._counters["spec_decode_num_accepted_tokens"].increment(num_accepted)
+            self._add(self._counters["spec_decode_num_drafts"], 1)
+            self._add(self._counters["spec_decode_num_draft_tokens"], num_draft_tokens)
+            self._add(self._counters["spec_decode_num_accepted_tokens"], num_accepted)
         for position in range(num_accepted):
-            self._per_position[position].increment(1)
-        if num_output_tokens:
-            self._counters["spec_decode_num_output_tokens"].increment(num_output_tokens)
+            self._add(self._per_position[position], 1)
+        self._add(self._counters["spec_decode_num_output_tokens"], num_output_tokens)
+
+    def flush(self) -> None:
+        """Apply every pending update now."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for metric, amount in pending.items():
+            metric.increment(amount)
+
+    def _add(self, metric, amount: int) -> None:
+        if not amount:
+            return
+        self._pending[metric] = self._pending.get(metric, 0) + amount
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop: nothing would run a deferred flush
+            self.flush()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self.flush)

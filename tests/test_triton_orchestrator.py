@@ -31,9 +31,11 @@ PROMPTS = ["the quick brown fox", "Grüße aus München", "東京は", "def f(x)
 class FakeMetric:
     def __init__(self):
         self.value = 0
+        self.updates = 0  # calls that would each be a round trip to the server
 
     def increment(self, amount):
         self.value += amount
+        self.updates += 1
 
     def set(self, value):
         self.value = value
@@ -339,3 +341,21 @@ def test_counters_add_up(codec, models):
     assert value["spec_decode_num_drafts"] <= value["spec_decode_num_draft_tokens"]
     assert value["spec_decode_num_steps"] == sum(n for stage, n in stages.sent if stage == "verify")  # a pass per step
     assert value["spec_decode_num_drafts"] + len(outputs) <= value["spec_decode_num_steps"]
+
+
+def test_counter_updates_are_summed_per_event_loop_turn():
+    FakeFamily.metrics = {}
+    counters = SpecDecodeCounters("sd", 2, family_type=FakeFamily)
+    steps = FakeFamily.metrics[("spec_decode_num_steps", (("model", "sd"),))]
+    accepted = FakeFamily.metrics[("spec_decode_num_accepted_tokens", (("model", "sd"),))]
+
+    async def one_turn_of_steps():
+        for _ in range(4):
+            counters.record_step(num_draft_tokens=2, num_accepted=1, num_output_tokens=2)
+        assert steps.value == 0  # not applied within the turn
+        await asyncio.sleep(0)
+        assert (steps.value, steps.updates, accepted.value, accepted.updates) == (4, 1, 4, 1)
+
+    asyncio.run(one_turn_of_steps())
+    counters.record_step(num_draft_tokens=0, num_accepted=0, num_output_tokens=1)  # no loop: applied at once
+    assert (steps.value, steps.updates) == (5, 2)
