@@ -29,10 +29,9 @@ class BlsStages:
             eos_token_ids=tuple(out["end_ids"].reshape(-1).tolist()),
         )
 
-    async def detokenize(self, token_ids: list[int]) -> str:
-        inputs = {"token_ids": np.asarray(token_ids, dtype=np.int64)}
-        out = await bls(wire.DETOKENIZER, inputs, wire.DETOKENIZE_OUTPUTS)
-        return out["text_output"].reshape(-1)[0].decode("utf-8")
+    async def detokenize(self, token_id_lists: list[list[int]]) -> list[str]:
+        out = await bls(wire.DETOKENIZER, wire.detokenize_inputs(token_id_lists), wire.DETOKENIZE_OUTPUTS)
+        return wire.texts_of(out)
 
     async def limits(self) -> Limits:
         probe = wire.release_inputs([_LIMITS_PROBE_SEQ_ID])

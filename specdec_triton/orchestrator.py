@@ -7,8 +7,8 @@ Triton import: :class:`Stages` is the seam, implemented with BLS requests in
 :mod:`specdec_triton.bls_stages` and with local objects in the tests.
 
 Many requests progress at once: each decodes in its own coroutine, and its propose,
-verify and sample calls go through a :class:`~specdec_triton.stage_batcher.StageBatcher`
-per stage, so the calls of the sequences that are ready together leave as one
+verify, sample and detokenize calls go through a
+:class:`~specdec_triton.stage_batcher.StageBatcher` per stage, so the calls of the sequences that are ready together leave as one
 request (one BLS round trip, one forward) while another group of sequences is at
 another stage. No more sequences run than the stages can hold (``max_num_seqs``);
 later requests wait for a free slot. Cancellation is checked between steps (a step
@@ -54,7 +54,7 @@ class Stages(Protocol):
     """The composing models, one awaitable call each; propose, verify and sample take a batch of sequences."""
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized: ...
-    async def detokenize(self, token_ids: list[int]) -> str: ...
+    async def detokenize(self, token_id_lists: list[list[int]]) -> list[str]: ...
     async def limits(self) -> Limits: ...
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
@@ -83,6 +83,7 @@ class Orchestrator:
         self.proposals: StageBatcher[ProposeRequest, Proposal] = StageBatcher(stages.propose)
         self.verifications: StageBatcher[VerifyRequest, VerifyResult] = StageBatcher(self._verify_batch)
         self.samples: StageBatcher[SampleCall, SampleResult] = StageBatcher(stages.sample)
+        self.texts: StageBatcher[list[int], str] = StageBatcher(stages.detokenize)
         self._limits: Limits | None = None
         self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
 
@@ -150,7 +151,7 @@ class Orchestrator:
             if streaming is not None and not streaming.done():
                 streaming.cancel()  # also cancels the earlier pieces it waits on
                 await asyncio.gather(streaming, return_exceptions=True)
-        text = await self.stages.detokenize(state.output_ids)
+        text = await self.texts(state.output_ids)
         if request.stream:
             return self._outputs(state, stream.push(text, final=True))
         prefix = "" if request.exclude_input_in_output else request.text_input
@@ -164,7 +165,7 @@ class Orchestrator:
         step's piece) goes out first, so pieces keep their order.
         """
         try:
-            text = await self.stages.detokenize(state.output_ids)
+            text = await self.texts(state.output_ids)
         finally:
             if previous is not None:
                 await previous  # in order; a failure there is raised (and so retrieved) first

@@ -58,7 +58,7 @@ SAMPLE_INPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draf
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted")
 TOKENIZE_INPUTS = ("text_input", "stop_words")
 TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
-DETOKENIZE_INPUTS = ("token_ids",)
+DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
 DETOKENIZE_OUTPUTS = ("text_output",)
 
 _NO_PROBS = np.zeros((0, 0), dtype=np.float32)
@@ -377,6 +377,27 @@ def sample_results_of(outputs: Mapping[str, np.ndarray]) -> list[SampleResult]:
     accepted = _i32(outputs["num_accepted"]).tolist()
     tokens = _split(outputs, "output_token_ids", [n + 1 for n in accepted], len(accepted))
     return [SampleResult(torch.tensor(ids, dtype=torch.long), n) for ids, n in zip(tokens, accepted)]
+
+
+# --- detokenizer: one text per sequence ------------------------------------------------------------
+
+
+def detokenize_inputs(token_id_lists: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+    return {"token_ids": _flat(token_id_lists), "num_token_ids": _i32([len(ids) for ids in token_id_lists])}
+
+
+def token_id_lists_of(inputs: Mapping[str, np.ndarray]) -> list[list[int]]:
+    count = np.asarray(inputs["num_token_ids"]).size if "num_token_ids" in inputs else 1
+    _required(inputs, "token_ids")
+    lists = _split(inputs, "token_ids", "num_token_ids", count)
+    for ids in lists:
+        if any(t < 0 for t in ids):
+            raise RequestError(f"input 'token_ids' must be >= 0, got {[t for t in ids if t < 0][:8]}")
+    return lists
+
+
+def texts_of(outputs: Mapping[str, np.ndarray]) -> list[str]:
+    return [item.decode("utf-8") for item in np.asarray(outputs["text_output"]).reshape(-1)]
 
 
 # --- tokenizer: stop words travel as one flat id array plus lengths -----------------------------

@@ -73,12 +73,12 @@ class LocalStages:
             tuple(self.codec.eos_token_ids),
         )
 
-    async def detokenize(self, token_ids):
-        for _ in range(len(token_ids) % 3):
+    async def detokenize(self, token_id_lists):
+        for _ in range(len(token_id_lists[0]) % 3):
             await asyncio.sleep(0)  # some calls return later than the next ones start: order must hold
-        if self.fail_detokenize_at is not None and len(token_ids) >= self.fail_detokenize_at:
+        if self.fail_detokenize_at is not None and any(len(ids) >= self.fail_detokenize_at for ids in token_id_lists):
             raise RuntimeError("detokenizer failed")
-        return self.codec.decode(token_ids)
+        return [self.codec.decode(ids) for ids in token_id_lists]
 
     async def limits(self):
         return Limits(self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs)

@@ -184,6 +184,15 @@ def test_a_lone_sample_call_defaults_and_errors():
         wire.sample_calls_of(inputs)
 
 
+def test_detokenize_round_trip_and_errors():
+    lists = [[1, 2, 3], [], [7]]
+    assert wire.token_id_lists_of(wire.detokenize_inputs(lists)) == lists
+    assert wire.token_id_lists_of({"token_ids": np.array([4, 5])}) == [[4, 5]]  # a lone list needs no count
+    assert wire.texts_of({"text_output": np.array(["a".encode(), "ü".encode()], dtype=np.object_)}) == ["a", "ü"]
+    with pytest.raises(RequestError, match=r"'token_ids' must be >= 0, got \[-1\]"):
+        wire.token_id_lists_of(wire.detokenize_inputs([[1], [-1]]))
+
+
 def test_stop_words_round_trip():
     sequences = ((1, 2), (3,), (4, 5, 6))
     assert wire.stop_sequences_of(wire.stop_words_arrays(sequences)) == sequences

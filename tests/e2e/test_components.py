@@ -70,3 +70,8 @@ def test_tokenizer_and_detokenizer_round_trip(server):
     assert len(out["end_ids"]) >= 1
     decoded = infer(server, "detokenizer", token_ids=out["input_ids"])["text_output"][0].decode()
     assert decoded == text
+    ids = out["input_ids"].tolist()
+    packed = infer(server, "detokenizer", token_ids=np.array(ids + ids[:3], dtype=np.int64),
+                   num_token_ids=np.array([len(ids), 3], dtype=np.int32))["text_output"]  # fmt: skip
+    head = infer(server, "detokenizer", token_ids=np.array(ids[:3], dtype=np.int64))["text_output"][0]
+    assert packed[0].decode() == text and packed[1] == head  # each list decodes as it does alone

@@ -1,7 +1,10 @@
-"""detokenizer: token ids -> text, decoded prefix-stably so that streaming can diff successive decodes."""
+"""detokenizer: token ids -> text, decoded prefix-stably so that streaming can diff successive decodes.
+
+A request carries one id list, or several packed ones (``num_token_ids``): one text each.
+"""
 from specdec_triton import wire
 from specdec_triton.configs import TokenizerConfig
-from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, bytes_array
+from specdec_triton.plumbing import ModelLogger, Parameters, answer, bytes_array
 from specdec_triton.text import TextCodec
 
 
@@ -16,7 +19,5 @@ class TritonPythonModel:
         return answer(requests, wire.DETOKENIZE_INPUTS, self._detokenize)
 
     def _detokenize(self, inputs):
-        token_ids = inputs["token_ids"].reshape(-1).tolist()
-        if any(t < 0 for t in token_ids):
-            raise RequestError(f"input 'token_ids' must be >= 0, got {[t for t in token_ids if t < 0][:8]}")
-        return {"text_output": bytes_array([self.codec.decode(token_ids)])}
+        texts = [self.codec.decode(token_ids) for token_ids in wire.token_id_lists_of(inputs)]
+        return {"text_output": bytes_array(texts)}
