@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from specdec.fast import FastCausalLM, ForwardCall
+from specdec.fast.runner import padding_bounded_passes
 from specdec.fast.checkpoint import LlamaArchConfig, read_config
 from specdec.fast.cpu_linear import PackedLinear
 
@@ -124,6 +125,37 @@ def test_ragged_batch_equals_one_by_one(llama):
         full = ids[call.seq_id][: call.position + len(call.token_ids)]
         torch.testing.assert_close(got, hf_logits(hf, full)[-call.num_logits :], atol=ATOL, rtol=0)
     assert [batched.cached_length(s) for s in "abc"] == [8, 9, 6]
+
+
+@pytest.mark.parametrize(
+    "lengths, passes",
+    [
+        ([5, 5, 5, 135], [[0, 1, 2], [3]]),  # a prefill next to decode steps runs on its own
+        ([135, 140, 5], [[2], [0, 1]]),  # prefills of similar length share a pass
+        ([5, 5, 1, 5], [[2, 0, 1, 3]]),  # a little padding is cheaper than another pass
+        ([100 + 2 * i for i in range(16)], [list(range(16))]),  # 15% padding on 16 prefills: one pass
+        ([], []),
+    ],
+)
+def test_passes_bound_the_padding(lengths, passes):
+    assert padding_bounded_passes(lengths) == passes
+
+
+def test_a_long_prefill_beside_decode_steps_runs_in_its_own_pass(llama, monkeypatch):
+    path, hf = llama
+    ids = {"a": random_ids(8, 6), "b": random_ids(8, 7), "p": random_ids(30, 8)}
+    batched, single = (FastCausalLM(path, dtype="float32", max_num_seqs=4, max_model_len=32) for _ in range(2))
+    for lm in (batched, single):
+        lm.forward([ForwardCall(s, 0, ids[s][:6], 1) for s in "ab"])
+    batch = [ForwardCall("a", 6, ids["a"][6:], 2), ForwardCall("p", 0, ids["p"], 3), ForwardCall("b", 6, ids["b"][6:], 1)]
+    pass_sizes = []
+    run = batched._run
+    monkeypatch.setattr(batched, "_run", lambda calls: pass_sizes.append(len(calls)) or run(calls))
+    together = batched.forward(batch)
+    assert sorted(pass_sizes) == [1, 2]  # two passes: the decode steps, then the prefill
+    for got, call in zip(together, batch):  # in call order, as if each had run alone
+        torch.testing.assert_close(got, single.forward([call])[0], atol=ATOL, rtol=0)
+    assert [batched.cached_length(s) for s in "apb"] == [8, 30, 8]
 
 
 def test_rollback_by_position_equals_fresh_run(llama):

@@ -19,6 +19,36 @@ from specdec.fast.llama import load_fast_llama
 from specdec.models import resolve_dtype
 
 
+PAD_SLACK_TOKENS = 32  # padding a pass may always carry, however few its real tokens
+PAD_SLACK_FRACTION = 0.25  # and padding it may carry relative to its real tokens
+
+
+def padding_bounded_passes(lengths: list[int]) -> list[list[int]]:
+    """Split a ragged batch into passes whose right-padding stays within bounds; indices into ``lengths``.
+
+    A pass pads every row to its longest, so one prefill of 135 tokens next to three
+    5-token verifications would run 540 token positions for 150 real ones (73 ms against
+    21 + 7 ms in two passes, tiny target on CPU). Calls are taken shortest first, and a
+    call starts a new pass when joining would pad more than ``PAD_SLACK_TOKENS`` and more
+    than ``PAD_SLACK_FRACTION`` of the pass's real tokens: same-length decode steps always
+    share a pass, and so do prefills of similar length.
+    """
+    passes: list[list[int]] = []
+    group: list[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        padded = (len(group) + 1) * lengths[i]  # the longest so far, since calls come shortest first
+        waste = padded - (real + lengths[i])
+        if group and waste > max(PAD_SLACK_TOKENS, PAD_SLACK_FRACTION * (real + lengths[i])):
+            passes.append(group)
+            group, real = [], 0
+        group.append(i)
+        real += lengths[i]
+    if group:
+        passes.append(group)
+    return passes
+
+
 @dataclass(frozen=True)
 class ForwardCall:
     seq_id: str
@@ -73,7 +103,10 @@ class FastCausalLM:
 
     @torch.inference_mode()
     def forward(self, calls: list[ForwardCall]) -> list[torch.Tensor]:  # each [num_logits, vocab] float32
-        """Run every call in one batched pass; a failed pass leaves each sequence at its ``position``."""
+        """Run the calls as batched passes (one, unless lengths differ widely: ``padding_bounded_passes``).
+
+        A failure leaves each sequence at its ``position``.
+        """
         if not calls:
             return []
         self._check(calls)
@@ -84,7 +117,10 @@ class FastCausalLM:
             else:
                 self.cache.allocate(call.seq_id)
         try:
-            logits = self._run(calls)
+            logits: list[torch.Tensor | None] = [None] * len(calls)
+            for group in padding_bounded_passes([len(c.token_ids) for c in calls]):
+                for i, rows in zip(group, self._run([calls[i] for i in group])):
+                    logits[i] = rows
         except BaseException:
             for seq_id in fresh:
                 self.cache.release(seq_id)
