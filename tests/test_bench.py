@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 
 from specdec.bench.bound import efficiency, forward_ms, speedup_bound
 from specdec.fast import FastCausalLM
 from specdec.bench.client import Job, build_inputs
+from specdec.bench.cpu import CpuSnapshot, process_label, process_tree
 from specdec.bench.hf import generation_config, run_hf
 from specdec.bench.report import COLUMNS, format_cell, markdown_section, markdown_table
 from specdec.bench.repository import get_parameters, make_variant, set_parameters
@@ -414,3 +419,25 @@ def test_match_reference_compares_outputs_prompt_by_prompt():
     assert [r["identical_outputs"] for r in rows] == [1.0, 0.75, 1.0]
     match_reference(rows[1:2], outputs, "missing")
     assert rows[1]["identical_outputs"] == 0.75
+
+
+def test_process_labels_name_the_model_a_stub_serves():
+    stub = ["/x/backends/python/triton_python_backend_stub", "/tmp/repo/target_verifier/1/model.py", "1", "2"]
+    assert process_label(stub) == "target_verifier"
+    assert process_label(["/usr/bin/tritonserver", "--model-repository=/r"]) == "tritonserver"
+    assert process_label([]) == "?"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc (Linux)")
+def test_cpu_snapshots_cover_a_process_tree():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        labels = process_tree(os.getpid())
+        assert child.pid in labels and os.getpid() in labels
+        before = CpuSnapshot.take(labels)
+        sum(i * i for i in range(200_000))  # some CPU in this process
+        per_label, busy = before.until(CpuSnapshot.take(labels))
+        assert all(seconds >= 0 for seconds in per_label.values()) and 0.0 <= busy <= 1.0
+    finally:
+        child.kill()
+        child.wait()

@@ -42,6 +42,13 @@ class TritonServer:
         self._log = None
 
     @property
+    def pid(self) -> int:
+        """The process ``serve.sh`` became (it execs ``tritonserver``); the model stubs are its children."""
+        if self._proc is None:
+            raise RuntimeError("the server is not running")
+        return self._proc.pid
+
+    @property
     def grpc_url(self) -> str:
         return f"localhost:{self.grpc_port}"
 
