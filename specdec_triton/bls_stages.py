@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire

@@ -8,19 +8,20 @@ Triton import: :class:`Stages` is the seam, implemented with BLS requests in
 
 Many requests progress at once: each decodes in its own coroutine, and its propose,
 verify, sample and detokenize calls go through a
-:class:`~specdec_triton.stage_batcher.StageBatcher` per stage, so the calls of the sequences that are ready together leave as one
-request (one BLS round trip, one forward) while another group of sequences is at
-another stage. No more sequences run than the stages can hold (``max_num_seqs``);
-later requests wait for a free slot. Cancellation is checked between steps (a step
-is the unit of work; Triton does not cancel BLS children), and every stage's state
-for the sequence is released however the request ends.
+:class:`~specdec_triton.stage_batcher.StageBatcher` per stage, so the calls of the
+sequences that are ready together leave as one request (one BLS round trip, one
+forward) while another group of sequences is at another stage. No more sequences
+run than the stages can hold (``max_num_seqs``); later requests wait for a free slot.
+Cancellation is checked between steps (a step is the unit of work; Triton does not
+cancel BLS children), and every stage's state for the sequence is released however
+the request ends.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,7 +52,7 @@ class Limits:
 
 
 class Stages(Protocol):
-    """The composing models, one awaitable call each; propose, verify and sample take a batch of sequences."""
+    """The composing models, one awaitable call each; all but tokenize, limits and release take a batch."""
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized: ...
     async def detokenize(self, token_id_lists: list[list[int]]) -> list[str]: ...

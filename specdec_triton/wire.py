@@ -114,7 +114,9 @@ def _split(inputs: Mapping[str, np.ndarray], name: str, lengths: list[int] | str
         if any(n < 0 for n in lengths):
             raise RequestError(f"input '{count_name}' must not be negative, got {lengths}")
     if sum(lengths) != len(flat):
-        raise RequestError(f"input '{name}' holds {len(flat)} values but its sequences' lengths add up to {sum(lengths)}")
+        raise RequestError(
+            f"input '{name}' holds {len(flat)} values but its sequences' lengths add up to {sum(lengths)}"
+        )
     out, start = [], 0
     for n in lengths:
         out.append(flat[start : start + n])
@@ -124,9 +126,11 @@ def _split(inputs: Mapping[str, np.ndarray], name: str, lengths: list[int] | str
 
 def _stack_probs(probs: Sequence[torch.Tensor | None]) -> tuple[np.ndarray, np.ndarray]:
     """Rows of the sequences that have a distribution, stacked, and the ``has_*`` flag of each."""
+    has = np.array([p is not None for p in probs], dtype=np.bool_)
     present = [p.detach().float().cpu() for p in probs if p is not None]
-    stacked = torch.cat(present).numpy() if present else _NO_PROBS
-    return stacked, np.array([p is not None for p in probs], dtype=np.bool_)
+    if not present:
+        return _NO_PROBS, has
+    return (present[0] if len(present) == 1 else torch.cat(present)).numpy(), has  # one alone: no copy
 
 
 def _unstack_probs(
@@ -193,14 +197,16 @@ def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[i
     if not any(counts):
         return {}
     banned = [ids if n else () for n, ids in zip(counts, banned)]
-    return {count_name: _i32(counts), "banned_token_ids": _flat(banned), "num_banned_token_ids": _i32([len(ids) for ids in banned])}
+    lengths = _i32([len(ids) for ids in banned])
+    return {count_name: _i32(counts), "banned_token_ids": _flat(banned), "num_banned_token_ids": lengths}
 
 
 def _bans_of(inputs: Mapping[str, np.ndarray], count_name: str, count: int) -> list[tuple[int, tuple[int, ...]]]:
     counts = _each(inputs, count_name, count, int, 0)
     if "banned_token_ids" not in inputs:
         return [(n, ()) for n in counts]
-    return [(n, tuple(ids)) for n, ids in zip(counts, _split(inputs, "banned_token_ids", "num_banned_token_ids", count))]
+    banned = _split(inputs, "banned_token_ids", "num_banned_token_ids", count)
+    return [(n, tuple(ids)) for n, ids in zip(counts, banned)]
 
 
 # --- draft_proposer ----------------------------------------------------------------------------

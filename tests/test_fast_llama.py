@@ -147,7 +147,9 @@ def test_a_long_prefill_beside_decode_steps_runs_in_its_own_pass(llama, monkeypa
     batched, single = (FastCausalLM(path, dtype="float32", max_num_seqs=4, max_model_len=32) for _ in range(2))
     for lm in (batched, single):
         lm.forward([ForwardCall(s, 0, ids[s][:6], 1) for s in "ab"])
-    batch = [ForwardCall("a", 6, ids["a"][6:], 2), ForwardCall("p", 0, ids["p"], 3), ForwardCall("b", 6, ids["b"][6:], 1)]
+    batch = [
+        ForwardCall("a", 6, ids["a"][6:], 2), ForwardCall("p", 0, ids["p"], 3), ForwardCall("b", 6, ids["b"][6:], 1)
+    ]
     pass_sizes = []
     run = batched._run
     monkeypatch.setattr(batched, "_run", lambda calls: pass_sizes.append(len(calls)) or run(calls))
