@@ -31,8 +31,8 @@ multiply, which rounds identically everywhere.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -145,6 +145,29 @@ def rejection_sample_batch(
     output = torch.where(positions < num_accepted.unsqueeze(1), padded_draft, PLACEHOLDER_TOKEN_ID)
     output.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return output, num_accepted
+
+
+def match_greedy(
+    draft_token_ids: Sequence[int],  # [k]
+    target_argmax: Sequence[int],  # [k + 1]
+) -> SampleResult:
+    """Rejection sampling against a greedy target, in plain Python.
+
+    With no ``p`` every lossless method is strict matching (:func:`effective_method`):
+    drafts are kept while they equal the target's argmax, and the argmax at the first
+    mismatch (or the bonus at position ``k``) follows. It draws nothing, so it equals
+    :func:`rejection_sample` for any seed; for ``k`` integer comparisons a tensor round
+    trip would cost more than the work.
+    """
+    if len(target_argmax) != len(draft_token_ids) + 1:
+        raise ValueError(f"target_argmax must hold k + 1 = {len(draft_token_ids) + 1} ids, got {len(target_argmax)}")
+    num_accepted = 0
+    for draft, target in zip(draft_token_ids, target_argmax):
+        if draft != target:
+            break
+        num_accepted += 1
+    output = torch.tensor(list(target_argmax[: num_accepted + 1]), dtype=torch.long)  # [num_accepted + 1]
+    return SampleResult(output_token_ids=output, num_accepted=num_accepted)
 
 
 def _draft_probs_or_one_hot(

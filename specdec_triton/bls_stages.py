@@ -34,15 +34,17 @@ class BlsStages:
 
     async def limits(self) -> Limits:
         probe = wire.release_inputs([_LIMITS_PROBE_SEQ_ID])
-        verifier, proposer = await asyncio.gather(
+        verifier, proposer, sampler = await asyncio.gather(
             bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS, batched=True),
             bls(wire.DRAFT_PROPOSER, probe, wire.PROPOSE_OUTPUTS, batched=True),
+            bls(wire.REJECTION_SAMPLER, wire.sampler_probe_inputs(), wire.SAMPLE_OUTPUTS),
         )
         max_num_seqs = [n for n in (wire.optional_limit(m, "max_num_seqs") for m in (verifier, proposer)) if n]
         limits = Limits(
             max_model_len=wire.optional_limit(verifier, "max_model_len"),
             vocab_size=int(verifier["vocab_size"][0]),
             max_num_seqs=min(max_num_seqs, default=None),
+            rejection_sample_method=wire.sampler_method_of(sampler),
         )
         # at most one call in flight per sequence, two while it is released
         ensure_bls_threads(2 * (limits.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)

@@ -29,6 +29,7 @@ import torch
 
 from specdec.detokenize import TextStream
 from specdec.engine import SequenceState, check_token_ids
+from specdec.rejection_sampler import match_greedy
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
@@ -46,9 +47,12 @@ class Tokenized:
 
 @dataclass(frozen=True)
 class Limits:
+    """What the stages accept and how they sample; asked once, before the first request."""
+
     max_model_len: int | None  # prompt + output tokens the target accepts
     vocab_size: int  # width of the target's logits
     max_num_seqs: int | None = None  # sequences the stages can hold at once; None: no limit
+    rejection_sample_method: str = "probabilistic"  # the rejection sampler's configured method
 
 
 class Stages(Protocol):
@@ -59,7 +63,7 @@ class Stages(Protocol):
     async def limits(self) -> Limits: ...
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
-    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]: ...
+    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]: ...  # the rejection sampler
     async def release(self, seq_id: str) -> None: ...
 
 
@@ -186,10 +190,26 @@ class Orchestrator:
         verify_result = await self.verifications(state.verify_request(proposal))
         if proposal is None:
             proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long))
-        result = await self.samples(SampleCall(proposal.token_ids, proposal.probs, verify_result, state.sample_seed()))
+        if self._matches_here(verify_result):
+            result = match_greedy(proposal.token_ids.tolist(), verify_result.argmax.tolist())
+        else:
+            call = SampleCall(proposal.token_ids, proposal.probs, verify_result, state.sample_seed())
+            result = await self.samples(call)
         step = state.commit(proposal, result)
         if self.counters is not None:
             self.counters.record_step(len(proposal.token_ids), result.num_accepted, len(step.new_token_ids))
+
+    def _matches_here(self, verify_result: VerifyResult) -> bool:
+        """Whether this step's rejection sampling is a comparison of ids, done here without a round trip.
+
+        Against a greedy target (no ``p``) every lossless method keeps the drafts that equal
+        the target's argmax and draws nothing (``match_greedy``), so the rejection_sampler
+        call would only carry ``k + 1`` ids there and back: 2-4 ms per step on a loaded
+        2-core CPU, on the path between verify and the next draft. The synthetic
+        benchmarking method accepts at random whatever the tokens are, so it always goes
+        to the sampler.
+        """
+        return verify_result.probs is None and self._limits.rejection_sample_method != "synthetic"
 
     async def _verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         if self.counters is not None:

@@ -55,7 +55,7 @@ VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs", "max_m
                   "max_num_seqs")  # fmt: skip
 SAMPLE_INPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
                  "has_target_probs", "target_token_ids", "seed", "rejection_sample_method")  # fmt: skip
-SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted")
+SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", "rejection_sample_method")
 TOKENIZE_INPUTS = ("text_input", "stop_words")
 TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
 DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
@@ -372,11 +372,22 @@ def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
     ]
 
 
-def sample_result_outputs(results: Sequence[SampleResult]) -> dict[str, np.ndarray]:
+def sample_result_outputs(results: Sequence[SampleResult], configured_method: str) -> dict[str, np.ndarray]:
+    """Every response also names the sampler's configured method (what a request without an override gets)."""
     return {
         "output_token_ids": _flat([r.output_token_ids.cpu().tolist() for r in results]),  # [sum of accepted + 1]
         "num_accepted": _i32([r.num_accepted for r in results]),  # [S]
+        "rejection_sample_method": bytes_array([configured_method]),  # [1]
     }
+
+
+def sampler_probe_inputs() -> dict[str, np.ndarray]:
+    """A rejection_sampler request with no sequences: it samples nothing and reports the configured method."""
+    return {"draft_token_ids": np.zeros(0, dtype=np.int64), "num_draft_tokens": np.zeros(0, dtype=np.int32)}
+
+
+def sampler_method_of(outputs: Mapping[str, np.ndarray]) -> str:
+    return text(outputs, "rejection_sample_method")
 
 
 def sample_results_of(outputs: Mapping[str, np.ndarray]) -> list[SampleResult]:

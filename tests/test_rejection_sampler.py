@@ -14,6 +14,7 @@ from specdec.rejection_sampler import (
     METHODS,
     RejectionSampler,
     draw_randoms,
+    match_greedy,
     rejection_sample,
     rejection_sample_batch,
 )
@@ -90,6 +91,22 @@ def test_greedy_target_matches_drafts_against_argmax(method):
     assert greedy([5, 9, 7], [5, 6, 7, 8], method) == ([5, 6], 1)  # first mismatch: target token
     assert greedy([1, 6, 7], [5, 6, 7, 8], method) == ([5], 0)
     assert greedy([], [4], method) == ([4], 0)  # nothing proposed: just the bonus
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_match_greedy_is_the_sampler_against_a_greedy_target(k):
+    """The plain-Python comparison the orchestrator runs equals every lossless method, draw for draw."""
+    generator = torch.Generator().manual_seed(k)
+    for case in range(50):
+        target = torch.randint(0, 3, (k + 1,), generator=generator)  # small range: long accepted runs happen
+        drafts = torch.randint(0, 3, (k,), generator=generator)
+        got = match_greedy(drafts.tolist(), target.tolist())
+        for method in ("probabilistic", "strict"):
+            want = rejection_sample(drafts, None, None, target, method, make_generator(case))
+            assert got.num_accepted == want.num_accepted
+            assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
+    with pytest.raises(ValueError, match="target_argmax must hold k \\+ 1 = 3 ids, got 2"):
+        match_greedy([1, 2], [1, 2])
 
 
 def test_probabilistic_with_one_hot_target_is_strict():

@@ -81,7 +81,7 @@ class LocalStages:
         return [self.codec.decode(ids) for ids in token_id_lists]
 
     async def limits(self):
-        return Limits(self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs)
+        return Limits(self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs, self.sampler.method)
 
     async def propose(self, requests):
         await asyncio.sleep(0)
@@ -103,7 +103,7 @@ class LocalStages:
     async def sample(self, calls):
         await asyncio.sleep(0)
         self.sent.append(("sample", len(calls)))
-        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed) for c in calls]
+        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, c.method) for c in calls]
 
     async def release(self, seq_id):
         self.proposer.release(seq_id)
@@ -124,10 +124,11 @@ def models(codec, tiny_llama):
     return tiny_llama(seed=0, vocab_size=vocab), tiny_llama(seed=1, vocab_size=vocab, num_hidden_layers=1)
 
 
-def make_orchestrator(codec, models, method="draft_model", k=K):
+def make_orchestrator(codec, models, method="draft_model", k=K, sampler=None):
     target, draft = models
     proposer = DraftModelProposer(draft) if method == "draft_model" else NgramProposer(1, 3)
-    stages = LocalStages(codec, proposer, TargetVerifier(target, max_model_len=MAX_MODEL_LEN), RejectionSampler())
+    verifier = TargetVerifier(target, max_model_len=MAX_MODEL_LEN)
+    stages = LocalStages(codec, proposer, verifier, sampler or RejectionSampler())
     FakeFamily.metrics = {}
     counters = SpecDecodeCounters("sd", k, family_type=FakeFamily)
     active = ActiveSequences("sd", family_type=FakeFamily)
@@ -200,13 +201,14 @@ def test_prompt_is_prepended_unless_excluded(codec, models):
     assert text_of(run(orchestrator, request("the fox", exclude_input_in_output=False))) == "the fox" + excluded
 
 
-def run_together(orchestrator, prompts) -> list[str]:
+def run_together(orchestrator, prompts, **overrides) -> list[str]:
     """All prompts as concurrent requests on one event loop; their texts in order."""
 
     async def together():
         sent = [[] for _ in prompts]
         await asyncio.gather(*(
-            orchestrator.generate(request(p), lambda out, final, s=s: s.append((out, final)), lambda: False)
+            orchestrator.generate(request(p, **overrides), lambda out, final, s=s: s.append((out, final)),
+                                  lambda: False)
             for p, s in zip(prompts, sent)
         ))  # fmt: skip
         return [text_of(s) for s in sent]
@@ -223,19 +225,40 @@ def test_concurrent_requests_match_one_by_one(codec, models):
 
 
 def test_concurrent_steps_share_stage_calls(codec, models):
-    orchestrator, stages = make_orchestrator(codec, models)
-    alone = [text_of(run(orchestrator, request(p))) for p in PROMPTS]
+    orchestrator, stages = make_orchestrator(codec, models, sampler=RejectionSampler("synthetic", 0.5))
+    alone = [text_of(run(orchestrator, request(p, seed=3))) for p in PROMPTS]  # the synthetic draws are seeded
     one_by_one = len(stages.sent)
     stages.sent.clear()
     verify_calls = FakeFamily.metrics[("spec_decode_num_verify_calls", (("model", "sd"),))]
     calls_before, batcher_calls_before = verify_calls.value, orchestrator.verifications.num_calls
-    assert run_together(orchestrator, PROMPTS) == alone
+    assert run_together(orchestrator, PROMPTS, seed=3) == alone
     sizes = {stage: [n for s, n in stages.sent if s == stage] for stage in ("propose", "verify", "sample")}
     for stage, calls in sizes.items():  # the same sequence-steps, in fewer and fuller calls
         assert max(calls) == len(PROMPTS), stage
     assert sum(n for _, n in stages.sent) == one_by_one and len(stages.sent) < one_by_one / 2
     calls = verify_calls.value - calls_before
     assert calls == len(sizes["verify"]) == orchestrator.verifications.num_calls - batcher_calls_before
+
+
+@pytest.mark.parametrize("sampler_method", ["probabilistic", "strict"])
+def test_greedy_steps_are_matched_without_the_sampler(codec, models, sampler_method):
+    """Against a greedy target rejection sampling is a comparison of ids: no sampler round trip."""
+    orchestrator, stages = make_orchestrator(codec, models, "ngram", sampler=RejectionSampler(sampler_method))
+    outputs = run(orchestrator, request("abcabcabcabc", max_tokens=24))[-1][0]
+    assert {stage for stage, _ in stages.sent} == {"propose", "verify"}
+    assert int(outputs["total_accepted_draft_tokens"][0]) > 0  # drafts were matched and kept
+    run(orchestrator, request(PROMPTS[0], temperature=0.8, seed=1))
+    assert "sample" in {stage for stage, _ in stages.sent}  # a sampled target still goes to the sampler
+
+
+def test_synthetic_sampler_sees_greedy_steps_too(codec, models):
+    """The benchmarking method accepts whatever the tokens are, so greedy steps must reach it."""
+    orchestrator, stages = make_orchestrator(codec, models, sampler=RejectionSampler("synthetic", 1.0))
+    outputs = run(orchestrator, request(PROMPTS[0]))[-1][0]
+    num_samples = sum(n for stage, n in stages.sent if stage == "sample")
+    assert num_samples == sum(n for stage, n in stages.sent if stage == "verify") > 0
+    # rate 1.0 keeps every draft, which the draft model's greedy tokens alone would not get
+    assert int(outputs["total_accepted_draft_tokens"][0]) == int(outputs["total_draft_tokens"][0]) > 0
 
 
 def test_one_failing_sequence_does_not_fail_the_others(codec, models):

@@ -165,10 +165,18 @@ def test_sample_round_trip_of_packed_sequences():
     assert [c.verify.argmax.tolist() for c in back] == [p.argmax(-1).tolist(), [4, 0], [6]]
     assert [c.seed for c in back] == [11, 12, 13] and {c.method for c in back} == {None}
     results = [SampleResult(torch.tensor([4, 5]), 1), SampleResult(torch.tensor([7]), 0)]
-    back_results = wire.sample_results_of(wire.sample_result_outputs(results))
+    outputs = wire.sample_result_outputs(results, "strict")
+    back_results = wire.sample_results_of(outputs)
     assert [(r.output_token_ids.tolist(), r.num_accepted) for r in back_results] == [([4, 5], 1), ([7], 0)]
+    assert wire.sampler_method_of(outputs) == "strict"
     with pytest.raises(ValueError, match="one rejection_sampler request takes one method"):
         wire.sample_inputs([calls[0], SampleCall(torch.tensor([1]), None, calls[1].verify, 0, "strict")])
+
+
+def test_a_sampler_probe_carries_no_sequences():
+    assert wire.sample_calls_of(wire.sampler_probe_inputs()) == []
+    outputs = wire.sample_result_outputs([], "synthetic")
+    assert wire.sample_results_of(outputs) == [] and wire.sampler_method_of(outputs) == "synthetic"
 
 
 def test_a_lone_sample_call_defaults_and_errors():

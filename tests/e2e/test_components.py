@@ -37,6 +37,15 @@ def test_rejection_sampler_keeps_drafts_the_target_agrees_with(server):
     out = infer(server, "rejection_sampler", draft_token_ids=drafts, target_token_ids=np.array([1, 2, 3, 4]),
                 rejection_sample_method=np.array([b"strict"], dtype=np.object_))  # fmt: skip
     assert out["output_token_ids"].tolist() == [1, 2, 3, 4] and out["num_accepted"].tolist() == [3]
+    assert out["rejection_sample_method"].tolist() == [b"probabilistic"]  # the configured one, not the override
+
+
+def test_rejection_sampler_probe_reports_its_method(server):
+    """No sequences: nothing sampled, and the response names the configured method (the orchestrator asks)."""
+    out = infer(server, "rejection_sampler", draft_token_ids=np.zeros(0, dtype=np.int64),
+                num_draft_tokens=np.zeros(0, dtype=np.int32))  # fmt: skip
+    assert out["output_token_ids"].size == 0 and out["num_accepted"].size == 0
+    assert out["rejection_sample_method"].tolist() == [b"probabilistic"]
 
 
 def test_rejection_sampler_is_seeded_and_validates_shapes(server):

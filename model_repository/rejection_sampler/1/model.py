@@ -2,7 +2,8 @@
 
 A request carries one sequence or several packed ones (``wire``). Callable on its own:
 draft_probs absent means one-hot q at the drafts; target_probs absent means a greedy
-target given by target_token_ids; seed absent draws a fresh one.
+target given by target_token_ids; seed absent draws a fresh one. Every response names
+the configured method; a request with no sequences asks for just that.
 """
 import secrets
 
@@ -31,4 +32,4 @@ class TritonPythonModel:
             call = call.to(self.device)
             seed = call.seed if call.seed is not None else secrets.randbits(63)
             results.append(self.sampler(call.draft_token_ids, call.draft_probs, call.verify, seed, call.method))
-        return wire.sample_result_outputs(results)
+        return wire.sample_result_outputs(results, self.sampler.method)
