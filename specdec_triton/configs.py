@@ -107,12 +107,14 @@ class RejectionSamplerConfig:
 class OrchestratorConfig:
     num_speculative_tokens: int  # k by default, and the most a request may ask for
     default_max_tokens: int  # when a request sends no max_tokens
+    micro_batches: int = 2  # groups the live sequences split into, taking turns at the draft and the target
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
         config = cls(
             num_speculative_tokens=params.get_int("num_speculative_tokens", 4, minimum=0),
             default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
+            micro_batches=params.get_int("micro_batches", 2, minimum=1),
         )
         params.check_all_read()
         return config

@@ -124,7 +124,7 @@ def models(codec, tiny_llama):
     return tiny_llama(seed=0, vocab_size=vocab), tiny_llama(seed=1, vocab_size=vocab, num_hidden_layers=1)
 
 
-def make_orchestrator(codec, models, method="draft_model", k=K, sampler=None):
+def make_orchestrator(codec, models, method="draft_model", k=K, sampler=None, micro_batches=1):
     target, draft = models
     proposer = DraftModelProposer(draft) if method == "draft_model" else NgramProposer(1, 3)
     verifier = TargetVerifier(target, max_model_len=MAX_MODEL_LEN)
@@ -132,7 +132,7 @@ def make_orchestrator(codec, models, method="draft_model", k=K, sampler=None):
     FakeFamily.metrics = {}
     counters = SpecDecodeCounters("sd", k, family_type=FakeFamily)
     active = ActiveSequences("sd", family_type=FakeFamily)
-    return Orchestrator(stages, OrchestratorConfig(k, 16), counters, active), stages
+    return Orchestrator(stages, OrchestratorConfig(k, 16, micro_batches), counters, active), stages
 
 
 def request(text, **overrides):
@@ -238,6 +238,18 @@ def test_concurrent_steps_share_stage_calls(codec, models):
     assert sum(n for _, n in stages.sent) == one_by_one and len(stages.sent) < one_by_one / 2
     calls = verify_calls.value - calls_before
     assert calls == len(sizes["verify"]) == orchestrator.verifications.num_calls - batcher_calls_before
+
+
+def test_micro_batches_split_the_live_sequences(codec, models):
+    """With 2, a draft or verify call carries at most half the live sequences; the texts do not change."""
+    orchestrator, stages = make_orchestrator(codec, models, micro_batches=2)
+    alone = [text_of(run(orchestrator, request(p))) for p in PROMPTS]
+    stages.sent.clear()
+    assert run_together(orchestrator, PROMPTS) == alone
+    for stage in ("propose", "verify"):
+        sizes = [n for s, n in stages.sent if s == stage]
+        assert max(sizes) == len(PROMPTS) // 2, stage
+    assert orchestrator.verifications.max_batch_size == 1  # back to a lone sequence's share once all ended
 
 
 @pytest.mark.parametrize("sampler_method", ["probabilistic", "strict"])
