@@ -9,6 +9,7 @@ aggregate tokens/s, how busy the machine's cores were, CPU seconds per process
 
     python scripts/profile_load.py --concurrency 8 --k 4
     python scripts/profile_load.py --concurrency 1 --k 0 --method ngram
+    python scripts/profile_load.py --param speculative_decoding.micro_batches=1
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from specdec.bench.client import Job, run_load
 from specdec.bench.cpu import CpuSnapshot, process_tree
-from specdec.bench.repository import make_variant
+from specdec.bench.repository import make_variant, parameter_edits
 from specdec.bench.server import TritonServer
 from specdec.bench.stats import metric_total, parse_prometheus, samples_delta
 from specdec.bench.workload import held_out_texts, select_prompts
@@ -42,7 +43,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every model process")
+    p.add_argument("--param", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                   help="set a config.pbtxt parameter of the served copy (repeatable), "
+                        "e.g. speculative_decoding.micro_batches=1")  # fmt: skip
     args = p.parse_args()
+    try:
+        args.edits = parameter_edits(args.param)
+    except ValueError as err:
+        p.error(str(err))
     if min(args.k + 1, args.concurrency, args.num_prompts, args.max_tokens, args.threads) < 1:
         p.error("--k must be >= 0 and --concurrency, --num-prompts, --max-tokens, --threads >= 1")
     return args
@@ -57,7 +65,8 @@ def main() -> None:
                              args.prompt_tokens, seed=0)  # fmt: skip
     jobs = [Job(p, args.max_tokens, args.k, ignore_eos=True) for p in prompts]
     with tempfile.TemporaryDirectory() as workdir:
-        repository = make_variant(args.repository, Path(workdir) / "repo", {"draft_proposer": {"method": args.method}})
+        edits = {**args.edits, "draft_proposer": {"method": args.method, **args.edits.get("draft_proposer", {})}}
+        repository = make_variant(args.repository, Path(workdir) / "repo", edits)
         log = Path(workdir) / "server.log"
         env = {"OMP_NUM_THREADS": str(args.threads)}
         print(f"[profile] starting tritonserver ({args.method}) ...", flush=True)

@@ -192,9 +192,9 @@ class Orchestrator:
         Left to themselves the groups drift apart in size: sequences that meet at a busy
         stage merge, and at 8 streams the pairs were mostly 7 + 1 (per-call timestamps). The
         lone sequence's cycle is short, so the target then waits for the big group's draft
-        and idles about a third of the time. Equal halves keep both models busy: +10% tokens/s
-        at 8 streams, `draft_model` k = 4, in alternating runs on a 2-core CPU; no change with
-        `ngram` or k = 0 (docs/benchmarks.md).
+        and idles about a third of the time. Equal halves keep both models busy: +7-11% tokens/s
+        at 8 streams, `draft_model` k = 4, in long alternating runs on a 2-core CPU; no change
+        with `ngram` or k = 0 (docs/benchmarks.md).
         """
         size = max(1, math.ceil(self.num_active_sequences / self.config.micro_batches))
         self.proposals.max_batch_size = self.verifications.max_batch_size = size

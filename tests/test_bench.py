@@ -16,7 +16,7 @@ from specdec.bench.client import Job, build_inputs
 from specdec.bench.cpu import CpuSnapshot, process_label, process_tree
 from specdec.bench.hf import generation_config, run_hf
 from specdec.bench.report import COLUMNS, format_cell, markdown_section, markdown_table
-from specdec.bench.repository import get_parameters, make_variant, set_parameters
+from specdec.bench.repository import get_parameters, make_variant, parameter_edits, set_parameters
 from specdec.bench.results import annotate, match_reference, step_time_keys, tokens_per_step
 from specdec.bench.stats import (
     Acceptance,
@@ -302,6 +302,17 @@ def test_get_and_set_parameters():
     assert edited.replace("ngram", "draft_model").replace('/abs/\\"q\\"', "../models/tiny-draft") == PBTXT
     with pytest.raises(KeyError, match="no parameter 'methd'.*'method'"):
         set_parameters(PBTXT, {"methd": "ngram"})
+
+
+def test_parameter_edits_from_the_command_line():
+    settings = ["speculative_decoding.micro_batches=1", "draft_proposer.method=ngram", "draft_proposer.k=a=b"]
+    assert parameter_edits(settings) == {
+        "speculative_decoding": {"micro_batches": "1"},
+        "draft_proposer": {"method": "ngram", "k": "a=b"},  # the value is everything after the first '='
+    }
+    for bad in ("micro_batches=1", "speculative_decoding.micro_batches", ".x=1"):
+        with pytest.raises(ValueError, match="--param must look like MODEL.KEY=VALUE"):
+            parameter_edits([bad])
 
 
 def test_make_variant_copies_edits_and_makes_relative_paths_absolute(tmp_path):

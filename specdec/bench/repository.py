@@ -71,3 +71,15 @@ def make_variant(source: Path, dest: Path, edits: dict[str, dict[str, str]]) -> 
         values = {**absolute_paths(text, source), **edits.get(model, {})}
         config.write_text(set_parameters(text, values, where=f"{model}/config.pbtxt"))
     return dest
+
+
+def parameter_edits(settings: list[str]) -> dict[str, dict[str, str]]:
+    """``["model.key=value", ...]`` (command-line settings) as ``make_variant`` edits."""
+    edits: dict[str, dict[str, str]] = {}
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        model, dot, key = name.partition(".")
+        if not (sep and dot and model and key):
+            raise ValueError(f"--param must look like MODEL.KEY=VALUE, got {setting!r}")
+        edits.setdefault(model, {})[key] = value
+    return edits
