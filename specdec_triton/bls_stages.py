@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
 from specdec_triton.orchestrator import Limits, Tokenized

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from specdec.bench.bound import efficiency, forward_ms, speedup_bound
-from specdec.fast import FastCausalLM
 from specdec.bench.client import Job, build_inputs
 from specdec.bench.cpu import CpuSnapshot, process_label, process_tree
 from specdec.bench.hf import generation_config, run_hf
@@ -34,7 +33,7 @@ from specdec.bench.stats import (
     step_overhead_ms,
 )
 from specdec.bench.workload import Prompt, held_out_texts, is_held_out, select_prompts
-
+from specdec.fast import FastCausalLM
 
 # --- workload -----------------------------------------------------------------------
 
