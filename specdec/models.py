@@ -61,12 +61,22 @@ def _config_max_len(config) -> int | None:
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Length of the longest common prefix of ``a`` and ``b``.
+
+    Called per sequence and step with whole sequences (prompt + output), which differ
+    only near the end; list comparisons run in C, so bisecting with them costs a few
+    microseconds where a Python loop over a 2k-token sequence costs a millisecond.
+    """
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class OwnsOneModel:

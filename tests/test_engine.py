@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdec.engine import GenerationParams, SequenceState, StepOutput, generate
+from specdec.models import common_prefix_length
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import Proposal, SampleResult, SamplingParams
@@ -323,3 +324,22 @@ def test_snapshot_keeps_the_state_of_its_step():
     assert frozen.output_ids == [7] and state.output_ids == [7, 8]
     assert frozen.stats.num_steps != state.stats.num_steps
     assert frozen.prompt_ids == state.prompt_ids and not frozen.finished
+
+
+def test_common_prefix_length_against_a_plain_loop():
+    def slow(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(high, size=()):
+        return torch.randint(0, high, size, generator=generator)
+
+    for _ in range(300):
+        a = draw(3, (int(draw(40)),)).tolist()  # a small alphabet: long common runs
+        b = a[: int(draw(len(a) + 1))] + draw(3, (int(draw(5)),)).tolist()
+        assert common_prefix_length(a, b) == slow(a, b) == common_prefix_length(b, a)
+    assert common_prefix_length([], [1]) == 0 and common_prefix_length([1, 2], [1, 2]) == 2
