@@ -16,6 +16,10 @@ orchestration overhead, the analytic speedup bound and the efficiency against it
 (see ``specdec/bench``). Writes JSON (and a PNG when matplotlib is installed) to
 --out-dir and appends a markdown table to docs/benchmarks.md.
 
+With ``--rounds N`` the server phases run N times in turn (every concurrency and k, then
+again), and each figure pools all N: on a machine whose speed drifts, a configuration's
+one-stream and 8-stream phases are then measured across the same stretch of time.
+
     python scripts/benchmark.py --concurrency 1 --num-prompts 4 --max-tokens 64 --ks 2,4
     python scripts/benchmark.py --target models/random-1b --draft models/random-125m --synthetic-acceptance-rate 0.8
 """
@@ -28,6 +32,7 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,20 +41,28 @@ from tritonclient.grpc import InferenceServerClient
 
 from specdec.bench import report
 from specdec.bench.bound import forward_ms
-from specdec.bench.client import Job, run_load
+from specdec.bench.client import Job, JobResult, run_load
 from specdec.bench.hf import generation_config, run_hf
 from specdec.bench.repository import get_parameters, make_variant
-from specdec.bench.results import annotate, match_reference, step_time_keys, tokens_per_step
+from specdec.bench.results import (
+    annotate,
+    match_reference,
+    step_time_keys,
+    tokens_per_step,
+)
 from specdec.bench.server import TritonServer
 from specdec.bench.stats import (
+    ModelCounters,
     Samples,
     acceptance_from_metrics,
     counters_delta,
+    counters_sum,
     latency_summary,
     metric_total,
     model_counters,
     parse_prometheus,
     samples_delta,
+    samples_sum,
     step_overhead_ms,
 )
 from specdec.bench.workload import held_out_texts, select_prompts
@@ -115,6 +128,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
     p.add_argument("--num-prompts", type=int, default=16, help="requests per configuration and concurrency")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the server phases this many times in turn and pool them (against drift)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (whole lines, at least this)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -131,8 +146,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="do not append to --docs")
     p.add_argument("--note", action="append", default=[], help="a line of context for the report (repeatable)")
     args = p.parse_args()
-    if any(k < 1 for k in args.ks) or any(c < 1 for c in args.concurrency) or args.threads < 1:
-        p.error("--ks, --concurrency and --threads values must be >= 1")
+    if any(k < 1 for k in args.ks) or any(c < 1 for c in args.concurrency) or min(args.threads, args.rounds) < 1:
+        p.error("--ks, --concurrency, --threads and --rounds values must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in PROPOSERS]
     if unknown or not args.methods:
@@ -158,7 +173,8 @@ def measure_step_times(args, target, draft, dtype: str, device: str) -> dict[str
         engine = server_parameter(args.repository, model_name, "engine", "fast")
         models[role] = (FastCausalLM(path, dtype, device, max_num_seqs=len(args.ks) + 1, max_model_len=context + 16)
                         if engine == "fast" else hf_model)
-    shapes = {name: (models["draft" if name.startswith("draft") else "target"], n) for name, n in step_time_keys(args.ks)}
+    shapes = {name: (models["draft" if name.startswith("draft") else "target"], n)
+              for name, n in step_time_keys(args.ks)}  # fmt: skip
     return forward_ms(shapes, context, repeats=args.timing_repeats, seed=args.seed)
 
 
@@ -215,19 +231,28 @@ def server_rows(args, method: str, prompts, workdir: Path, outputs: Outputs, pro
     with TritonServer(REPO_ROOT / "scripts" / "serve.sh", repository, log, env) as server:
         progress.write(f"{method}: tritonserver ready on {server.grpc_url} (log {server.log_path})")
         warm_up(server, prompts, args)
-        for concurrency in args.concurrency:
-            for k in (0, *args.ks):
-                name = base_name if k == 0 else f"{method} k={k}"
-                progress.phase(f"{name} c={concurrency}")
-                jobs = [Job(p, args.max_tokens, k, args.ignore_eos) for p in prompts]
-                row, outputs[(name, concurrency)] = measure_phase(server, jobs, concurrency, progress)
-                row.update(config=name, concurrency=concurrency, k=k, proposer=method if k else None,
-                           baseline=base_name)
-                # the server counts positions up to its configured k; this phase drafts at most k
-                row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
-                if concurrency > 1:  # component models overlap in time: not a per-step overhead any more
-                    row["step_overhead_ms_concurrent"] = row.pop("step_overhead_ms")
-                rows.append(row)
+        phases: dict[tuple[int, int], PhaseMeasurement] = {}  # (concurrency, k), in the order first run
+        for round_ in range(args.rounds):
+            for concurrency in args.concurrency:
+                for k in (0, *args.ks):
+                    name = base_name if k == 0 else f"{method} k={k}"
+                    suffix = f" (round {round_ + 1}/{args.rounds})" if args.rounds > 1 else ""
+                    progress.phase(f"{name} c={concurrency}{suffix}")
+                    jobs = [Job(p, args.max_tokens, k, args.ignore_eos) for p in prompts]
+                    measured = measure_phase(server, jobs, concurrency, progress)
+                    previous = phases.get((concurrency, k))
+                    phases[(concurrency, k)] = measured if previous is None else previous + measured
+    for (concurrency, k), measured in phases.items():
+        name = base_name if k == 0 else f"{method} k={k}"
+        row = phase_row(measured)
+        outputs[(name, concurrency)] = [r.text for r in measured.results]
+        row.update(config=name, concurrency=concurrency, k=k, proposer=method if k else None, baseline=base_name,
+                   rounds=args.rounds)  # fmt: skip
+        # the server counts positions up to its configured k; this phase drafts at most k
+        row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
+        if concurrency > 1:  # component models overlap in time: not a per-step overhead any more
+            row["step_overhead_ms_concurrent"] = row.pop("step_overhead_ms")
+        rows.append(row)
     return rows
 
 
@@ -261,9 +286,21 @@ def wait_idle(server: TritonServer, timeout_s: float = 60.0) -> Samples:
         time.sleep(0.05)
 
 
-def measure_phase(
-    server: TritonServer, jobs: list[Job], concurrency: int, progress: Progress
-) -> tuple[dict, list[str]]:
+@dataclass(frozen=True)
+class PhaseMeasurement:
+    """What one phase (or several rounds of it, added) measured: requests, wall time, counter deltas."""
+
+    results: list[JobResult]
+    elapsed_s: float
+    metrics: Samples  # the server's Prometheus counters, after - before
+    stats: dict[str, ModelCounters]  # Triton's per-model statistics, after - before
+
+    def __add__(self, other: PhaseMeasurement) -> PhaseMeasurement:
+        return PhaseMeasurement(self.results + other.results, self.elapsed_s + other.elapsed_s,
+                                samples_sum(self.metrics, other.metrics), counters_sum(self.stats, other.stats))
+
+
+def measure_phase(server: TritonServer, jobs: list[Job], concurrency: int, progress: Progress) -> PhaseMeasurement:
     client = InferenceServerClient(server.grpc_url)
     try:
         metrics_before = wait_idle(server)
@@ -273,6 +310,12 @@ def measure_phase(
         stats = counters_delta(model_counters(client.get_inference_statistics(as_json=True)), stats_before)
     finally:
         client.close()
+    return PhaseMeasurement(results, elapsed, metrics, stats)
+
+
+def phase_row(measured: PhaseMeasurement) -> dict:
+    """The figures of one configuration at one concurrency."""
+    results, elapsed, metrics, stats = measured.results, measured.elapsed_s, measured.metrics, measured.stats
     summary = latency_summary([r.timing for r in results], elapsed)
     if STEPS_METRIC in {name for name, _ in metrics}:  # the orchestrator counts its steps, prefills included
         steps = round(metric_total(metrics, STEPS_METRIC))
@@ -293,7 +336,7 @@ def measure_phase(
         drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
         row.update(num_draft_tokens=drafted, num_accepted_tokens=accepted,
                    acceptance_rate=accepted / drafted if drafted else math.nan, acceptance_source="request outputs")
-    return row, [r.text for r in results]
+    return row
 
 
 def main() -> None:
@@ -318,7 +361,8 @@ def main() -> None:
     print("[bench] step times (ms, median): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()))
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
-    progress = Progress(len(prompts) * (num_hf + len(args.methods) * len(args.concurrency) * (1 + len(args.ks))))
+    num_server = args.rounds * len(args.methods) * len(args.concurrency) * (1 + len(args.ks))
+    progress = Progress(len(prompts) * (num_hf + num_server))
     rows: list[dict] = []
     outputs: Outputs = {}
     try:
@@ -335,7 +379,8 @@ def main() -> None:
     notes = [
         f"Workload: {len(prompts)} held-out stdlib prompts of >= {args.prompt_tokens} tokens, {args.max_tokens} "
         f"output tokens, greedy, ignore_eos={args.ignore_eos}; {device}, dtype {dtype}, "
-        f"{torch.get_num_threads()} torch threads",
+        f"{torch.get_num_threads()} torch threads"
+        + (f"; server phases run {args.rounds} times in turn, figures pooled" if args.rounds > 1 else ""),
         "Step times (ms, median, in-process): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()),
     ]
     notes += args.note

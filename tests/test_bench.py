@@ -15,14 +15,25 @@ from specdec.bench.client import Job, build_inputs
 from specdec.bench.cpu import CpuSnapshot, process_label, process_tree
 from specdec.bench.hf import generation_config, run_hf
 from specdec.bench.report import COLUMNS, format_cell, markdown_section, markdown_table
-from specdec.bench.repository import get_parameters, make_variant, parameter_edits, set_parameters
-from specdec.bench.results import annotate, match_reference, step_time_keys, tokens_per_step
+from specdec.bench.repository import (
+    get_parameters,
+    make_variant,
+    parameter_edits,
+    set_parameters,
+)
+from specdec.bench.results import (
+    annotate,
+    match_reference,
+    step_time_keys,
+    tokens_per_step,
+)
 from specdec.bench.stats import (
     Acceptance,
     ModelCounters,
     RequestTiming,
     acceptance_from_metrics,
     counters_delta,
+    counters_sum,
     latency_summary,
     metric_by_label,
     metric_total,
@@ -30,6 +41,7 @@ from specdec.bench.stats import (
     parse_prometheus,
     percentile,
     samples_delta,
+    samples_sum,
     step_overhead_ms,
 )
 from specdec.bench.workload import Prompt, held_out_texts, is_held_out, select_prompts
@@ -429,6 +441,20 @@ def test_match_reference_compares_outputs_prompt_by_prompt():
     assert [r["identical_outputs"] for r in rows] == [1.0, 0.75, 1.0]
     match_reference(rows[1:2], outputs, "missing")
     assert rows[1]["identical_outputs"] == 0.75
+    # several rounds of the same prompts, one after another, against one round of the reference
+    outputs[("ngram k=2", 4)] = ["a", "b", "x", "d", "a", "b", "c", "d"]
+    match_reference(rows, outputs, "hf plain")
+    assert rows[1]["identical_outputs"] == 7 / 8
+
+
+def test_rounds_add_up_counter_deltas():
+    a = {("spec_decode_num_steps", (("model", "sd"),)): 10.0, ("x", ()): 1.0}
+    b = {("spec_decode_num_steps", (("model", "sd"),)): 5.0, ("y", ()): 2.0}
+    assert samples_sum(a, b) == {("spec_decode_num_steps", (("model", "sd"),)): 15.0, ("x", ()): 1.0, ("y", ()): 2.0}
+    first = {"target_verifier": ModelCounters(3, 2, 100)}
+    second = {"target_verifier": ModelCounters(1, 1, 50), "draft_proposer": ModelCounters(4, 4, 10)}
+    assert counters_sum(first, second) == {"target_verifier": ModelCounters(4, 3, 150),
+                                           "draft_proposer": ModelCounters(4, 4, 10)}  # fmt: skip
 
 
 def test_process_labels_name_the_model_a_stub_serves():

@@ -21,9 +21,9 @@ by the bound -- the *efficiency* -- is the share of the ideal that the serving p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 

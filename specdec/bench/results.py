@@ -64,7 +64,8 @@ def _length_and_drafting_fraction(row: dict) -> tuple[float, float]:
 def match_reference(rows: list[dict], outputs: dict[tuple[str, int], list[str]], reference: str) -> None:
     """Set ``identical_outputs`` to the share of a row's outputs equal to ``reference``'s, prompt by prompt.
 
-    ``outputs`` maps ``(config, concurrency)`` to the texts in prompt order; the
+    ``outputs`` maps ``(config, concurrency)`` to the texts in prompt order (one run
+    of the prompts after another, when a configuration ran several rounds); the
     reference is read at any concurrency (greedy outputs do not depend on it). With
     greedy decoding a lossless method matches plain decoding exactly.
     """
@@ -74,4 +75,4 @@ def match_reference(rows: list[dict], outputs: dict[tuple[str, int], list[str]],
     for row in rows:
         texts = outputs.get((row["config"], row["concurrency"]))
         if texts is not None:
-            row["identical_outputs"] = sum(a == b for a, b in zip(texts, ref)) / len(ref)
+            row["identical_outputs"] = sum(a == ref[i % len(ref)] for i, a in enumerate(texts)) / len(texts)

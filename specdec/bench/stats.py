@@ -153,6 +153,11 @@ def samples_delta(after: Samples, before: Samples) -> Samples:
     return {key: value - before.get(key, 0.0) for key, value in after.items()}
 
 
+def samples_sum(a: Samples, b: Samples) -> Samples:
+    """Two counter deltas added series by series (a series absent on one side counts as 0)."""
+    return {key: a.get(key, 0.0) + b.get(key, 0.0) for key in {**a, **b}}
+
+
 def metric_total(samples: Samples, name: str, **labels: str) -> float:
     """Sum of ``name`` over every series whose labels include ``labels``."""
     want = set(labels.items())
@@ -225,6 +230,14 @@ def counters_delta(after: dict[str, ModelCounters], before: dict[str, ModelCount
     return {
         name: ModelCounters(*(a - b for a, b in zip(_fields(c), _fields(before.get(name, zero)))))
         for name, c in after.items()
+    }
+
+
+def counters_sum(a: dict[str, ModelCounters], b: dict[str, ModelCounters]) -> dict[str, ModelCounters]:
+    zero = ModelCounters(0, 0, 0)
+    return {
+        name: ModelCounters(*(x + y for x, y in zip(_fields(a.get(name, zero)), _fields(b.get(name, zero)))))
+        for name in {**a, **b}
     }
 
 
