@@ -64,8 +64,8 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of ``a`` and ``b``.
 
     Called per sequence and step with whole sequences (prompt + output), which differ
-    only near the end; list comparisons run in C, so bisecting with them costs a few
-    microseconds where a Python loop over a 2k-token sequence costs a millisecond.
+    only near the end; list comparisons run in C, so bisecting with them is about five
+    times faster than a Python loop at 2k tokens (15 against 77 us on the 2-core CPU).
     """
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:

@@ -10,9 +10,9 @@ Many requests progress at once: each decodes in its own coroutine, and its propo
 verify, sample and detokenize calls go through a
 :class:`~specdec_triton.stage_batcher.StageBatcher` per stage, so the calls of the
 sequences that are ready together leave as one request (one BLS round trip, one
-forward) while another group of sequences is at another stage; ``micro_batches`` keeps those
-groups of equal size. No more sequences
-run than the stages can hold (``max_num_seqs``); later requests wait for a free slot.
+forward) while another group of sequences is at another stage; ``micro_batches``
+keeps those groups of equal size. No more sequences run than the stages can hold
+(``max_num_seqs``); later requests wait for a free slot.
 Cancellation is checked between steps (a step is the unit of work; Triton does not
 cancel BLS children), and every stage's state for the sequence is released however
 the request ends.
