@@ -5,7 +5,8 @@ Starts ``scripts/serve.sh`` on a copy of the model repository with the chosen pr
 method, warms it up, sends the held-out prompts at the given concurrency and prints:
 aggregate tokens/s, how busy the machine's cores were, CPU seconds per process
 (``tritonserver`` and each model's Python stub), and sequences per target forward
-(``spec_decode_num_steps`` / ``spec_decode_num_verify_calls``).
+(``spec_decode_num_steps`` / ``spec_decode_num_verify_calls``) and each stage's calls, batch and
+latency (``spec_decode_stage_*``).
 
     python scripts/profile_load.py --concurrency 8 --k 4
     python scripts/profile_load.py --concurrency 1 --k 0 --method ngram
@@ -28,6 +29,7 @@ from specdec.bench.stats import metric_total, parse_prometheus, samples_delta
 from specdec.bench.workload import held_out_texts, select_prompts
 from specdec.models import load_tokenizer
 from specdec.proposers import PROPOSERS
+from specdec_triton.metrics import STAGES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ORCHESTRATOR = "speculative_decoding"
@@ -89,6 +91,13 @@ def main() -> None:
           f"machine {100 * busy:.0f}% busy over its {os.cpu_count()} cores")  # fmt: skip
     if calls:
         print(f"sequences per target forward: {steps / calls:.2f} ({steps:.0f} steps in {calls:.0f} verifier calls)")
+    for stage in STAGES:  # as the orchestrator waited on them: round trip, queueing and compute
+        stage_calls = metric_total(metrics, "spec_decode_stage_calls", stage=stage)
+        if stage_calls:
+            seconds = metric_total(metrics, "spec_decode_stage_seconds", stage=stage)
+            sequences = metric_total(metrics, "spec_decode_stage_sequences", stage=stage)
+            print(f"stage {stage:11s} {stage_calls:6.0f} calls, {sequences / stage_calls:5.2f} sequences and "
+                  f"{1e3 * seconds / stage_calls:6.2f} ms per call, busy {100 * seconds / wall:3.0f}% of wall")
     print(f"{'process':24s} {'CPU s':>7s} {'% of wall':>9s}")
     for label, seconds in sorted(per_process.items(), key=lambda item: -item[1]):
         print(f"{label:24s} {seconds:7.2f} {100 * seconds / wall:8.1f}%")

@@ -23,6 +23,13 @@ _COUNTERS = {
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the rejection sampler",
     "spec_decode_num_output_tokens": "Tokens emitted to clients",
 }
+STAGES = ("propose", "verify", "sample", "detokenize")  # the orchestrator's batched calls
+_STAGE_COUNTERS = {
+    "spec_decode_stage_calls": "Calls the orchestrator made to a composing model, by stage",
+    "spec_decode_stage_sequences": "Sequences those calls carried, by stage",
+    "spec_decode_stage_seconds": "Wall time of those calls as the orchestrator waited for them "
+    "(round trip, queueing and compute), by stage",
+}
 _PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0-based)")
 _ACTIVE = ("spec_decode_num_active_sequences", "Sequences whose state this model holds")
 
@@ -63,11 +70,24 @@ class SpecDecodeCounters:
         self._per_position = [
             self._per_position_family.Metric(labels={**labels, "position": str(i)}) for i in range(max_positions)
         ]
-        self._pending: dict[object, int] = {}  # metric -> increment not applied yet
+        self._stage_families = {name: _family(name, text, "COUNTER", family_type)
+                                for name, text in _STAGE_COUNTERS.items()}  # fmt: skip
+        self._stage = {
+            (name, stage): family.Metric(labels={**labels, "stage": stage})
+            for name, family in self._stage_families.items()
+            for stage in STAGES
+        }
+        self._pending: dict[object, float] = {}  # metric -> increment not applied yet
         self._flush_scheduled = False
 
     def record_verify_call(self) -> None:
         self._add(self._counters["spec_decode_num_verify_calls"], 1)
+
+    def record_stage_call(self, stage: str, num_sequences: int, seconds: float) -> None:
+        """One batched call to a stage: seconds / calls is its mean latency, sequences / calls its batch."""
+        self._add(self._stage[("spec_decode_stage_calls", stage)], 1)
+        self._add(self._stage[("spec_decode_stage_sequences", stage)], num_sequences)
+        self._add(self._stage[("spec_decode_stage_seconds", stage)], seconds)
 
     def record_step(self, num_draft_tokens: int, num_accepted: int, num_output_tokens: int) -> None:
         self._add(self._counters["spec_decode_num_steps"], 1)
@@ -86,7 +106,7 @@ class SpecDecodeCounters:
         for metric, amount in pending.items():
             metric.increment(amount)
 
-    def _add(self, metric, amount: int) -> None:
+    def _add(self, metric, amount: float) -> None:
         if not amount:
             return
         self._pending[metric] = self._pending.get(metric, 0) + amount

@@ -87,10 +87,14 @@ class Orchestrator:
         self.active = active
         self.num_active_sequences = 0
         # one per batched stage: the calls of sequences that are ready together leave as one
-        self.proposals: StageBatcher[ProposeRequest, Proposal] = StageBatcher(stages.propose)
-        self.verifications: StageBatcher[VerifyRequest, VerifyResult] = StageBatcher(self._verify_batch)
-        self.samples: StageBatcher[SampleCall, SampleResult] = StageBatcher(stages.sample)
-        self.texts: StageBatcher[list[int], str] = StageBatcher(stages.detokenize)
+        self.proposals: StageBatcher[ProposeRequest, Proposal] = StageBatcher(
+            stages.propose, on_call=self._timed("propose"))
+        self.verifications: StageBatcher[VerifyRequest, VerifyResult] = StageBatcher(
+            self._verify_batch, on_call=self._timed("verify"))
+        self.samples: StageBatcher[SampleCall, SampleResult] = StageBatcher(
+            stages.sample, on_call=self._timed("sample"))
+        self.texts: StageBatcher[list[int], str] = StageBatcher(
+            stages.detokenize, on_call=self._timed("detokenize"))
         self._limits: Limits | None = None
         self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
 
@@ -179,6 +183,15 @@ class Orchestrator:
         new_text = stream.push(text)
         if new_text:
             send(self._outputs(state, new_text), False)
+
+    def _timed(self, stage: str) -> Callable[[int, float], None]:
+        """What a stage's batcher reports after each call: into the stage counters, if any."""
+
+        def record(num_sequences: int, seconds: float) -> None:
+            if self.counters is not None:
+                self.counters.record_stage_call(stage, num_sequences, seconds)
+
+        return record
 
     def _set_active(self, change: int) -> None:
         self.num_active_sequences += change

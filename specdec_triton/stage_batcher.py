@@ -22,6 +22,7 @@ call to end, so whatever it does next (release its sequence) comes after it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -31,9 +32,15 @@ BatchCall = Callable[[list[Item]], Awaitable[list[Result]]]
 
 
 class StageBatcher(Generic[Item, Result]):
-    def __init__(self, call: BatchCall, max_batch_size: int | None = None):
+    def __init__(
+        self,
+        call: BatchCall,
+        max_batch_size: int | None = None,
+        on_call: Callable[[int, float], None] | None = None,  # (items, seconds) after every call, failed too
+    ):
         self._call = call
         self.max_batch_size = max_batch_size  # None: every queued item goes in the next call
+        self._on_call = on_call
         self._queue: list[tuple[Item, asyncio.Future]] = []
         self._in_flight: asyncio.Task | None = None
         self._flush_scheduled = False
@@ -92,7 +99,12 @@ class StageBatcher(Generic[Item, Result]):
 
     async def _checked_call(self, items: list[Item]) -> list[Result]:
         self.num_calls += 1
-        results = list(await self._call(items))
+        started = time.monotonic()
+        try:
+            results = list(await self._call(items))
+        finally:
+            if self._on_call is not None:
+                self._on_call(len(items), time.monotonic() - started)
         if len(results) != len(items):
             raise RuntimeError(f"a batched call returned {len(results)} results for {len(items)} items")
         return results

@@ -228,6 +228,7 @@ def test_concurrent_steps_share_stage_calls(codec, models):
     orchestrator, stages = make_orchestrator(codec, models, sampler=RejectionSampler("synthetic", 0.5))
     alone = [text_of(run(orchestrator, request(p, seed=3))) for p in PROMPTS]  # the synthetic draws are seeded
     one_by_one = len(stages.sent)
+    sent_alone = list(stages.sent)
     stages.sent.clear()
     verify_calls = FakeFamily.metrics[("spec_decode_num_verify_calls", (("model", "sd"),))]
     calls_before, batcher_calls_before = verify_calls.value, orchestrator.verifications.num_calls
@@ -238,6 +239,14 @@ def test_concurrent_steps_share_stage_calls(codec, models):
     assert sum(n for _, n in stages.sent) == one_by_one and len(stages.sent) < one_by_one / 2
     calls = verify_calls.value - calls_before
     assert calls == len(sizes["verify"]) == orchestrator.verifications.num_calls - batcher_calls_before
+    for stage in ("propose", "verify", "sample"):  # the per-stage counters saw every call, since the start
+        stage_labels = (("model", "sd"), ("stage", stage))
+        num_calls = FakeFamily.metrics[("spec_decode_stage_calls", stage_labels)].value
+        num_sequences = FakeFamily.metrics[("spec_decode_stage_sequences", stage_labels)].value
+        assert num_calls == len([s for s, _ in stages.sent if s == stage]) + sum(
+            1 for s, _ in sent_alone if s == stage)
+        assert num_sequences == sum(sizes[stage]) + sum(n for s, n in sent_alone if s == stage)
+        assert FakeFamily.metrics[("spec_decode_stage_seconds", stage_labels)].value > 0
 
 
 def test_micro_batches_split_the_live_sequences(codec, models):

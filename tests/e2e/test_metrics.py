@@ -41,3 +41,15 @@ def test_metrics_add_up(server):
     assert sum(per_position) == counter(after, "spec_decode_num_accepted_tokens")
     for model in ("speculative_decoding", "target_verifier", "draft_proposer"):
         assert after[("spec_decode_num_active_sequences", (("model", model),))] == 0
+
+    def stage_delta(name: str, stage: str) -> float:
+        key = (name, ORCHESTRATOR + (("stage", stage),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    verify_calls = counter(after, "spec_decode_num_verify_calls") - counter(before, "spec_decode_num_verify_calls")
+    assert stage_delta("spec_decode_stage_calls", "verify") == verify_calls > 0
+    assert stage_delta("spec_decode_stage_sequences", "verify") == delta["spec_decode_num_steps"]  # one per step
+    assert stage_delta("spec_decode_stage_sequences", "propose") == drafts  # steps that drafted (prefills do not)
+    assert stage_delta("spec_decode_stage_calls", "sample") == 0  # greedy steps are matched in the orchestrator
+    for stage in ("propose", "verify", "detokenize"):
+        assert stage_delta("spec_decode_stage_seconds", stage) > 0
