@@ -80,7 +80,7 @@ DETOKENIZER_MODEL = "detokenizer"
 Outputs = dict[tuple[str, int], list[str]]  # (config, concurrency) -> output texts in prompt order
 ACTIVE_METRIC = "spec_decode_num_active_sequences"  # gauge: sequences each model holds
 STEPS_METRIC = "spec_decode_num_steps"  # counter: target passes, prefills included
-VERIFY_CALLS_METRIC = "spec_decode_num_verify_calls"  # counter: target_verifier calls, each one forward
+STAGE_CALLS_METRIC = "spec_decode_stage_calls"  # counter by stage; stage="verify": target_verifier calls
 COMPUTE_MODELS = (PROPOSER_MODEL, TARGET_MODEL, SAMPLER_MODEL)  # "model compute" of a step
 
 try:
@@ -323,7 +323,7 @@ def phase_row(measured: PhaseMeasurement) -> dict:
         steps = (stats[TARGET_MODEL].inference_count if TARGET_MODEL in stats else 0) - len(results)
     row = {**summary, **step_overhead_ms(elapsed, stats, steps, COMPUTE_MODELS), "decode_steps": steps - len(results),
            "tokens_per_step": tokens_per_step(summary["output_tokens"], len(results), steps - len(results))}
-    verify_calls = metric_total(metrics, VERIFY_CALLS_METRIC)
+    verify_calls = metric_total(metrics, STAGE_CALLS_METRIC, stage="verify")
     if verify_calls:  # one call in flight at a time, so one forward per call: the sequences each forward served
         row["target_sequences_per_execution"] = steps / verify_calls
     elif TARGET_MODEL in stats and stats[TARGET_MODEL].execution_count:  # a repository without the counter

@@ -5,8 +5,8 @@ Starts ``scripts/serve.sh`` on a copy of the model repository with the chosen pr
 method, warms it up, sends the held-out prompts at the given concurrency and prints:
 aggregate tokens/s, how busy the machine's cores were, CPU seconds per process
 (``tritonserver`` and each model's Python stub), and sequences per target forward
-(``spec_decode_num_steps`` / ``spec_decode_num_verify_calls``) and each stage's calls, batch and
-latency (``spec_decode_stage_*``).
+(``spec_decode_num_steps`` / verify calls) and each stage's calls, batch and latency
+(``spec_decode_stage_*``).
 
     python scripts/profile_load.py --concurrency 8 --k 4
     python scripts/profile_load.py --concurrency 1 --k 0 --method ngram
@@ -86,7 +86,8 @@ def main() -> None:
             metrics = samples_delta(parse_prometheus(server.metrics_text()), metrics_before)
     tokens = sum(sum(r.timing.tokens) for r in results)
     per_process, busy = cpu_before.until(cpu_after)
-    steps, calls = metric_total(metrics, "spec_decode_num_steps"), metric_total(metrics, "spec_decode_num_verify_calls")
+    steps = metric_total(metrics, "spec_decode_num_steps")
+    calls = metric_total(metrics, "spec_decode_stage_calls", stage="verify")
     print(f"{tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} tok/s; "
           f"machine {100 * busy:.0f}% busy over its {os.cpu_count()} cores")  # fmt: skip
     if calls:

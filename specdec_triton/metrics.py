@@ -17,7 +17,6 @@ from specdec_triton.plumbing import triton_utils
 
 _COUNTERS = {
     "spec_decode_num_steps": "Target passes of all requests (steps), each request's prefill pass included",
-    "spec_decode_num_verify_calls": "Calls to the target verifier; each carries the steps of one or more sequences",
     "spec_decode_num_drafts": "Speculative steps that proposed at least one draft token",
     "spec_decode_num_draft_tokens": "Draft tokens proposed",
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the rejection sampler",
@@ -79,9 +78,6 @@ class SpecDecodeCounters:
         }
         self._pending: dict[object, float] = {}  # metric -> increment not applied yet
         self._flush_scheduled = False
-
-    def record_verify_call(self) -> None:
-        self._add(self._counters["spec_decode_num_verify_calls"], 1)
 
     def record_stage_call(self, stage: str, num_sequences: int, seconds: float) -> None:
         """One batched call to a stage: seconds / calls is its mean latency, sequences / calls its batch."""

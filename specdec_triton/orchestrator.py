@@ -90,7 +90,7 @@ class Orchestrator:
         self.proposals: StageBatcher[ProposeRequest, Proposal] = StageBatcher(
             stages.propose, on_call=self._timed("propose"))
         self.verifications: StageBatcher[VerifyRequest, VerifyResult] = StageBatcher(
-            self._verify_batch, on_call=self._timed("verify"))
+            stages.verify, on_call=self._timed("verify"))
         self.samples: StageBatcher[SampleCall, SampleResult] = StageBatcher(
             stages.sample, on_call=self._timed("sample"))
         self.texts: StageBatcher[list[int], str] = StageBatcher(
@@ -239,11 +239,6 @@ class Orchestrator:
         to the sampler.
         """
         return verify_result.probs is None and self._limits.rejection_sample_method != "synthetic"
-
-    async def _verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        if self.counters is not None:
-            self.counters.record_verify_call()
-        return await self.stages.verify(requests)
 
     @staticmethod
     def _outputs(state: SequenceState, text: str) -> dict:

@@ -44,7 +44,6 @@ class StageBatcher(Generic[Item, Result]):
         self._queue: list[tuple[Item, asyncio.Future]] = []
         self._in_flight: asyncio.Task | None = None
         self._flush_scheduled = False
-        self.num_calls = 0  # batched calls made (retries of a failed batch included)
 
     async def __call__(self, item: Item) -> Result:
         future = asyncio.get_running_loop().create_future()
@@ -98,7 +97,6 @@ class StageBatcher(Generic[Item, Result]):
             self._schedule()
 
     async def _checked_call(self, items: list[Item]) -> list[Result]:
-        self.num_calls += 1
         started = time.monotonic()
         try:
             results = list(await self._call(items))

@@ -230,15 +230,11 @@ def test_concurrent_steps_share_stage_calls(codec, models):
     one_by_one = len(stages.sent)
     sent_alone = list(stages.sent)
     stages.sent.clear()
-    verify_calls = FakeFamily.metrics[("spec_decode_num_verify_calls", (("model", "sd"),))]
-    calls_before, batcher_calls_before = verify_calls.value, orchestrator.verifications.num_calls
     assert run_together(orchestrator, PROMPTS, seed=3) == alone
     sizes = {stage: [n for s, n in stages.sent if s == stage] for stage in ("propose", "verify", "sample")}
     for stage, calls in sizes.items():  # the same sequence-steps, in fewer and fuller calls
         assert max(calls) == len(PROMPTS), stage
     assert sum(n for _, n in stages.sent) == one_by_one and len(stages.sent) < one_by_one / 2
-    calls = verify_calls.value - calls_before
-    assert calls == len(sizes["verify"]) == orchestrator.verifications.num_calls - batcher_calls_before
     for stage in ("propose", "verify", "sample"):  # the per-stage counters saw every call, since the start
         stage_labels = (("model", "sd"), ("stage", stage))
         num_calls = FakeFamily.metrics[("spec_decode_stage_calls", stage_labels)].value

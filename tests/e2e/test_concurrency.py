@@ -44,7 +44,7 @@ def steps_and_verify_calls(server) -> tuple[float, float]:
     """The orchestrator's target passes (one per sequence step) and the verifier calls that carried them."""
     samples, labels = server.metrics(), (("model", "speculative_decoding"),)
     steps = samples.get(("spec_decode_num_steps", labels), 0.0)
-    return steps, samples.get(("spec_decode_num_verify_calls", labels), 0.0)
+    return steps, samples.get(("spec_decode_stage_calls", labels + (("stage", "verify"),)), 0.0)
 
 
 @pytest.mark.parametrize("server_name", ["server", "ngram_server"], ids=["draft_model", "ngram"])

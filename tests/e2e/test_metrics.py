@@ -46,8 +46,7 @@ def test_metrics_add_up(server):
         key = (name, ORCHESTRATOR + (("stage", stage),))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    verify_calls = counter(after, "spec_decode_num_verify_calls") - counter(before, "spec_decode_num_verify_calls")
-    assert stage_delta("spec_decode_stage_calls", "verify") == verify_calls > 0
+    assert 0 < stage_delta("spec_decode_stage_calls", "verify") <= delta["spec_decode_num_steps"]
     assert stage_delta("spec_decode_stage_sequences", "verify") == delta["spec_decode_num_steps"]  # one per step
     assert stage_delta("spec_decode_stage_sequences", "propose") == drafts  # steps that drafted (prefills do not)
     assert stage_delta("spec_decode_stage_calls", "sample") == 0  # greedy steps are matched in the orchestrator
