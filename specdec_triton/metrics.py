@@ -30,6 +30,8 @@ _STAGE_COUNTERS = {
     "(round trip, queueing and compute), by stage",
 }
 _PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0-based)")
+# How stale the counters on the metrics port may be under load; Prometheus scrapes every 10-60 s.
+FLUSH_INTERVAL_S = 0.5
 _ACTIVE = ("spec_decode_num_active_sequences", "Sequences whose state this model holds")
 
 
@@ -40,27 +42,36 @@ def _family(name: str, description: str, kind: str, family_type=None):
 
 
 class ActiveSequences:
-    """Gauge of live sequences held by one model; set after every request, so it returns to 0 when idle."""
+    """Gauge of live sequences held by one model; set after every request, so it returns to 0 when idle.
+
+    An update is a round trip to the server process, so only changes are sent.
+    """
 
     def __init__(self, model_name: str, family_type=None):
         self._family = _family(*_ACTIVE, "GAUGE", family_type)  # must outlive its metrics
         self._gauge = self._family.Metric(labels={"model": model_name})
+        self._count: int | None = None  # the value last sent
 
     def set(self, count: int) -> None:
-        self._gauge.set(count)
+        if count != self._count:
+            self._gauge.set(count)
+            self._count = count
 
 
 class SpecDecodeCounters:
     """The orchestrator's per-step counters.
 
-    Every ``pb_utils`` metric update is a round trip to the server process, and a step
-    touches up to ``k + 5`` counters. So updates are summed and applied once per turn
-    of the event loop: the sequences whose steps end together (one batched call) cost
-    one update per counter, and the metrics are exact as soon as the loop runs on.
+    Every ``pb_utils`` metric update is a synchronous round trip to the server process
+    that blocks the event loop (and so every stage dispatch behind it), and a step
+    touches up to ``k + 5`` counters. So updates are summed and applied at most every
+    ``flush_interval_s`` (``FLUSH_INTERVAL_S``), one update per counter whatever the
+    number of steps, and at once by :meth:`flush` (the orchestrator calls it before a
+    request's final response, so a client holding that response sees its steps counted).
     Outside an event loop, updates apply at once.
     """
 
-    def __init__(self, model_name: str, max_positions: int, family_type=None):
+    def __init__(self, model_name: str, max_positions: int, family_type=None,
+                 flush_interval_s: float = FLUSH_INTERVAL_S):
         labels = {"model": model_name}
         # Families must outlive their metrics, so both are kept.
         self._families = {name: _family(name, text, "COUNTER", family_type) for name, text in _COUNTERS.items()}
@@ -77,7 +88,9 @@ class SpecDecodeCounters:
             for stage in STAGES
         }
         self._pending: dict[object, float] = {}  # metric -> increment not applied yet
-        self._flush_scheduled = False
+        self._flush_interval_s = flush_interval_s
+        self._scheduled_flush: asyncio.TimerHandle | None = None
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None  # the loop that will run it
 
     def record_stage_call(self, stage: str, num_sequences: int, seconds: float) -> None:
         """One batched call to a stage: seconds / calls is its mean latency, sequences / calls its batch."""
@@ -97,7 +110,9 @@ class SpecDecodeCounters:
 
     def flush(self) -> None:
         """Apply every pending update now."""
-        self._flush_scheduled = False
+        if self._scheduled_flush is not None:
+            self._scheduled_flush.cancel()
+            self._scheduled_flush = None
         pending, self._pending = self._pending, {}
         for metric, amount in pending.items():
             metric.increment(amount)
@@ -106,12 +121,11 @@ class SpecDecodeCounters:
         if not amount:
             return
         self._pending[metric] = self._pending.get(metric, 0) + amount
-        if self._flush_scheduled:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop: nothing would run a deferred flush
             self.flush()
             return
-        self._flush_scheduled = True
-        loop.call_soon(self.flush)
+        if self._scheduled_flush is not None and self._scheduled_on is loop:
+            return
+        self._scheduled_flush, self._scheduled_on = loop.call_later(self._flush_interval_s, self.flush), loop

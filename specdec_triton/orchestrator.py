@@ -136,8 +136,8 @@ class Orchestrator:
                     await self.stages.release(state.seq_id)
                 finally:
                     self._set_active(-1)
-        if self.counters is not None:
-            self.counters.flush()  # a client holding the final response sees its steps counted
+                    if self.counters is not None:  # however it ended, a client that hears of it sees its steps counted
+                        self.counters.flush()
         send(final_outputs, True)
 
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:

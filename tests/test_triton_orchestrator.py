@@ -383,19 +383,37 @@ def test_counters_add_up(codec, models):
     assert value["spec_decode_num_drafts"] + len(outputs) <= value["spec_decode_num_steps"]
 
 
-def test_counter_updates_are_summed_per_event_loop_turn():
+def test_counter_updates_are_summed_and_applied_once_per_interval():
     FakeFamily.metrics = {}
-    counters = SpecDecodeCounters("sd", 2, family_type=FakeFamily)
+    counters = SpecDecodeCounters("sd", 2, family_type=FakeFamily, flush_interval_s=0.05)
     steps = FakeFamily.metrics[("spec_decode_num_steps", (("model", "sd"),))]
     accepted = FakeFamily.metrics[("spec_decode_num_accepted_tokens", (("model", "sd"),))]
 
-    async def one_turn_of_steps():
+    async def steps_over_several_turns():
         for _ in range(4):
             counters.record_step(num_draft_tokens=2, num_accepted=1, num_output_tokens=2)
-        assert steps.value == 0  # not applied within the turn
-        await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        assert steps.value == 0  # not applied within the interval
+        await asyncio.sleep(0.2)
         assert (steps.value, steps.updates, accepted.value, accepted.updates) == (4, 1, 4, 1)
+        counters.record_step(num_draft_tokens=2, num_accepted=1, num_output_tokens=2)
+        counters.flush()  # at once, as before a final response
+        assert (steps.value, steps.updates) == (5, 2)
+        await asyncio.sleep(0.2)  # the flush took the scheduled one's place: no empty update
+        assert steps.updates == 2
 
-    asyncio.run(one_turn_of_steps())
-    counters.record_step(num_draft_tokens=0, num_accepted=0, num_output_tokens=1)  # no loop: applied at once
-    assert (steps.value, steps.updates) == (5, 2)
+    asyncio.run(steps_over_several_turns())
+    counters.record_step(num_draft_tokens=2, num_accepted=1, num_output_tokens=2)  # no loop: applied at once
+    assert (steps.value, steps.updates) == (6, 3)
+
+    async def ends_with_a_flush_pending():
+        counters.record_step(num_draft_tokens=2, num_accepted=1, num_output_tokens=2)
+
+    async def the_next_loop():  # the dead loop's pending flush does not hold this one's back
+        counters.record_step(num_draft_tokens=2, num_accepted=1, num_output_tokens=2)
+        await asyncio.sleep(0.2)
+        assert (steps.value, steps.updates) == (8, 4)
+
+    asyncio.run(ends_with_a_flush_pending())
+    assert steps.value == 6
+    asyncio.run(the_next_loop())
