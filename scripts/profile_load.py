@@ -6,7 +6,9 @@ method, warms it up, sends the held-out prompts at the given concurrency and pri
 aggregate tokens/s, how busy the machine's cores were, CPU seconds per process
 (``tritonserver`` and each model's Python stub), and sequences per target forward
 (``spec_decode_num_steps`` / verify calls) and each stage's calls, batch and latency
-(``spec_decode_stage_*``).
+(``spec_decode_stage_*``), the latency split into the time queued and executing in the
+stage's model (Triton's statistics; releases included) and the rest: the BLS round trip
+and the orchestrator's turnaround.
 
     python scripts/profile_load.py --concurrency 8 --k 4
     python scripts/profile_load.py --concurrency 1 --k 0 --method ngram
@@ -25,14 +27,24 @@ from specdec.bench.client import Job, run_load
 from specdec.bench.cpu import CpuSnapshot, process_tree
 from specdec.bench.repository import make_variant, parameter_edits
 from specdec.bench.server import TritonServer
-from specdec.bench.stats import metric_total, parse_prometheus, samples_delta
+from specdec.bench.stats import (
+    StageTimes,
+    counters_delta,
+    metric_total,
+    model_counters,
+    parse_prometheus,
+    samples_delta,
+)
 from specdec.bench.workload import held_out_texts, select_prompts
 from specdec.models import load_tokenizer
 from specdec.proposers import PROPOSERS
+from specdec_triton import wire
 from specdec_triton.metrics import STAGES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ORCHESTRATOR = "speculative_decoding"
+STAGE_MODELS = {"propose": wire.DRAFT_PROPOSER, "verify": wire.TARGET_VERIFIER,
+                "sample": wire.REJECTION_SAMPLER, "detokenize": wire.DETOKENIZER}  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,12 +90,14 @@ def main() -> None:
             run_load(server.grpc_url, ORCHESTRATOR, jobs[: args.concurrency], args.concurrency)
             labels = process_tree(server.pid)
             metrics_before, cpu_before = parse_prometheus(server.metrics_text()), CpuSnapshot.take(labels)
+            models_before = model_counters(server.statistics())
             start, client_start = time.monotonic(), time.process_time()
             results, _ = run_load(server.grpc_url, ORCHESTRATOR, jobs, args.concurrency)
             wall, client_cpu = time.monotonic() - start, time.process_time() - client_start
             cpu_after = CpuSnapshot.take(labels)
             time.sleep(0.2)  # the last releases and counter updates land after the last response
             metrics = samples_delta(parse_prometheus(server.metrics_text()), metrics_before)
+            models = counters_delta(model_counters(server.statistics()), models_before)
     tokens = sum(sum(r.timing.tokens) for r in results)
     per_process, busy = cpu_before.until(cpu_after)
     steps = metric_total(metrics, "spec_decode_num_steps")
@@ -92,13 +106,13 @@ def main() -> None:
           f"machine {100 * busy:.0f}% busy over its {os.cpu_count()} cores")  # fmt: skip
     if calls:
         print(f"sequences per target forward: {steps / calls:.2f} ({steps:.0f} steps in {calls:.0f} verifier calls)")
-    for stage in STAGES:  # as the orchestrator waited on them: round trip, queueing and compute
-        stage_calls = metric_total(metrics, "spec_decode_stage_calls", stage=stage)
-        if stage_calls:
-            seconds = metric_total(metrics, "spec_decode_stage_seconds", stage=stage)
-            sequences = metric_total(metrics, "spec_decode_stage_sequences", stage=stage)
-            print(f"stage {stage:11s} {stage_calls:6.0f} calls, {sequences / stage_calls:5.2f} sequences and "
-                  f"{1e3 * seconds / stage_calls:6.2f} ms per call, busy {100 * seconds / wall:3.0f}% of wall")
+    for stage in STAGES:  # as the orchestrator waited on them, and the share of that spent in the model
+        times = StageTimes.of(metrics, stage, models.get(STAGE_MODELS[stage]))
+        if times is not None:
+            print(f"stage {stage:11s} {times.calls:6.0f} calls, {times.sequences / times.calls:5.2f} sequences and "
+                  f"{times.ms_per_call:6.2f} ms per call (queued {times.queue_ms_per_call:5.2f}, executing "
+                  f"{times.execute_ms_per_call:5.2f}, round trip {times.round_trip_ms_per_call:5.2f}), "
+                  f"busy {100 * times.wait_s / wall:3.0f}% of wall")
     print(f"{'process':24s} {'CPU s':>7s} {'% of wall':>9s}")
     for label, seconds in sorted(per_process.items(), key=lambda item: -item[1]):
         print(f"{label:24s} {seconds:7.2f} {100 * seconds / wall:8.1f}%")

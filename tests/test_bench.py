@@ -31,6 +31,7 @@ from specdec.bench.stats import (
     Acceptance,
     ModelCounters,
     RequestTiming,
+    StageTimes,
     acceptance_from_metrics,
     counters_delta,
     counters_sum,
@@ -195,7 +196,8 @@ def _stats(verify_count: int, verify_ns: int, bls_ns: int) -> dict:
     return {"model_stats": [
         {"name": "target_verifier", "version": "1", "inference_count": str(verify_count),
          "execution_count": str(verify_count),
-         "inference_stats": {"compute_infer": {"count": "1", "ns": str(verify_ns)}}},
+         "inference_stats": {"compute_infer": {"count": "1", "ns": str(verify_ns)},
+                             "queue": {"count": "1", "ns": "250"}}},
         {"name": "draft_proposer", "version": "1", "inference_count": "4", "execution_count": "4",
          "inference_stats": {"compute_infer": {"count": "4", "ns": "1000000"}}},
         {"name": "speculative_decoding", "version": "1",
@@ -205,8 +207,21 @@ def _stats(verify_count: int, verify_ns: int, bls_ns: int) -> dict:
 
 def test_model_counters_parse_string_ints_and_missing_fields():
     counters = model_counters(_stats(7, 5_000_000, 9))
-    assert counters["target_verifier"] == ModelCounters(7, 7, 5_000_000)
+    assert counters["target_verifier"] == ModelCounters(7, 7, 5_000_000, queue_ns=250)
     assert counters["speculative_decoding"] == ModelCounters(0, 0, 9)
+
+
+def test_stage_times_split_the_orchestrators_wait_into_queue_execution_and_round_trip():
+    labels = (("model", "speculative_decoding"), ("stage", "verify"))
+    samples = {("spec_decode_stage_calls", labels): 4.0, ("spec_decode_stage_sequences", labels): 10.0,
+               ("spec_decode_stage_seconds", labels): 0.04}  # fmt: skip
+    times = StageTimes.of(samples, "verify", ModelCounters(5, 5, compute_infer_ns=24_000_000, queue_ns=4_000_000))
+    assert (times.calls, times.sequences) == (4.0, 10.0)
+    assert times.ms_per_call == pytest.approx(10.0)
+    assert (times.queue_ms_per_call, times.execute_ms_per_call) == (pytest.approx(1.0), pytest.approx(6.0))
+    assert times.round_trip_ms_per_call == pytest.approx(3.0)
+    assert StageTimes.of(samples, "propose", None) is None  # no calls to that stage
+    assert math.isnan(StageTimes.of(samples, "verify", None).round_trip_ms_per_call)  # the model's side unknown
 
 
 def test_step_overhead_subtracts_the_compute_of_the_named_models_only():

@@ -56,6 +56,14 @@ class TritonServer:
         with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=10) as response:
             return response.read().decode()
 
+    def statistics(self) -> dict:
+        """Triton's per-model statistics (``get_inference_statistics``) as JSON."""
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            return client.get_inference_statistics(as_json=True)
+        finally:
+            client.close()
+
     def __enter__(self) -> "TritonServer":
         self._log = open(self.log_path, "w")
         self._proc = subprocess.Popen(

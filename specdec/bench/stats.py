@@ -201,7 +201,8 @@ class ModelCounters:
 
     inference_count: int  # requests executed (before batching)
     execution_count: int  # model executions (after batching)
-    compute_infer_ns: int  # time inside the model's execute, summed over executions
+    compute_infer_ns: int  # time inside the model's execute, summed over requests
+    queue_ns: int = 0  # time requests waited in the model's scheduler queue, summed over requests
 
 
 def model_counters(statistics: dict) -> dict[str, ModelCounters]:
@@ -212,11 +213,12 @@ def model_counters(statistics: dict) -> dict[str, ModelCounters]:
     """
     out: dict[str, ModelCounters] = {}
     for stat in statistics.get("model_stats", []):
-        compute = stat.get("inference_stats", {}).get("compute_infer", {})
+        inference = stat.get("inference_stats", {})
         counters = ModelCounters(
             inference_count=int(stat.get("inference_count") or 0),
             execution_count=int(stat.get("execution_count") or 0),
-            compute_infer_ns=int(compute.get("ns") or 0),
+            compute_infer_ns=int(inference.get("compute_infer", {}).get("ns") or 0),
+            queue_ns=int(inference.get("queue", {}).get("ns") or 0),
         )
         prev = out.get(stat["name"])
         if prev is not None:
@@ -226,7 +228,7 @@ def model_counters(statistics: dict) -> dict[str, ModelCounters]:
 
 
 def counters_delta(after: dict[str, ModelCounters], before: dict[str, ModelCounters]) -> dict[str, ModelCounters]:
-    zero = ModelCounters(0, 0, 0)
+    zero = ModelCounters(0, 0, 0, 0)
     return {
         name: ModelCounters(*(a - b for a, b in zip(_fields(c), _fields(before.get(name, zero)))))
         for name, c in after.items()
@@ -234,15 +236,15 @@ def counters_delta(after: dict[str, ModelCounters], before: dict[str, ModelCount
 
 
 def counters_sum(a: dict[str, ModelCounters], b: dict[str, ModelCounters]) -> dict[str, ModelCounters]:
-    zero = ModelCounters(0, 0, 0)
+    zero = ModelCounters(0, 0, 0, 0)
     return {
         name: ModelCounters(*(x + y for x, y in zip(_fields(a.get(name, zero)), _fields(b.get(name, zero)))))
         for name in {**a, **b}
     }
 
 
-def _fields(c: ModelCounters) -> tuple[int, int, int]:
-    return c.inference_count, c.execution_count, c.compute_infer_ns
+def _fields(c: ModelCounters) -> tuple[int, int, int, int]:
+    return c.inference_count, c.execution_count, c.compute_infer_ns, c.queue_ns
 
 
 def step_overhead_ms(
@@ -268,3 +270,51 @@ def step_overhead_ms(
         "step_overhead_ms": wall_ms - compute_ms,
         "compute_ms_per_step_by_model": {name: 1e-6 * c.compute_infer_ns / steps for name, c in sorted(delta.items())},
     }
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """One orchestrator stage over a run, as the orchestrator waited on it and as its model saw it.
+
+    The orchestrator's side comes from ``spec_decode_stage_*``; the model's from Triton's
+    statistics of the model that serves the stage, whose requests include the stage's
+    calls and also releases and the limits probe (a small share). Per call, what is
+    neither queueing nor execution is the BLS round trip and the orchestrator's own
+    turnaround.
+    """
+
+    calls: float
+    sequences: float
+    wait_s: float  # the orchestrator's wait, summed over calls
+    queue_s: float  # in the model's scheduler queue, summed over its requests
+    execute_s: float  # in the model's execute, summed over its requests
+
+    @classmethod
+    def of(cls, samples: Samples, stage: str, model: ModelCounters | None) -> StageTimes | None:
+        """``samples``: a delta of the orchestrator's metrics; ``model``: that run's counters of the stage's model."""
+        calls = metric_total(samples, "spec_decode_stage_calls", stage=stage)
+        if not calls:
+            return None
+        return cls(
+            calls=calls,
+            sequences=metric_total(samples, "spec_decode_stage_sequences", stage=stage),
+            wait_s=metric_total(samples, "spec_decode_stage_seconds", stage=stage),
+            queue_s=1e-9 * model.queue_ns if model is not None else math.nan,
+            execute_s=1e-9 * model.compute_infer_ns if model is not None else math.nan,
+        )
+
+    @property
+    def ms_per_call(self) -> float:
+        return 1e3 * self.wait_s / self.calls
+
+    @property
+    def queue_ms_per_call(self) -> float:
+        return 1e3 * self.queue_s / self.calls
+
+    @property
+    def execute_ms_per_call(self) -> float:
+        return 1e3 * self.execute_s / self.calls
+
+    @property
+    def round_trip_ms_per_call(self) -> float:
+        return self.ms_per_call - self.queue_ms_per_call - self.execute_ms_per_call
