@@ -214,7 +214,7 @@ class Orchestrator:
 
     async def _step(self, state: SequenceState) -> None:
         """One propose / verify / sample round, each call batched with those of other ready sequences."""
-        propose_request = state.propose_request()
+        propose_request = state.propose_request() if self._speculating() else None
         proposal = await self.proposals(propose_request) if propose_request is not None else None
         verify_result = await self.verifications(state.verify_request(proposal))
         if proposal is None:
@@ -227,6 +227,18 @@ class Orchestrator:
         step = state.commit(proposal, result)
         if self.counters is not None:
             self.counters.record_step(len(proposal.token_ids), result.num_accepted, len(step.new_token_ids))
+
+    def _speculating(self) -> bool:
+        """Whether steps draft now: not while more sequences are live than ``disable_by_batch_size``.
+
+        Under enough load the target's forward is compute-bound, and verifying ``k + 1``
+        tokens per sequence costs more than the drafts save (vLLM's
+        ``speculative_disable_by_batch_size``). A step without drafts is a plain decoding
+        step, so output does not change; the draft model re-reads what it missed in its
+        next call, and speculation resumes as soon as the load falls back.
+        """
+        limit = self.config.disable_by_batch_size
+        return not limit or self.num_active_sequences <= limit
 
     def _matches_here(self, verify_result: VerifyResult) -> bool:
         """Whether this step's rejection sampling is a comparison of ids, done here without a round trip.

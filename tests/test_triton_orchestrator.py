@@ -7,6 +7,7 @@ exercise per-sequence state exactly as the server does -- without a server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -64,6 +65,7 @@ class LocalStages:
         self.peak_sequences = 0
         self.sent: list[tuple[str, int]] = []  # (stage, sequences) of each propose / verify / sample call, in order
         self.draft_delays: dict[str, int] = {}  # seq_id -> extra event-loop turns each of its proposals takes
+        self.on_call = lambda stage: None  # called with the stage's name at each propose / verify call
 
     async def tokenize(self, text, stop_words):
         await asyncio.sleep(0)
@@ -86,6 +88,7 @@ class LocalStages:
     async def propose(self, requests):
         await asyncio.sleep(0)
         self.sent.append(("propose", len(requests)))
+        self.on_call("propose")
         delays = [self.draft_delays.setdefault(r.seq_id, len(self.draft_delays) % 3) for r in requests]
         for _ in range(max(delays)):
             await asyncio.sleep(0)  # sequences draft at different speeds, as they do in a server
@@ -94,6 +97,7 @@ class LocalStages:
     async def verify(self, requests):
         await asyncio.sleep(0)
         self.sent.append(("verify", len(requests)))
+        self.on_call("verify")
         if self.fail_verify_after is not None and any(r.position >= self.fail_verify_after for r in requests):
             raise RuntimeError("verifier failed")
         results = self.verifier.verify(requests)
@@ -255,6 +259,31 @@ def test_micro_batches_split_the_live_sequences(codec, models):
         sizes = [n for s, n in stages.sent if s == stage]
         assert max(sizes) == len(PROMPTS) // 2, stage
     assert orchestrator.verifications.max_batch_size == 1  # back to a lone sequence's share once all ended
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculation_pauses_while_more_sequences_than_disable_by_batch_size_are_live(codec, models, method):
+    """Above the limit steps draft nothing; the texts do not change, and drafting resumes below it."""
+    orchestrator, stages = make_orchestrator(codec, models, method)
+    alone = [text_of(run(orchestrator, request(p, max_tokens=12 + 4 * i))) for i, p in enumerate(PROMPTS)]
+    orchestrator.config = dataclasses.replace(orchestrator.config, disable_by_batch_size=2)
+    live_at: list[tuple[str, int]] = []
+    stages.on_call = lambda stage: live_at.append((stage, orchestrator.num_active_sequences))
+
+    async def together():  # different lengths, so the live count falls as requests end
+        sent = [[] for _ in PROMPTS]
+        await asyncio.gather(*(
+            orchestrator.generate(request(p, max_tokens=12 + 4 * i), lambda out, final, s=s: s.append((out, final)),
+                                  lambda: False)
+            for i, (p, s) in enumerate(zip(PROMPTS, sent))
+        ))  # fmt: skip
+        return [text_of(s) for s in sent]
+
+    assert len(PROMPTS) > 2
+    assert asyncio.run(together()) == alone
+    assert max(live for stage, live in live_at if stage == "verify") == len(PROMPTS)  # steps ran above the limit
+    assert max(live for stage, live in live_at if stage == "propose") <= 2  # but drafted only at or below it
+    assert any(stage == "propose" for stage, _ in live_at)  # and drafting resumed
 
 
 @pytest.mark.parametrize("sampler_method", ["probabilistic", "strict"])

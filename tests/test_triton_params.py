@@ -109,6 +109,10 @@ def test_component_configs_parse_and_reject(tmp_path):
     assert OrchestratorConfig.from_parameters(params(micro_batches="1")).micro_batches == 1
     with pytest.raises(ParameterError, match=r"'micro_batches' must be an integer >= 1, got '0'"):
         OrchestratorConfig.from_parameters(params(micro_batches="0"))
+    assert OrchestratorConfig.from_parameters(params()).disable_by_batch_size == 0  # never
+    assert OrchestratorConfig.from_parameters(params(speculative_disable_by_batch_size="8")).disable_by_batch_size == 8
+    with pytest.raises(ParameterError, match=r"'speculative_disable_by_batch_size' must be an integer >= 0, got '-1'"):
+        OrchestratorConfig.from_parameters(params(speculative_disable_by_batch_size="-1"))
 
 
 def test_draft_proposer_config_per_method(tmp_path):
