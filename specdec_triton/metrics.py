@@ -65,8 +65,9 @@ class SpecDecodeCounters:
     that blocks the event loop (and so every stage dispatch behind it), and a step
     touches up to ``k + 5`` counters. So updates are summed and applied at most every
     ``flush_interval_s`` (``FLUSH_INTERVAL_S``), one update per counter whatever the
-    number of steps, and at once by :meth:`flush` (the orchestrator calls it before a
-    request's final response, so a client holding that response sees its steps counted).
+    number of steps, and at once by :meth:`flush` (the orchestrator calls it whenever a
+    request ends, before its final response or error, so a client that has heard of the
+    end sees the request's steps counted).
     Outside an event loop, updates apply at once.
     """
 
