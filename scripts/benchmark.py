@@ -50,6 +50,7 @@ from specdec.bench.results import (
     step_time_keys,
     tokens_per_step,
 )
+from specdec.bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
 from specdec.bench.server import TritonServer
 from specdec.bench.stats import (
     ModelCounters,
@@ -160,22 +161,44 @@ def server_parameter(repository: Path, model: str, key: str, default: str) -> st
     return get_parameters(config.read_text()).get(key, default) if config.is_file() else default
 
 
-def measure_step_times(args, target, draft, dtype: str, device: str) -> dict[str, float]:
+def measure_step_times(args, target, draft, dtype: str, device: str, cuda_graphs: bool | None = None) -> dict:
     """Median forward times (ms) on a cache of prompt + max_tokens / 2 tokens, in this process.
 
     Timed on the engine each server model runs (``engine`` in its config.pbtxt), so the
     analytic bound is that of the serving path; the ``hf`` engine reuses the loaded models.
+    ``cuda_graphs``: that of the fast engine (None: on where CUDA is, as in the server).
     """
     context = args.prompt_tokens + args.max_tokens // 2
     models = {}
     for role, model_name, hf_model, path in (("target", TARGET_MODEL, target, args.target),
                                               ("draft", PROPOSER_MODEL, draft, args.draft)):
         engine = server_parameter(args.repository, model_name, "engine", "fast")
-        models[role] = (FastCausalLM(path, dtype, device, max_num_seqs=len(args.ks) + 1, max_model_len=context + 16)
+        models[role] = (FastCausalLM(path, dtype, device, max_num_seqs=len(args.ks) + 1, max_model_len=context + 16,
+                                     cuda_graphs=cuda_graphs)
                         if engine == "fast" else hf_model)
     shapes = {name: (models["draft" if name.startswith("draft") else "target"], n)
               for name, n in step_time_keys(args.ks)}  # fmt: skip
     return forward_ms(shapes, context, repeats=args.timing_repeats, seed=args.seed)
+
+
+def in_process_timings(args, target, draft, dtype: str, device: str) -> tuple[dict, dict, dict | None, list[str]]:
+    """Step times, the target's memory-bandwidth floor and, on CUDA, eager step times; and a line on each."""
+    step_times = measure_step_times(args, target, draft, dtype, device)
+    roofline = target_over_floor(weight_bytes_per_step(target), memory_bandwidth_gbps(device), step_times)
+    eager = None
+    if device == "cuda" and server_parameter(args.repository, TARGET_MODEL, "engine", "fast") == "fast":
+        eager = measure_step_times(args, target, draft, dtype, device, cuda_graphs=False)
+    notes = [
+        "Step times (ms, median, in-process): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()),
+        f"Memory-bandwidth floor of a target step: {roofline['target_weight_bytes'] / 1e6:.1f} MB of weights / "
+        f"{roofline['bandwidth_gbps']:.1f} GB/s measured copy bandwidth = {roofline['floor_ms']:.2f} ms; "
+        + ", ".join(f"{name} {ratio:.2f}x the floor" for name, ratio in roofline["over_floor"].items()),
+        "CUDA graphs against eager, step times (ms, median): "
+        + ", ".join(f"{k} {step_times[k]:.2f} vs {ms:.2f} (graphs {ms / step_times[k]:.2f}x faster)"
+                    for k, ms in eager.items())
+        if eager is not None else "CUDA graphs against eager: not measured (no CUDA device, or the hf engine)",
+    ]
+    return step_times, roofline, eager, notes
 
 
 def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress: Progress) -> list[dict]:
@@ -357,8 +380,9 @@ def main() -> None:
           f"{torch.get_num_threads()} torch threads")
     target = load_causal_lm(args.target, dtype=dtype, device=device)
     draft = load_causal_lm(args.draft, dtype=dtype, device=device)
-    step_times = measure_step_times(args, target, draft, dtype, device)
-    print("[bench] step times (ms, median): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()))
+    step_times, roofline, step_times_eager, timing_notes = in_process_timings(args, target, draft, dtype, device)
+    for line in timing_notes:
+        print(f"[bench] {line}")
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
     num_server = args.rounds * len(args.methods) * len(args.concurrency) * (1 + len(args.ks))
@@ -381,21 +405,22 @@ def main() -> None:
         f"output tokens, greedy, ignore_eos={args.ignore_eos}; {device}, dtype {dtype}, "
         f"{torch.get_num_threads()} torch threads"
         + (f"; server phases run {args.rounds} times in turn, figures pooled" if args.rounds > 1 else ""),
-        "Step times (ms, median, in-process): " + ", ".join(f"{k} {v:.2f}" for k, v in step_times.items()),
+        *timing_notes,
     ]
     notes += args.note
     if args.synthetic_acceptance_rate is not None:
         notes.append(f"Synthetic rejection sampler, acceptance rate {args.synthetic_acceptance_rate}: "
                      "outputs are not the target's")
-    write_results(args, command, rows, prompts, step_times, notes)
+    write_results(args, command, rows, prompts, {"step_times_ms": step_times, "roofline": roofline,
+                                                  "step_times_eager_ms": step_times_eager}, notes)  # fmt: skip
 
 
-def write_results(args, command: str, rows: list[dict], prompts, step_times: dict, notes: list[str]) -> None:
+def write_results(args, command: str, rows: list[dict], prompts, timings: dict, notes: list[str]) -> None:
     machine = report.machine_info()
     date = time.strftime("%Y-%m-%d %H:%M %Z")
     result = {"command": command, "date": date, "machine": machine, "notes": notes,
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "prompts": [p.source for p in prompts], "step_times_ms": step_times, "rows": rows}
+              "prompts": [p.source for p in prompts], **timings, "rows": rows}
     (args.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(report.markdown_table(rows))
     print(f"[bench] {report.plot(rows, args.out_dir / 'throughput.png')}")

@@ -96,10 +96,10 @@ def forward_ms(
     times: dict[str, list[float]] = {name: [] for name in shapes}
     for i in range(warmup + repeats):
         for name, forward, device, step in runs:
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             forward(name, context_len, step, len(step))
-            _sync(device)
+            synchronize(device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     for name, (model, _) in shapes.items():
@@ -122,6 +122,7 @@ def _one_sequence_forward(model: torch.nn.Module | FastCausalLM) -> tuple[Forwar
     return hf_forward, lm.vocab_size, lm.device
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on CPU), so wall time covers it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
