@@ -13,7 +13,9 @@ repository whose parameters select the method, and stops it afterwards. Figures 
 configuration and concurrency: tokens/s per stream and in total, TTFT, ITL p50/p99,
 acceptance (overall and per draft position), tokens per target pass, per-step
 orchestration overhead, the analytic speedup bound and the efficiency against it
-(see ``specdec/bench``). Writes JSON (and a PNG when matplotlib is installed) to
+(see ``specdec/bench``). In this process it also times the target's steps against their
+memory-bandwidth floor (weight bytes / measured copy bandwidth) and, on CUDA, the
+captured CUDA graphs against eager. Writes JSON (and a PNG when matplotlib is installed) to
 --out-dir and appends a markdown table to docs/benchmarks.md.
 
 With ``--rounds N`` the server phases run N times in turn (every concurrency and k, then
