@@ -107,7 +107,7 @@ class RejectionSamplerConfig:
 class OrchestratorConfig:
     num_speculative_tokens: int  # k by default, and the most a request may ask for
     default_max_tokens: int  # when a request sends no max_tokens
-    micro_batches: int = 2  # groups the live sequences split into, taking turns at the draft and the target
+    micro_batches: int = 1  # groups the live sequences are split into, taking turns at the draft and the target
     disable_by_batch_size: int = 0  # steps draft nothing while more sequences than this are live; 0: never
 
     @classmethod
@@ -115,7 +115,7 @@ class OrchestratorConfig:
         config = cls(
             num_speculative_tokens=params.get_int("num_speculative_tokens", 4, minimum=0),
             default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
-            micro_batches=params.get_int("micro_batches", 2, minimum=1),
+            micro_batches=params.get_int("micro_batches", 1, minimum=1),
             disable_by_batch_size=params.get_int("speculative_disable_by_batch_size", 0, minimum=0),
         )
         params.check_all_read()

@@ -11,7 +11,7 @@ verify, sample and detokenize calls go through a
 :class:`~specdec_triton.stage_batcher.StageBatcher` per stage, so the calls of the
 sequences that are ready together leave as one request (one BLS round trip, one
 forward) while another group of sequences is at another stage; ``micro_batches``
-keeps those groups of equal size. No more sequences run than the stages can hold
+can keep those groups of equal size. No more sequences run than the stages can hold
 (``max_num_seqs``); later requests wait for a free slot.
 Cancellation is checked between steps (a step is the unit of work; Triton does not
 cancel BLS children), and every stage's state for the sequence is released however
@@ -200,14 +200,15 @@ class Orchestrator:
             self.active.set(self.num_active_sequences)
 
     def _size_micro_batches(self) -> None:
-        """Cap draft and verify calls at an equal share of the live sequences.
+        """Cap draft and verify calls at a ``1 / micro_batches`` share of the live sequences.
 
         Left to themselves the groups drift apart in size: sequences that meet at a busy
-        stage merge, and at 8 streams the pairs were mostly 7 + 1 (per-call timestamps). The
-        lone sequence's cycle is short, so the target then waits for the big group's draft
-        and idles about a third of the time. Equal halves keep both models busy: +7-11% tokens/s
-        at 8 streams, `draft_model` k = 4, in long alternating runs on a 2-core CPU; no change
-        with `ngram` or k = 0 (docs/benchmarks.md).
+        stage merge, and at 8 streams the pairs were mostly 7 + 1 (per-call timestamps), so
+        the target waited for the big group's draft. Equal halves (``micro_batches: 2``) gave
+        +7-11% tokens/s at 8 streams, `draft_model` k = 4, on a 2-core CPU until calls waited
+        for their callers to rejoin (``stage_batcher.REJOIN_TURNS``); since then no difference,
+        while halves cut every plain-decoding forward in two, so the default is 1
+        (docs/benchmarks.md).
         """
         size = max(1, math.ceil(self.num_active_sequences / self.config.micro_batches))
         self.proposals.max_batch_size = self.verifications.max_batch_size = size

@@ -14,6 +14,13 @@ central loop). With one call in flight per stage, the sequences split into group
 that take turns, so the draft model works on one group while the target verifies
 another.
 
+When a call returns, the next one waits a few turns of the event loop
+(``REJOIN_TURNS``) so that the returning callers whose next step is this same stage
+(plain decoding: verify, then verify again) can queue and join it. Without that wait,
+the calls queued meanwhile left at once, the returning ones waited for the call after,
+and concurrent plain-decoding sequences settled into two groups that took turns at the
+target, each forward carrying half of them: at 2 streams one sequence per forward.
+
 A batched call that fails is retried one call per item, so one bad sequence gets its
 own error and the others their results (as ``plumbing.answer_batch`` does on the
 model side). A caller cancelled while its call is in flight still waits for that
@@ -25,6 +32,11 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
+
+# Turns of the event loop from a call's results to its callers queueing again: one for
+# the shield around each caller's future, one to wake the caller's task, which then runs
+# to its next stage call without awaiting; one more to spare.
+REJOIN_TURNS = 3
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -87,6 +99,8 @@ class StageBatcher(Generic[Item, Result]):
                     future.set_exception(outcome)
                 else:
                     future.set_result(outcome)
+            for _ in range(REJOIN_TURNS):  # callers coming straight back join the next call
+                await asyncio.sleep(0)
         except BaseException as err:  # cancelled (the loop is shutting down): no caller is left waiting
             for _, future in batch:
                 if not future.done():

@@ -261,6 +261,34 @@ def test_micro_batches_split_the_live_sequences(codec, models):
     assert orchestrator.verifications.max_batch_size == 1  # back to a lone sequence's share once all ended
 
 
+def test_plain_decoding_sequences_share_every_forward(codec, models):
+    """At k = 0 a sequence goes from verify straight back to verify: the live ones share each call.
+
+    The first request starts alone, so the others reach the verifier while its prefill is
+    in flight, the arrangement in which they used to settle into taking turns.
+    """
+    orchestrator, stages = make_orchestrator(codec, models)
+    alone = [text_of(run(orchestrator, request(p, num_speculative_tokens=0))) for p in PROMPTS]
+    stages.sent.clear()
+
+    async def staggered():
+        sent = [[] for _ in PROMPTS]
+
+        async def one(i):
+            for _ in range(8 * i):  # the first is in flight when the next arrives
+                await asyncio.sleep(0)
+            await orchestrator.generate(request(PROMPTS[i], num_speculative_tokens=0),
+                                        lambda out, final: sent[i].append((out, final)), lambda: False)
+
+        await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+        return [text_of(s) for s in sent]
+
+    assert asyncio.run(staggered()) == alone
+    sizes = [n for stage, n in stages.sent if stage == "verify"]
+    assert max(sizes) == len(PROMPTS)
+    assert len(sizes) <= 20 + len(PROMPTS)  # 20 steps each: about one call per step once they are together
+
+
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_speculation_pauses_while_more_sequences_than_disable_by_batch_size_are_live(codec, models, method):
     """Above the limit steps draft nothing; the texts do not change, and drafting resumes below it."""

@@ -103,10 +103,10 @@ def test_component_configs_parse_and_reject(tmp_path):
         RejectionSamplerConfig.from_parameters(params(rejection_sample_method="greedy"))
     with pytest.raises(ParameterError, match=r"'synthetic_acceptance_rate' must be a number in \[0.0, 1.0\]"):
         RejectionSamplerConfig.from_parameters(params(synthetic_acceptance_rate="2"))
-    assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(4, 64, micro_batches=2)
+    assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(4, 64, micro_batches=1)
     with pytest.raises(ParameterError, match=r"'num_speculative_tokens' must be an integer >= 0, got '-1'"):
         OrchestratorConfig.from_parameters(params(num_speculative_tokens="-1"))
-    assert OrchestratorConfig.from_parameters(params(micro_batches="1")).micro_batches == 1
+    assert OrchestratorConfig.from_parameters(params(micro_batches="2")).micro_batches == 2
     with pytest.raises(ParameterError, match=r"'micro_batches' must be an integer >= 1, got '0'"):
         OrchestratorConfig.from_parameters(params(micro_batches="0"))
     assert OrchestratorConfig.from_parameters(params()).disable_by_batch_size == 0  # never

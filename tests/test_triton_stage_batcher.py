@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from specdec_triton import stage_batcher
 from specdec_triton.stage_batcher import StageBatcher
 
 
@@ -150,3 +151,28 @@ def test_a_caller_cancelled_in_flight_returns_only_after_the_call():
 
     asyncio.run(main())
     assert order == ["call ends", "caller cancelled"]
+
+
+@pytest.mark.parametrize("rejoin_turns", [stage_batcher.REJOIN_TURNS, 0])
+def test_callers_coming_straight_back_join_the_next_call(monkeypatch, rejoin_turns):
+    """Sequences whose next step is the same stage (plain decoding) share every call, not alternate."""
+    monkeypatch.setattr(stage_batcher, "REJOIN_TURNS", rejoin_turns)
+    stage = Stage()
+
+    async def sequence(batcher, start):
+        for step in range(4):
+            await batcher(start + step)
+
+    async def main():
+        batcher = StageBatcher(stage)
+        first = asyncio.ensure_future(sequence(batcher, 0))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the first sequence's call is in flight when the second arrives
+        await asyncio.gather(first, sequence(batcher, 10))
+
+    asyncio.run(main())
+    sizes = [len(call) for call in stage.calls]
+    if rejoin_turns:
+        assert sizes == [1, 2, 2, 2, 1]  # from the second call on, both sequences in each
+    else:
+        assert sizes == [1] * 8  # without the wait they settle into taking turns
