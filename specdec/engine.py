@@ -132,10 +132,11 @@ class SequenceState:
         left = self.params.max_tokens - len(self.output_ids)
         return max(0, min(self.params.num_speculative_tokens, left - 1))
 
-    def propose_request(self) -> ProposeRequest | None:
+    def propose_request(self, max_drafts: int | None = None) -> ProposeRequest | None:
+        """This step's drafts to ask for, at most ``max_drafts`` (a length policy's choice) if given."""
         self._check_running()
-        k = self.num_draft_tokens()
-        if k == 0:
+        k = self.num_draft_tokens() if max_drafts is None else min(self.num_draft_tokens(), max_drafts)
+        if k <= 0:
             return None
         banned = self._num_banned(k)  # draft i becomes output index len(output_ids) + i
         return ProposeRequest(

@@ -31,11 +31,15 @@ class BlsStages:
         out = await bls(wire.DETOKENIZER, wire.detokenize_inputs(token_id_lists), wire.DETOKENIZE_OUTPUTS)
         return wire.texts_of(out)
 
-    async def limits(self) -> Limits:
+    async def limits(self, call_costs: bool = False) -> Limits:
+        """The stages' limits; with ``call_costs`` also what their calls cost (measured on first asking)."""
         probe = wire.release_inputs([_LIMITS_PROBE_SEQ_ID])
+        if call_costs:
+            probe.update(wire.measure_call_costs_input())
+        costs = wire.CALL_COST_OUTPUTS if call_costs else ()
         verifier, proposer, sampler = await asyncio.gather(
-            bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS, batched=True),
-            bls(wire.DRAFT_PROPOSER, probe, wire.PROPOSE_OUTPUTS, batched=True),
+            bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS + costs, batched=True),
+            bls(wire.DRAFT_PROPOSER, probe, wire.PROPOSE_OUTPUTS + costs, batched=True),
             bls(wire.REJECTION_SAMPLER, wire.sampler_probe_inputs(), wire.SAMPLE_OUTPUTS),
         )
         max_num_seqs = [n for n in (wire.optional_limit(m, "max_num_seqs") for m in (verifier, proposer)) if n]
@@ -44,6 +48,8 @@ class BlsStages:
             vocab_size=int(verifier["vocab_size"][0]),
             max_num_seqs=min(max_num_seqs, default=None),
             rejection_sample_method=wire.sampler_method_of(sampler),
+            verify_costs=wire.call_costs_of(verifier) if call_costs else None,
+            propose_costs=wire.call_costs_of(proposer) if call_costs else None,
         )
         # at most one call in flight per sequence, two while it is released
         ensure_bls_threads(2 * (limits.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)

@@ -21,6 +21,9 @@ DEFAULT_DRAFT_MODEL = "../models/tiny-draft"
 # static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
 ENGINES = ("fast", "hf")
 DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
+# fixed: every step drafts num_speculative_tokens; adaptive: each step drafts what pays most now,
+# up to that many (specdec_triton.speculation_length)
+LENGTH_POLICIES = ("fixed", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class OrchestratorConfig:
     default_max_tokens: int  # when a request sends no max_tokens
     micro_batches: int = 1  # groups the live sequences are split into, taking turns at the draft and the target
     disable_by_batch_size: int = 0  # steps draft nothing while more sequences than this are live; 0: never
+    length_policy: str = "fixed"  # LENGTH_POLICIES
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
@@ -117,6 +121,7 @@ class OrchestratorConfig:
             default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
             micro_batches=params.get_int("micro_batches", 1, minimum=1),
             disable_by_batch_size=params.get_int("speculative_disable_by_batch_size", 0, minimum=0),
+            length_policy=params.get_str("speculative_length_policy", "fixed", choices=LENGTH_POLICIES),
         )
         params.check_all_read()
         return config

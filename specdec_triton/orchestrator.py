@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.call_costs import CallCosts
 from specdec.detokenize import TextStream
 from specdec.engine import SequenceState, check_token_ids
 from specdec.rejection_sampler import match_greedy
@@ -37,6 +39,7 @@ from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.plumbing import RequestCancelled, RequestError
 from specdec_triton.request import GenerateRequest, generate_outputs
+from specdec_triton.speculation_length import AdaptiveSpeculationLength
 from specdec_triton.stage_batcher import StageBatcher
 
 
@@ -55,6 +58,8 @@ class Limits:
     vocab_size: int  # width of the target's logits
     max_num_seqs: int | None = None  # sequences the stages can hold at once; None: no limit
     rejection_sample_method: str = "probabilistic"  # the rejection sampler's configured method
+    verify_costs: CallCosts | None = None  # measured by the verifier; asked for by the adaptive length policy
+    propose_costs: CallCosts | None = None  # measured by the proposer; likewise
 
 
 class Stages(Protocol):
@@ -62,7 +67,7 @@ class Stages(Protocol):
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized: ...
     async def detokenize(self, token_id_lists: list[list[int]]) -> list[str]: ...
-    async def limits(self) -> Limits: ...
+    async def limits(self, call_costs: bool = False) -> Limits: ...  # call_costs: fill in the *_costs
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]: ...  # the rejection sampler
@@ -88,24 +93,28 @@ class Orchestrator:
         self.num_active_sequences = 0
         # one per batched stage: the calls of sequences that are ready together leave as one
         self.proposals: StageBatcher[ProposeRequest, Proposal] = StageBatcher(
-            stages.propose, on_call=self._timed("propose"))
+            stages.propose, on_call=self._timed("propose", lambda r: r.num_tokens))
         self.verifications: StageBatcher[VerifyRequest, VerifyResult] = StageBatcher(
-            stages.verify, on_call=self._timed("verify"))
+            stages.verify, on_call=self._timed("verify", lambda r: len(r.token_ids)))
         self.samples: StageBatcher[SampleCall, SampleResult] = StageBatcher(
             stages.sample, on_call=self._timed("sample"))
         self.texts: StageBatcher[list[int], str] = StageBatcher(
             stages.detokenize, on_call=self._timed("detokenize"))
         self._limits: Limits | None = None
         self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
+        self.length_policy: AdaptiveSpeculationLength | None = None  # with speculative_length_policy adaptive
 
     async def prepare(self, request: GenerateRequest) -> SequenceState:
         """Tokenize and validate; raises RequestError / ValueError naming the bad input."""
         tokenized = await self.stages.tokenize(request.text_input, request.stop_words)
         if self._limits is None:
-            limits = await self.stages.limits()
+            adaptive = self.config.length_policy == "adaptive"
+            limits = await self.stages.limits(call_costs=adaptive)
             if self._limits is None:  # another request may have fetched them meanwhile
                 self._limits = limits
                 self._slots = asyncio.Semaphore(limits.max_num_seqs) if limits.max_num_seqs else None
+                if adaptive:
+                    self.length_policy = AdaptiveSpeculationLength(limits.verify_costs, limits.propose_costs)
         params = request.generation_params(
             self.config.default_max_tokens,
             self.config.num_speculative_tokens,
@@ -184,12 +193,18 @@ class Orchestrator:
         if new_text:
             send(self._outputs(state, new_text), False)
 
-    def _timed(self, stage: str) -> Callable[[int, float], None]:
-        """What a stage's batcher reports after each call: into the stage counters, if any."""
+    def _timed(self, stage: str, tokens_of: Callable | None = None) -> Callable[[list, float], None]:
+        """What a stage's batcher reports after each call: into the stage counters and the length policy.
 
-        def record(num_sequences: int, seconds: float) -> None:
+        ``tokens_of(item)``: the tokens one sequence asks of a propose or verify call (its
+        drafts, its rows), which with the call's size gives the shape the policy looks up.
+        """
+
+        def record(items: list, seconds: float) -> None:
             if self.counters is not None:
-                self.counters.record_stage_call(stage, num_sequences, seconds)
+                self.counters.record_stage_call(stage, len(items), seconds)
+            if self.length_policy is not None and tokens_of is not None and items:
+                self.length_policy.record_call(stage, len(items), max(map(tokens_of, items)), seconds)
 
         return record
 
@@ -215,19 +230,41 @@ class Orchestrator:
 
     async def _step(self, state: SequenceState) -> None:
         """One propose / verify / sample round, each call batched with those of other ready sequences."""
-        propose_request = state.propose_request() if self._speculating() else None
-        proposal = await self.proposals(propose_request) if propose_request is not None else None
-        verify_result = await self.verifications(state.verify_request(proposal))
+        started, awaited = time.monotonic(), 0.0
+
+        async def timed(call):  # the step's time outside its stage calls is the length policy's O
+            nonlocal awaited
+            call_started = time.monotonic()
+            try:
+                return await call
+            finally:
+                awaited += time.monotonic() - call_started
+
+        propose_request = state.propose_request(self._max_drafts(state))
+        proposal = await timed(self.proposals(propose_request)) if propose_request is not None else None
+        verify_result = await timed(self.verifications(state.verify_request(proposal)))
         if proposal is None:
             proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long))
         if self._matches_here(verify_result):
             result = match_greedy(proposal.token_ids.tolist(), verify_result.argmax.tolist())
         else:
             call = SampleCall(proposal.token_ids, proposal.probs, verify_result, state.sample_seed())
-            result = await self.samples(call)
+            result = await timed(self.samples(call))
         step = state.commit(proposal, result)
         if self.counters is not None:
             self.counters.record_step(len(proposal.token_ids), result.num_accepted, len(step.new_token_ids))
+        if self.length_policy is not None:
+            self.length_policy.record_step(len(proposal.token_ids), result.num_accepted)
+            self.length_policy.record_step_overhead(time.monotonic() - started - awaited)
+
+    def _max_drafts(self, state: SequenceState) -> int | None:
+        """The most drafts this step may ask for: 0 under ``disable_by_batch_size``, the length policy's choice."""
+        if not self._speculating():
+            return 0
+        if self.length_policy is None or state.num_draft_tokens() == 0:
+            return None
+        per_call = self.verifications.max_batch_size or self.num_active_sequences
+        return self.length_policy.choose(min(self.num_active_sequences, per_call), state.num_draft_tokens())
 
     def _speculating(self) -> bool:
         """Whether steps draft now: not while more sequences are live than ``disable_by_batch_size``.

@@ -48,7 +48,7 @@ class StageBatcher(Generic[Item, Result]):
         self,
         call: BatchCall,
         max_batch_size: int | None = None,
-        on_call: Callable[[int, float], None] | None = None,  # (items, seconds) after every call, failed too
+        on_call: Callable[[list[Item], float], None] | None = None,  # (items, seconds) after every call, failed too
     ):
         self._call = call
         self.max_batch_size = max_batch_size  # None: every queued item goes in the next call
@@ -116,7 +116,7 @@ class StageBatcher(Generic[Item, Result]):
             results = list(await self._call(items))
         finally:
             if self._on_call is not None:
-                self._on_call(len(items), time.monotonic() - started)
+                self._on_call(items, time.monotonic() - started)
         if len(results) != len(items):
             raise RuntimeError(f"a batched call returned {len(results)} results for {len(items)} items")
         return results

@@ -17,7 +17,8 @@ BLS round trip and one forward serve them all. A lone sequence may leave out the
 
 A distribution that is absent (greedy ``p``, one-hot ``q``) has no rows; when no
 sequence has one it travels as a ``[0, 0]`` array, so every model always returns the
-same outputs.
+same outputs; the one exception is ``CALL_COST_OUTPUTS``, answered only to the
+request that asks for them.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from specdec.call_costs import CallCosts
 from specdec.rejection_sampler import METHODS
 from specdec.types import (
     Proposal,
@@ -46,13 +48,15 @@ REJECTION_SAMPLER = "rejection_sampler"
 
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
-PROPOSE_INPUTS = ("seq_id", "release", "token_ids", "num_token_ids", "num_tokens", *SAMPLING_INPUTS, "seed",
-                  "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
+PROPOSE_INPUTS = ("seq_id", "release", "measure_call_costs", "token_ids", "num_token_ids", "num_tokens",
+                  *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "max_num_seqs")
-VERIFY_INPUTS = ("seq_id", "release", "position", "token_ids", "num_token_ids", "num_logits", *SAMPLING_INPUTS,
-                 "num_banned_rows", *BAN_INPUTS)  # fmt: skip
+VERIFY_INPUTS = ("seq_id", "release", "measure_call_costs", "position", "token_ids", "num_token_ids", "num_logits",
+                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs", "max_model_len", "vocab_size",
                   "max_num_seqs")  # fmt: skip
+# answered only to a request with measure_call_costs set (specdec.call_costs)
+CALL_COST_OUTPUTS = ("call_cost_sequences", "call_cost_tokens", "call_cost_seconds")
 SAMPLE_INPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
                  "has_target_probs", "target_token_ids", "seed", "rejection_sample_method")  # fmt: skip
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", "rejection_sample_method")
@@ -175,6 +179,35 @@ def seq_ids_of(inputs: Mapping[str, np.ndarray]) -> list[str]:
 
 def is_release(inputs: Mapping[str, np.ndarray]) -> bool:
     return scalar(inputs, "release", bool, False)
+
+
+# --- call costs: the limits probe of the adaptive speculation length -----------------------------
+
+
+def measure_call_costs_input() -> dict[str, np.ndarray]:
+    """Added to a proposer or verifier request: answer with the measured call costs too."""
+    return {"measure_call_costs": _one(True, np.bool_)}
+
+
+def wants_call_costs(inputs: Mapping[str, np.ndarray]) -> bool:
+    return scalar(inputs, "measure_call_costs", bool, False)
+
+
+def call_cost_outputs(costs: CallCosts) -> dict[str, np.ndarray]:
+    return {
+        "call_cost_sequences": _i64(costs.sequences),  # [N]
+        "call_cost_tokens": _i64(costs.tokens),  # [T]: rows to score (verify) or drafts (propose) per sequence
+        "call_cost_seconds": np.asarray(costs.seconds, dtype=np.float32).reshape(len(costs.sequences), -1),  # [N, T]
+    }
+
+
+def call_costs_of(outputs: Mapping[str, np.ndarray]) -> CallCosts:
+    seconds = np.asarray(outputs["call_cost_seconds"], dtype=np.float64)
+    return CallCosts(
+        sequences=tuple(_i64(outputs["call_cost_sequences"]).tolist()),
+        tokens=tuple(_i64(outputs["call_cost_tokens"]).tolist()),
+        seconds=tuple(tuple(row) for row in seconds.tolist()),
+    )
 
 
 def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray]:

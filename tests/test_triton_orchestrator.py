@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from byte_tokenizer import byte_level_tokenizer
 
+from specdec.call_costs import CallCosts, measure_propose_costs, measure_verify_costs
 from specdec.engine import generate
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.rejection_sampler import RejectionSampler
@@ -65,7 +66,8 @@ class LocalStages:
         self.peak_sequences = 0
         self.sent: list[tuple[str, int]] = []  # (stage, sequences) of each propose / verify / sample call, in order
         self.draft_delays: dict[str, int] = {}  # seq_id -> extra event-loop turns each of its proposals takes
-        self.on_call = lambda stage: None  # called with the stage's name at each propose / verify call
+        self.on_call = lambda stage, requests: None  # called at each propose / verify call
+        self.call_costs: tuple[CallCosts, CallCosts] | None = None  # (verify, propose) what limits reports if asked
 
     async def tokenize(self, text, stop_words):
         await asyncio.sleep(0)
@@ -82,13 +84,16 @@ class LocalStages:
             raise RuntimeError("detokenizer failed")
         return [self.codec.decode(ids) for ids in token_id_lists]
 
-    async def limits(self):
-        return Limits(self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs, self.sampler.method)
+    async def limits(self, call_costs=False):
+        costs = self.call_costs if call_costs else (None, None)
+        return Limits(
+            self.verifier.max_model_len, self.verifier.vocab_size, self.max_num_seqs, self.sampler.method, *costs
+        )
 
     async def propose(self, requests):
         await asyncio.sleep(0)
         self.sent.append(("propose", len(requests)))
-        self.on_call("propose")
+        self.on_call("propose", requests)
         delays = [self.draft_delays.setdefault(r.seq_id, len(self.draft_delays) % 3) for r in requests]
         for _ in range(max(delays)):
             await asyncio.sleep(0)  # sequences draft at different speeds, as they do in a server
@@ -97,7 +102,7 @@ class LocalStages:
     async def verify(self, requests):
         await asyncio.sleep(0)
         self.sent.append(("verify", len(requests)))
-        self.on_call("verify")
+        self.on_call("verify", requests)
         if self.fail_verify_after is not None and any(r.position >= self.fail_verify_after for r in requests):
             raise RuntimeError("verifier failed")
         results = self.verifier.verify(requests)
@@ -296,7 +301,7 @@ def test_speculation_pauses_while_more_sequences_than_disable_by_batch_size_are_
     alone = [text_of(run(orchestrator, request(p, max_tokens=12 + 4 * i))) for i, p in enumerate(PROMPTS)]
     orchestrator.config = dataclasses.replace(orchestrator.config, disable_by_batch_size=2)
     live_at: list[tuple[str, int]] = []
-    stages.on_call = lambda stage: live_at.append((stage, orchestrator.num_active_sequences))
+    stages.on_call = lambda stage, requests: live_at.append((stage, orchestrator.num_active_sequences))
 
     async def together():  # different lengths, so the live count falls as requests end
         sent = [[] for _ in PROMPTS]
@@ -312,6 +317,49 @@ def test_speculation_pauses_while_more_sequences_than_disable_by_batch_size_are_
     assert max(live for stage, live in live_at if stage == "verify") == len(PROMPTS)  # steps ran above the limit
     assert max(live for stage, live in live_at if stage == "propose") <= 2  # but drafted only at or below it
     assert any(stage == "propose" for stage, _ in live_at)  # and drafting resumed
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_adaptive_length_keeps_the_texts(codec, models, method):
+    """Costs measured on the local stages; concurrent requests still give the texts of fixed k, one by one."""
+    orchestrator, stages = make_orchestrator(codec, models, method)
+    alone = [text_of(run(orchestrator, request(p))) for p in PROMPTS]
+    adaptive, stages = make_orchestrator(codec, models, method)
+    adaptive.config = dataclasses.replace(adaptive.config, length_policy="adaptive")
+    stages.call_costs = (
+        measure_verify_costs(stages.verifier, len(PROMPTS), stages.verifier.vocab_size),
+        measure_propose_costs(stages.proposer, len(PROMPTS), stages.verifier.vocab_size),
+    )
+    assert run_together(adaptive, PROMPTS) == alone
+    assert adaptive.length_policy is not None and adaptive.length_policy.verify_costs is stages.call_costs[0]
+    assert stages.verifier.num_active_sequences == 0
+    assert orchestrator.length_policy is None  # fixed: nothing measured, nothing chosen
+
+
+def test_adaptive_length_drafts_less_under_load(codec, models):
+    """Rows that cost 8 ms each: one draft pays alone (acceptance 0.8), none with 4 sequences live."""
+
+    def linear(fixed_ms, per_row_ms, tokens):
+        return CallCosts((1, 2, 4), tokens, tuple(tuple((fixed_ms + per_row_ms * n * t) / 1e3 for t in tokens)
+                                                  for n in (1, 2, 4)))
+
+    orchestrator, stages = make_orchestrator(codec, models, sampler=RejectionSampler("synthetic", 0.8))
+    orchestrator.config = dataclasses.replace(orchestrator.config, length_policy="adaptive")
+    stages.call_costs = (linear(5, 8, (1, 2, 4)), linear(0, 0.1, (1, 2, 4)))
+    asked: list[tuple[int, int]] = []  # (live sequences, drafts asked) of each propose request
+
+    def record(stage, requests):
+        if stage == "propose":
+            asked.extend((orchestrator.num_active_sequences, r.num_tokens) for r in requests)
+
+    stages.on_call = record
+    run(orchestrator, request(PROMPTS[0], max_tokens=60, seed=1))
+    assert asked[0][1] == K  # the maximum until the acceptance rate is known
+    settled = [k for _, k in asked[len(asked) // 2:]]
+    assert settled and all(1 <= k < K for k in settled)
+    asked.clear()
+    run_together(orchestrator, PROMPTS, seed=2)
+    assert all(live < len(PROMPTS) for live, _ in asked)  # no drafts while all four were live
 
 
 @pytest.mark.parametrize("sampler_method", ["probabilistic", "strict"])

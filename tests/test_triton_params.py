@@ -113,6 +113,10 @@ def test_component_configs_parse_and_reject(tmp_path):
     assert OrchestratorConfig.from_parameters(params(speculative_disable_by_batch_size="8")).disable_by_batch_size == 8
     with pytest.raises(ParameterError, match=r"'speculative_disable_by_batch_size' must be an integer >= 0, got '-1'"):
         OrchestratorConfig.from_parameters(params(speculative_disable_by_batch_size="-1"))
+    assert OrchestratorConfig.from_parameters(params()).length_policy == "fixed"
+    assert OrchestratorConfig.from_parameters(params(speculative_length_policy="adaptive")).length_policy == "adaptive"
+    with pytest.raises(ParameterError, match=r"'speculative_length_policy' must be one of .*fixed.*adaptive.*'auto'"):
+        OrchestratorConfig.from_parameters(params(speculative_length_policy="auto"))
 
 
 def test_draft_proposer_config_per_method(tmp_path):

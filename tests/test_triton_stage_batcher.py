@@ -85,7 +85,7 @@ def test_every_call_is_reported_with_its_size_and_time_failed_ones_too():
     stage, reports = Stage(fail_on=3), []
 
     async def main():
-        batcher = StageBatcher(stage, on_call=lambda n, seconds: reports.append((n, seconds)))
+        batcher = StageBatcher(stage, on_call=lambda items, seconds: reports.append((len(items), seconds)))
         return await asyncio.gather(*(batcher(i) for i in (1, 2, 3)), return_exceptions=True)
 
     asyncio.run(main())

@@ -9,6 +9,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from specdec.call_costs import CallCosts
 from specdec.types import (
     Proposal,
     ProposeRequest,
@@ -28,8 +29,10 @@ SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in fl
 MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
-    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS, configs.DraftProposerConfig),
-    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.VERIFY_OUTPUTS, configs.TargetVerifierConfig),
+    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS + wire.CALL_COST_OUTPUTS,
+                          configs.DraftProposerConfig),
+    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.VERIFY_OUTPUTS + wire.CALL_COST_OUTPUTS,
+                           configs.TargetVerifierConfig),
     wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS, wire.SAMPLE_OUTPUTS, configs.RejectionSamplerConfig),
     "speculative_decoding": (GENERATE_INPUTS, GENERATE_OUTPUTS, configs.OrchestratorConfig),
     "ensemble": (GENERATE_INPUTS, GENERATE_OUTPUTS, None),
@@ -54,7 +57,7 @@ def test_config_declares_exactly_the_wire_tensors(model):
         assert config.max_batch_size > 0 and config.HasField("dynamic_batching")
         # a request carries any number of sequences: every per-sequence input is ragged
         assert all(t.allow_ragged_batch for t in config.input if list(t.dims) == [-1])
-        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release"]
+        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release", "measure_call_costs"]
     else:
         assert config.max_batch_size == 0
 
@@ -148,6 +151,18 @@ def test_release_inputs():
     inputs = wire.release_inputs(["abc", "d"])
     assert wire.is_release(inputs) and wire.seq_ids_of(inputs) == ["abc", "d"]
     assert not wire.is_release({"seq_id": inputs["seq_id"]})
+
+
+def test_call_costs_round_trip():
+    costs = CallCosts((1, 2, 8), (1, 5), ((0.001, 0.002), (0.0015, 0.003), (0.004, 0.0125)))  # exact in float32
+    probe = {**wire.release_inputs([""]), **wire.measure_call_costs_input()}
+    assert wire.wants_call_costs(probe) and not wire.wants_call_costs(wire.release_inputs([""]))
+    outputs = wire.call_cost_outputs(costs)
+    assert set(outputs) == set(wire.CALL_COST_OUTPUTS)
+    assert outputs["call_cost_seconds"].shape == (3, 2)
+    back = wire.call_costs_of(outputs)
+    assert back.sequences == costs.sequences and back.tokens == costs.tokens
+    assert np.allclose(back.seconds, costs.seconds, rtol=1e-6)
 
 
 def test_sample_round_trip_of_packed_sequences():

@@ -2,8 +2,9 @@
 
 The default server serves the committed ``model_repository`` as is (draft_model
 proposer, paths relative to the repository). The n-gram server serves a copy made in
-a temporary directory with ``method: ngram``. ``SPECDEC_E2E_MODELS`` may name another
-directory holding ``tiny-target`` and ``tiny-draft``; both servers then use copies
+a temporary directory with ``method: ngram``, the adaptive server one with
+``speculative_length_policy: adaptive``. ``SPECDEC_E2E_MODELS`` may name another
+directory holding ``tiny-target`` and ``tiny-draft``; every server then uses a copy
 pointing there. Without the model pair the tests skip.
 """
 from __future__ import annotations
@@ -20,13 +21,15 @@ from specdec_triton.text import TextCodec
 sys.path.insert(0, str(REPO_ROOT))  # the command-line client is a top-level package, not installed
 
 
-def _start_server(tmp_path_factory, method: str):
+def _start_server(tmp_path_factory, method: str, parameters: dict[str, str] | None = None):
     models = models_dir()
     if not (models / "tiny-target").is_dir() or not (models / "tiny-draft").is_dir():
         pytest.skip(f"model pair not found under {models}")
     workdir = tmp_path_factory.mktemp(f"server_{method}")
-    committed = method == "draft_model" and models == REPO_ROOT / "models"
-    repository = REPO_ROOT / "model_repository" if committed else repository_copy(workdir, models, method)
+    committed = method == "draft_model" and models == REPO_ROOT / "models" and not parameters
+    repository = (
+        REPO_ROOT / "model_repository" if committed else repository_copy(workdir, models, method, parameters=parameters)
+    )
     server = server_on_free_ports(workdir, repository)
     server.start()
     return server
@@ -43,6 +46,14 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ngram_server(tmp_path_factory):
     server = _start_server(tmp_path_factory, "ngram")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def adaptive_server(tmp_path_factory):
+    """draft_model, with speculative_length_policy adaptive: each step drafts 0 .. 4 tokens."""
+    server = _start_server(tmp_path_factory, "draft_model", {"speculative_length_policy": "adaptive"})
     yield server
     server.stop()
 

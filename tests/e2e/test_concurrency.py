@@ -47,7 +47,9 @@ def steps_and_verify_calls(server) -> tuple[float, float]:
     return steps, samples.get(("spec_decode_stage_calls", labels + (("stage", "verify"),)), 0.0)
 
 
-@pytest.mark.parametrize("server_name", ["server", "ngram_server"], ids=["draft_model", "ngram"])
+@pytest.mark.parametrize(
+    "server_name", ["server", "ngram_server", "adaptive_server"], ids=["draft_model", "ngram", "adaptive"]
+)
 def test_concurrent_streams_match_one_by_one_and_share_forwards(server_name, request):
     server = request.getfixturevalue(server_name)
     params = {"stream": True, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True}

@@ -58,7 +58,7 @@ def greedy_mismatch(reference, prompt: str, text: str, max_tokens: int) -> str |
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-@pytest.mark.parametrize("server_name", ["server", "ngram_server"])
+@pytest.mark.parametrize("server_name", ["server", "ngram_server", "adaptive_server"])
 def test_greedy_output_equals_the_targets_greedy_decoding(request, reference, server_name, protocol):
     server = request.getfixturevalue(server_name)
     failures, drafted = [], 0

@@ -131,9 +131,11 @@ def _set_parameter(text: str, key: str, value: Callable[[str], str]) -> str:
     return re.sub(pattern, lambda match: f'{match.group(1)}{value(match.group(2))}"', text)
 
 
-def repository_copy(destination: Path, models: Path, method: str, only: tuple[str, ...] = ()) -> Path:
+def repository_copy(
+    destination: Path, models: Path, method: str, only: tuple[str, ...] = (), parameters: dict[str, str] | None = None
+) -> Path:
     """The committed repository (or just the models in ``only``) with model paths pointing into
-    ``models`` and the proposer method set."""
+    ``models``, the proposer method set, and any other ``parameters`` (key -> value) replaced."""
     repository = destination / "model_repository"
     shutil.copytree(REPO_ROOT / "model_repository", repository)
     for model in repository.iterdir():
@@ -143,7 +145,9 @@ def repository_copy(destination: Path, models: Path, method: str, only: tuple[st
         text = config.read_text()
         for key in MODEL_PATH_KEYS:
             text = _set_parameter(text, key, lambda old: str(models / Path(old).name))
-        config.write_text(_set_parameter(text, "method", lambda old: method))
+        for key, value in {"method": method, **(parameters or {})}.items():
+            text = _set_parameter(text, key, lambda old, value=value: value)
+        config.write_text(text)
     return repository
 
 

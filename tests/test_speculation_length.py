@@ -1,0 +1,110 @@
+"""specdec_triton.speculation_length: the draft count that earns the most tokens per second."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.call_costs import CallCosts
+from specdec_triton import speculation_length
+from specdec_triton.speculation_length import AdaptiveSpeculationLength
+
+MS = 1e-3
+SEQUENCES = (1, 2, 4, 8)
+
+
+def grid(fixed_ms: float, per_row_ms: float, tokens=(1, 2, 3, 5, 9)) -> CallCosts:
+    """A call of n sequences x s tokens: fixed + per_row * n * s (a compute-bound model grows with rows)."""
+    return CallCosts(SEQUENCES, tokens, tuple(tuple((fixed_ms + per_row_ms * n * s) * MS for s in tokens)
+                                             for n in SEQUENCES))
+
+
+def policy_with_acceptance(alpha: float, verify: CallCosts, propose: CallCosts) -> AdaptiveSpeculationLength:
+    policy = AdaptiveSpeculationLength(verify, propose)
+    for i in range(400):  # one-draft steps, a fraction alpha of them accepted, evenly spread
+        policy.record_step(1, int((i + 1) * alpha) - int(i * alpha))
+    return policy
+
+
+def best_k_by_enumeration(policy: AdaptiveSpeculationLength, n: int, max_k: int, alpha: float) -> int:
+    rates = [sum(alpha**i for i in range(k + 1)) / policy.round_seconds(n, k) for k in range(max_k + 1)]
+    return max(range(max_k + 1), key=rates.__getitem__)
+
+
+def test_until_enough_positions_are_judged_the_maximum_is_drafted():
+    policy = AdaptiveSpeculationLength(grid(5, 100), grid(1, 1))  # rows so dear that k = 0 would win
+    assert policy.acceptance_rate is None and policy.choose(8, 4) == 4
+    for _ in range(3):
+        policy.record_step(4, 0)  # one position judged each
+    assert policy.acceptance_rate is None and policy.choose(8, 4) == 4
+    policy.record_step(0, 0)  # a plain decoding step judges nothing
+    for _ in range(speculation_length.MIN_POSITIONS_OBSERVED):
+        policy.record_step(4, 0)
+    assert policy.acceptance_rate == 0.0 and policy.choose(8, 4) == 0
+
+
+def test_acceptance_counts_only_judged_positions():
+    policy = AdaptiveSpeculationLength(grid(1, 1), grid(1, 1))
+    for _ in range(10):
+        policy.record_step(4, 1)  # accepted 1, rejected the 2nd: 2 positions judged, 2 never reached
+        policy.record_step(2, 2)  # both accepted: 2 judged
+    assert policy.acceptance_rate == pytest.approx(30 / 40, rel=0.01)
+
+
+def test_acceptance_follows_recent_steps():
+    policy = AdaptiveSpeculationLength(grid(1, 1), grid(1, 1))
+    for _ in range(1000):
+        policy.record_step(4, 4)
+    for _ in range(5 * speculation_length.ACCEPTANCE_WINDOW_STEPS):
+        policy.record_step(4, 0)
+    assert policy.acceptance_rate < 0.05
+
+
+def test_a_lone_sequence_with_a_good_draft_drafts_deep_and_load_stops_it():
+    """Fixed costs dominate alone, so deep drafts pay; at 8 sequences every row counts and they do not."""
+    policy = policy_with_acceptance(0.75, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
+    alone, loaded = policy.choose(1, 8), policy.choose(8, 8)
+    assert alone >= 4 and loaded < alone
+    for n in SEQUENCES:
+        assert policy.choose(n, 8) == best_k_by_enumeration(policy, n, 8, policy.acceptance_rate)
+
+
+def test_a_poor_draft_is_not_used_and_a_perfect_one_to_the_maximum():
+    poor = policy_with_acceptance(0.0, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
+    assert poor.choose(1, 4) == 0
+    perfect = policy_with_acceptance(1.0, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
+    assert perfect.choose(1, 4) == 4
+
+
+def test_the_request_maximum_caps_the_choice():
+    policy = policy_with_acceptance(1.0, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
+    assert policy.choose(1, 2) == 2 and policy.choose(1, 0) == 0
+
+
+def test_observed_overheads_enter_the_round_time():
+    """A dear BLS round trip on every propose call makes drafting pay less; a dear step overhead, more."""
+    policy = policy_with_acceptance(0.6, verify=grid(4, 0.2), propose=grid(0.5, 0.2))
+    base = policy.choose(4, 8)
+    for _ in range(200):
+        policy.record_call("propose", 4, 2, 50 * MS)  # 50 ms a call, whatever the model measured
+    assert policy.propose_overhead_s > 40 * MS
+    assert policy.choose(4, 8) == 0 < base
+    for _ in range(200):
+        policy.record_step_overhead(1.0)  # a second a step outside the calls: tokens per step are what counts
+    assert policy.choose(4, 8) > 0
+    for n in SEQUENCES:
+        assert policy.choose(n, 8) == best_k_by_enumeration(policy, n, 8, policy.acceptance_rate)
+
+
+def test_calls_outside_the_grid_and_faster_calls_leave_no_negative_overhead():
+    policy = AdaptiveSpeculationLength(grid(2, 0.5), grid(0.5, 0.2))
+    policy.record_call("verify", 1, 100, 1.0)  # a prefill: far beyond the measured rows, skipped
+    assert policy.verify_overhead_s == 0.0
+    policy.record_call("verify", 2, 3, 0.0)  # faster than measured
+    assert policy.verify_overhead_s == 0.0
+    policy.record_call("verify", 2, 3, policy.verify_costs(2, 3) + 10 * MS)
+    assert policy.verify_overhead_s == pytest.approx(0.05 * 10 * MS)  # the average moves by its smoothing weight
+
+
+def test_while_nothing_pays_one_step_in_an_interval_drafts_to_keep_the_rate_current():
+    policy = policy_with_acceptance(0.0, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
+    choices = [policy.choose(1, 4) for _ in range(2 * speculation_length.PROBE_INTERVAL)]
+    assert choices.count(1) == 2 and set(choices) == {0, 1}
