@@ -4,7 +4,9 @@
 Compared in one run, on the same checkpoints and held-out prompts:
 
 * the server with ``num_speculative_tokens = 0`` (the baseline, per-request override);
-* the server with each proposer method (draft model, n-gram) at each k;
+* the server with each proposer method (draft model, n-gram) at each k; with
+  ``--length-policies fixed,adaptive`` also a server per method whose steps draft
+  0 .. k, chosen by ``speculative_length_policy: adaptive`` (rows ``<method> adaptive k<=k``);
 * in-process ``generate``: plain, with ``assistant_model`` (same draft, same k) and with
   ``prompt_lookup_num_tokens = k``, one request at a time.
 
@@ -72,6 +74,7 @@ from specdec.bench.workload import held_out_texts, select_prompts
 from specdec.fast import FastCausalLM
 from specdec.models import load_causal_lm, load_tokenizer
 from specdec.proposers import PROPOSERS
+from specdec_triton.configs import LENGTH_POLICIES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ORCHESTRATOR = "speculative_decoding"
@@ -129,6 +132,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--methods", default="draft_model,ngram", help="draft_proposer methods, comma-separated")
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
+    p.add_argument("--length-policies", default="fixed",
+                   help="speculative_length_policy values, comma-separated: fixed, adaptive (one server each)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
     p.add_argument("--num-prompts", type=int, default=16, help="requests per configuration and concurrency")
     p.add_argument("--rounds", type=int, default=1,
@@ -155,6 +160,9 @@ def parse_args() -> argparse.Namespace:
     unknown = [m for m in args.methods if m not in PROPOSERS]
     if unknown or not args.methods:
         p.error(f"--methods must name some of {sorted(PROPOSERS)}, got {args.methods}")
+    args.length_policies = [x.strip() for x in args.length_policies.split(",") if x.strip()]
+    if not args.length_policies or not set(args.length_policies) <= set(LENGTH_POLICIES):
+        p.error(f"--length-policies must name some of {list(LENGTH_POLICIES)}, got {args.length_policies}")
     return args
 
 
@@ -230,9 +238,9 @@ def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress:
     return rows
 
 
-def server_edits(args, method: str) -> dict[str, dict[str, str]]:
+def server_edits(args, method: str, policy: str) -> dict[str, dict[str, str]]:
     edits = {
-        ORCHESTRATOR: {"num_speculative_tokens": str(max(args.ks))},
+        ORCHESTRATOR: {"num_speculative_tokens": str(max(args.ks)), "speculative_length_policy": policy},
         PROPOSER_MODEL: {"method": method},
         TARGET_MODEL: {"target_model": str(args.target.resolve())},
         # ids must index the target's vocabulary, so the target's tokenizer encodes and decodes
@@ -247,11 +255,15 @@ def server_edits(args, method: str) -> dict[str, dict[str, str]]:
     return edits
 
 
-def server_rows(args, method: str, prompts, workdir: Path, outputs: Outputs, progress: Progress) -> list[dict]:
-    repository = make_variant(args.repository, workdir / f"repo-{method}", server_edits(args, method))
-    base_name = f"server {method} k=0"
+def server_rows(
+    args, method: str, policy: str, prompts, workdir: Path, outputs: Outputs, progress: Progress
+) -> list[dict]:
+    """One server, ``method`` and ``policy``: k = 0 and each k of ``args.ks`` (an upper bound if adaptive)."""
+    variant = method if policy == "fixed" else f"{method}-{policy}"
+    repository = make_variant(args.repository, workdir / f"repo-{variant}", server_edits(args, method, policy))
+    base_name = f"server {method} k=0" + ("" if policy == "fixed" else f" ({policy})")
     rows = []
-    log = args.out_dir / f"server-{method}.log"
+    log = args.out_dir / f"server-{variant}.log"
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     with TritonServer(REPO_ROOT / "scripts" / "serve.sh", repository, log, env) as server:
         progress.write(f"{method}: tritonserver ready on {server.grpc_url} (log {server.log_path})")
@@ -260,7 +272,7 @@ def server_rows(args, method: str, prompts, workdir: Path, outputs: Outputs, pro
         for round_ in range(args.rounds):
             for concurrency in args.concurrency:
                 for k in (0, *args.ks):
-                    name = base_name if k == 0 else f"{method} k={k}"
+                    name = base_name if k == 0 else config_name(method, policy, k)
                     suffix = f" (round {round_ + 1}/{args.rounds})" if args.rounds > 1 else ""
                     progress.phase(f"{name} c={concurrency}{suffix}")
                     jobs = [Job(p, args.max_tokens, k, args.ignore_eos) for p in prompts]
@@ -268,17 +280,21 @@ def server_rows(args, method: str, prompts, workdir: Path, outputs: Outputs, pro
                     previous = phases.get((concurrency, k))
                     phases[(concurrency, k)] = measured if previous is None else previous + measured
     for (concurrency, k), measured in phases.items():
-        name = base_name if k == 0 else f"{method} k={k}"
+        name = base_name if k == 0 else config_name(method, policy, k)
         row = phase_row(measured)
         outputs[(name, concurrency)] = [r.text for r in measured.results]
         row.update(config=name, concurrency=concurrency, k=k, proposer=method if k else None, baseline=base_name,
-                   rounds=args.rounds)  # fmt: skip
+                   rounds=args.rounds, length_policy=policy)  # fmt: skip
         # the server counts positions up to its configured k; this phase drafts at most k
         row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
         if concurrency > 1:  # component models overlap in time: not a per-step overhead any more
             row["step_overhead_ms_concurrent"] = row.pop("step_overhead_ms")
         rows.append(row)
     return rows
+
+
+def config_name(method: str, policy: str, k: int) -> str:
+    return f"{method} k={k}" if policy == "fixed" else f"{method} {policy} k<={k}"
 
 
 def warm_up(server: TritonServer, prompts, args) -> None:
@@ -387,7 +403,8 @@ def main() -> None:
         print(f"[bench] {line}")
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
-    num_server = args.rounds * len(args.methods) * len(args.concurrency) * (1 + len(args.ks))
+    num_servers = len(args.methods) * len(args.length_policies)
+    num_server = args.rounds * num_servers * len(args.concurrency) * (1 + len(args.ks))
     progress = Progress(len(prompts) * (num_hf + num_server))
     rows: list[dict] = []
     outputs: Outputs = {}
@@ -397,7 +414,8 @@ def main() -> None:
         del target, draft  # the servers load their own copies
         with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
             for method in args.methods:
-                rows += server_rows(args, method, prompts, Path(tmp), outputs, progress)
+                for policy in args.length_policies:
+                    rows += server_rows(args, method, policy, prompts, Path(tmp), outputs, progress)
     finally:
         progress.close()
     annotate(rows, step_times)

@@ -384,6 +384,8 @@ def test_annotate_compares_each_row_with_its_baseline_at_the_same_concurrency():
         {"config": "other ngram k=2", "concurrency": 1, "k": 2, "proposer": "ngram", "baseline": "base",
          "tokens_per_s_per_stream": 120.0, "tokens_per_step": 2.0, "mean_accepted_length": 3.0,
          "num_drafts": 5, "decode_steps": 10},
+        {"config": "ngram adaptive k<=2", "concurrency": 1, "k": 2, "proposer": "ngram", "baseline": "base",
+         "tokens_per_s_per_stream": 130.0, "tokens_per_step": 2.0, "length_policy": "adaptive"},
     ], times)
     assert rows[0]["speedup"] == 1.0 and "speedup_bound" not in rows[0]
     assert rows[2]["speedup"] == pytest.approx(2.0)  # against the concurrency-4 baseline
@@ -392,6 +394,7 @@ def test_annotate_compares_each_row_with_its_baseline_at_the_same_concurrency():
     assert rows[3]["speedup_bound"] == pytest.approx(1.5 * 10 / 12)  # n-gram drafts cost nothing
     assert math.isnan(rows[4]["speedup_bound"]) and "efficiency" not in rows[4]
     assert rows[5]["speedup_bound"] == pytest.approx(2 * 10 / 11)  # from L and the drafting share
+    assert rows[6]["speedup"] == pytest.approx(1.3) and "speedup_bound" not in rows[6]  # no fixed k to bound
     assert step_time_keys([1, 2, 4]) == [("target_1", 1), ("target_2", 2), ("target_3", 3), ("target_5", 5),
                                          ("draft_1", 1)]
 

@@ -31,14 +31,18 @@ def tokens_per_step(output_tokens: int, requests: int, decode_steps: int) -> flo
 
 
 def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
-    """Add ``speedup`` (per-stream tokens/s over the baseline row), ``speedup_bound`` and ``efficiency``."""
+    """Add ``speedup`` (per-stream tokens/s over the baseline row), ``speedup_bound`` and ``efficiency``.
+
+    Rows of the adaptive length policy get a speedup, no bound: they do not draft a fixed ``k``.
+    """
     index = {(r["config"], r["concurrency"]): r for r in rows}
     for row in rows:
         base = index.get((row.get("baseline"), row["concurrency"]))
         if base is not None and base.get("tokens_per_s_per_stream"):
             row["speedup"] = row["tokens_per_s_per_stream"] / base["tokens_per_s_per_stream"]
         k = row.get("k", 0)
-        if k >= 1 and row.get("proposer") is not None:
+        # the bound is for k drafts a step; an adaptive length drafts 0 .. k, chosen step by step
+        if k >= 1 and row.get("proposer") is not None and row.get("length_policy", "fixed") == "fixed":
             t_draft = 0.0 if row["proposer"] == "ngram" else step_times["draft_1"]
             length, fraction = _length_and_drafting_fraction(row)
             if math.isnan(fraction) or (fraction > 0 and not 1.0 <= length <= k + 1):
