@@ -204,7 +204,8 @@ class Orchestrator:
             if self.counters is not None:
                 self.counters.record_stage_call(stage, len(items), seconds)
             if self.length_policy is not None and tokens_of is not None and items:
-                self.length_policy.record_call(stage, len(items), max(map(tokens_of, items)), seconds)
+                tokens = max(map(tokens_of, items))
+                self.length_policy.record_call(stage, len(items), tokens, seconds, self.num_active_sequences)
 
         return record
 

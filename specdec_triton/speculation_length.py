@@ -2,27 +2,34 @@
 
 With ``speculative_length_policy: adaptive`` each step drafts the ``k`` in
 ``[0, num_speculative_tokens]`` that gives the most expected tokens per second of a
-decoding round, for as many sequences as are live:
+decoding round (every live sequence one step), for the ``n`` sequences live now:
 
-    k* = argmax_k  E[tokens | k, alpha] / (O + V(n, k + 1) + c_v + [k > 0] (P(n, k) + c_p))
+    k* = argmax_k  E[tokens | k, alpha] / round(n, k)
+    round(n, 0) = O + r_v V(n, 1)
+    round(n, k) = O + g(n) (r_v V(n / g(n), k + 1) + r_p P(n / g(n), k))
 
 - ``E[tokens | k, alpha] = 1 + alpha + ... + alpha^k``: accepted drafts plus the
   recovered or bonus token, with ``alpha`` the per-position acceptance rate;
-- ``V(n, s)`` and ``P(n, k)``: a verify call of ``n`` sequences scoring ``s`` rows each
-  and a propose call drafting ``k`` each, as the models measured themselves
+- ``V(m, s)`` and ``P(m, k)``: a verify call of ``m`` sequences scoring ``s`` rows each
+  and a propose call drafting ``k`` each, as the models measured themselves, alone
   (:mod:`specdec.call_costs`);
-- ``c_v`` and ``c_p``: what a call of that stage costs on top of its model's measured
-  time here and now (the BLS round trip, queueing in the model, cores shared under
-  load), and ``O`` the step's own time outside its stage calls; both tracked as
-  moving averages.
+- ``r_v`` and ``r_p``: how much longer such calls take here and now than measured
+  alone (the BLS round trip, queueing, the cores shared with the other models under
+  load), moving averages of observed over measured;
+- ``g(n)``: the groups that ``n`` drafting sequences split into. A plain decoding step
+  goes from verify straight back to verify, so every sequence shares each forward; a
+  drafting sequence alternates between the draft and the target, and under load the
+  sequences settle into groups that take turns, each call carrying ``n / g`` of them.
+  Observed while drafting (1 until then);
+- ``O``: a step's own time outside its stage calls.
 
-So a lone sequence with a good draft speculates deeply, speculation shrinks as the
-target's forward fills up with concurrent sequences, and stops where verifying drafts
-costs more than they save: the load point vLLM's ``speculative_disable_by_batch_size``
-asks the user to guess. The choice only sets how many drafts are verified; every step
-stays a lossless speculative step, so greedy output does not change. ``alpha`` is
-estimated over all sequences' recent steps (one estimate, one ``k`` for every
-sequence, so the batched calls keep one shape).
+So a lone sequence with a good draft drafts deeply, and drafting stops where
+verifying drafts, and splitting the batch to draft them, costs more than they save:
+the load point vLLM's ``speculative_disable_by_batch_size`` asks the user to guess.
+The choice only sets how many drafts are verified; every step stays a lossless
+speculative step, so greedy output does not change. ``alpha`` is estimated over all
+sequences' recent steps (one estimate, one ``k`` for every sequence, so the batched
+calls keep one shape).
 """
 from __future__ import annotations
 
@@ -30,8 +37,22 @@ from specdec.call_costs import CallCosts
 
 ACCEPTANCE_WINDOW_STEPS = 256  # steps over which the acceptance rate is averaged (exponential decay)
 MIN_POSITIONS_OBSERVED = 16  # draft positions seen before the rate is trusted; until then k = the maximum
-OVERHEAD_SMOOTHING = 0.05  # weight of the newest observation in the overhead averages
+SMOOTHING = 0.05  # weight of the newest observation in the moving averages
 PROBE_INTERVAL = 256  # while k* = 0, every this many choices drafts one token to keep the rate current
+
+
+class MovingAverage:
+    """Exponentially weighted; the first observation replaces the initial value."""
+
+    def __init__(self, initial: float):
+        self.value = initial
+        self._observed = False
+
+    def update(self, observation: float) -> None:
+        if self._observed:
+            self.value += SMOOTHING * (observation - self.value)
+        else:
+            self.value, self._observed = observation, True
 
 
 class AdaptiveSpeculationLength:
@@ -40,10 +61,11 @@ class AdaptiveSpeculationLength:
         self.propose_costs = propose_costs
         self._accepted = 0.0  # decayed count of accepted draft positions
         self._positions = 0.0  # decayed count of draft positions the target judged
-        self.verify_overhead_s = 0.0  # c_v
-        self.propose_overhead_s = 0.0  # c_p
-        self.step_overhead_s = 0.0  # O
-        self._seen: dict[str, bool] = {}  # which averages have had their first observation
+        # r_v, r_p: a call's observed time over its time measured alone
+        self.slowdown = {"verify": MovingAverage(1.0), "propose": MovingAverage(1.0)}
+        self.step_overhead_s = MovingAverage(0.0)  # O
+        self._groups: dict[int, MovingAverage] = {}  # g(n), for the live counts n seen while drafting
+        self._drafting = True  # whether the last choice other than a probe was k > 0
         self._choices_at_zero = 0
 
     @property
@@ -53,6 +75,11 @@ class AdaptiveSpeculationLength:
             return None
         return self._accepted / self._positions
 
+    def groups(self, num_sequences: int) -> float:
+        """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes."""
+        observed = self._groups.get(num_sequences)
+        return observed.value if observed is not None else 1.0
+
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         """A step's outcome. Drafts past the first rejection were never judged, so they do not count."""
         if num_drafts == 0:
@@ -61,35 +88,38 @@ class AdaptiveSpeculationLength:
         self._accepted = self._accepted * decay + num_accepted
         self._positions = self._positions * decay + min(num_accepted + 1, num_drafts)
 
-    def record_call(self, stage: str, num_sequences: int, tokens_per_sequence: float, seconds: float) -> None:
-        """A verify or propose call as the orchestrator saw it; calls of shapes outside the grid are skipped.
+    def record_call(
+        self, stage: str, num_sequences: int, tokens_per_sequence: int, seconds: float, num_live: int
+    ) -> None:
+        """A verify or propose call as the orchestrator saw it, with ``num_live`` sequences live.
 
-        Prefills (whole prompts) are far outside the measured shapes, so they would only
-        test the extrapolation.
+        Calls of shapes outside the measured grid are skipped: prefills (whole prompts)
+        would only test the extrapolation. A verify call that scores drafts while the
+        policy drafts tells how many groups the live sequences formed.
         """
         costs = self.verify_costs if stage == "verify" else self.propose_costs
         if num_sequences < 1 or tokens_per_sequence > costs.tokens[-1]:
             return
-        extra = seconds - costs(num_sequences, tokens_per_sequence)
-        self._average(f"{stage}_overhead_s", max(0.0, extra))
+        measured = costs(num_sequences, tokens_per_sequence)
+        if measured > 0:
+            self.slowdown[stage].update(seconds / measured)
+        if stage == "verify" and tokens_per_sequence > 1 and self._drafting and num_live >= num_sequences:
+            self._groups.setdefault(num_live, MovingAverage(1.0)).update(num_live / num_sequences)
 
     def record_step_overhead(self, seconds: float) -> None:
         """A step's wall time less the time it awaited its stage calls."""
-        self._average("step_overhead_s", max(0.0, seconds))
-
-    def _average(self, name: str, value: float) -> None:
-        if not self._seen.get(name):
-            self._seen[name] = True
-            setattr(self, name, value)
-        else:
-            setattr(self, name, getattr(self, name) + OVERHEAD_SMOOTHING * (value - getattr(self, name)))
+        self.step_overhead_s.update(max(0.0, seconds))
 
     def round_seconds(self, num_sequences: int, k: int) -> float:
-        """Expected seconds of one step of ``num_sequences`` sequences drafting ``k`` each."""
-        seconds = self.step_overhead_s + self.verify_costs(num_sequences, k + 1) + self.verify_overhead_s
-        if k > 0:
-            seconds += self.propose_costs(num_sequences, k) + self.propose_overhead_s
-        return seconds
+        """Expected seconds of one step of each of ``num_sequences`` sequences drafting ``k``."""
+        r_v, r_p, overhead = self.slowdown["verify"].value, self.slowdown["propose"].value, self.step_overhead_s.value
+        if k == 0:
+            return overhead + r_v * self.verify_costs(num_sequences, 1)
+        g = self.groups(num_sequences)
+        per_call = num_sequences / g
+        return overhead + g * (
+            r_v * self.verify_costs(per_call, k + 1) + r_p * self.propose_costs(per_call, k)
+        )
 
     def choose(self, num_sequences: int, max_k: int) -> int:
         """The number of drafts for the next step of one of ``num_sequences`` sequences stepping together."""
@@ -103,6 +133,7 @@ class AdaptiveSpeculationLength:
             rate = tokens / max(self.round_seconds(num_sequences, k), 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        self._drafting = best_k > 0
         if best_k > 0:
             return best_k
         self._choices_at_zero += 1

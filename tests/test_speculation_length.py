@@ -79,14 +79,15 @@ def test_the_request_maximum_caps_the_choice():
     assert policy.choose(1, 2) == 2 and policy.choose(1, 0) == 0
 
 
-def test_observed_overheads_enter_the_round_time():
-    """A dear BLS round trip on every propose call makes drafting pay less; a dear step overhead, more."""
+def test_observed_slowdowns_and_step_overhead_enter_the_round_time():
+    """Propose calls far slower than measured make drafting pay less; a dear step overhead, more."""
     policy = policy_with_acceptance(0.6, verify=grid(4, 0.2), propose=grid(0.5, 0.2))
     base = policy.choose(4, 8)
+    assert base > 0
     for _ in range(200):
-        policy.record_call("propose", 4, 2, 50 * MS)  # 50 ms a call, whatever the model measured
-    assert policy.propose_overhead_s > 40 * MS
-    assert policy.choose(4, 8) == 0 < base
+        policy.record_call("propose", 4, 2, 20 * policy.propose_costs(4, 2), num_live=4)
+    assert policy.slowdown["propose"].value == pytest.approx(20, rel=0.01)
+    assert policy.choose(4, 8) == 0
     for _ in range(200):
         policy.record_step_overhead(1.0)  # a second a step outside the calls: tokens per step are what counts
     assert policy.choose(4, 8) > 0
@@ -94,14 +95,28 @@ def test_observed_overheads_enter_the_round_time():
         assert policy.choose(n, 8) == best_k_by_enumeration(policy, n, 8, policy.acceptance_rate)
 
 
-def test_calls_outside_the_grid_and_faster_calls_leave_no_negative_overhead():
+def test_calls_outside_the_grid_are_skipped_and_the_first_observation_replaces_the_default():
     policy = AdaptiveSpeculationLength(grid(2, 0.5), grid(0.5, 0.2))
-    policy.record_call("verify", 1, 100, 1.0)  # a prefill: far beyond the measured rows, skipped
-    assert policy.verify_overhead_s == 0.0
-    policy.record_call("verify", 2, 3, 0.0)  # faster than measured
-    assert policy.verify_overhead_s == 0.0
-    policy.record_call("verify", 2, 3, policy.verify_costs(2, 3) + 10 * MS)
-    assert policy.verify_overhead_s == pytest.approx(0.05 * 10 * MS)  # the average moves by its smoothing weight
+    policy.record_call("verify", 1, 100, 1.0, num_live=1)  # a prefill: far beyond the measured rows, skipped
+    assert policy.slowdown["verify"].value == 1.0
+    policy.record_call("verify", 2, 3, 3 * policy.verify_costs(2, 3), num_live=2)
+    assert policy.slowdown["verify"].value == pytest.approx(3.0)
+    policy.record_call("verify", 2, 3, policy.verify_costs(2, 3), num_live=2)
+    assert policy.slowdown["verify"].value == pytest.approx(3.0 - 2.0 * speculation_length.SMOOTHING)
+
+
+def test_sequences_that_split_into_groups_while_drafting_stop_drafting_under_load():
+    """Eight sequences drafting in two groups of four pay two verify calls a round; plain decoding pays one."""
+    policy = policy_with_acceptance(0.6, verify=grid(10, 0.5), propose=grid(0.5, 0.1))
+    assert policy.groups(8) == 1.0 and policy.choose(8, 4) > 0  # alone in one call, drafting would pay
+    for _ in range(50):
+        policy.record_call("verify", 4, 3, policy.verify_costs(4, 3), num_live=8)  # calls carry half of them
+    assert policy.groups(8) == pytest.approx(2.0)
+    assert policy.choose(8, 4) == 0
+    assert policy.groups(1) == 1.0 and policy.choose(1, 4) > 0  # a lone sequence still drafts
+    assert policy.choose(8, 4) == 0  # back at 8 live: not drafting
+    policy.record_call("verify", 1, 2, policy.verify_costs(1, 2), num_live=8)  # a probe's call
+    assert policy.groups(8) == pytest.approx(2.0)  # tells nothing of how drafting sequences group
 
 
 def test_while_nothing_pays_one_step_in_an_interval_drafts_to_keep_the_rate_current():

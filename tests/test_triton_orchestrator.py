@@ -68,6 +68,7 @@ class LocalStages:
         self.draft_delays: dict[str, int] = {}  # seq_id -> extra event-loop turns each of its proposals takes
         self.on_call = lambda stage, requests: None  # called at each propose / verify call
         self.call_costs: tuple[CallCosts, CallCosts] | None = None  # (verify, propose) what limits reports if asked
+        self.take_call_costs = False  # verify and propose calls last as long as call_costs says
 
     async def tokenize(self, text, stop_words):
         await asyncio.sleep(0)
@@ -94,6 +95,7 @@ class LocalStages:
         await asyncio.sleep(0)
         self.sent.append(("propose", len(requests)))
         self.on_call("propose", requests)
+        await self._take_cost(1, len(requests), max(r.num_tokens for r in requests))
         delays = [self.draft_delays.setdefault(r.seq_id, len(self.draft_delays) % 3) for r in requests]
         for _ in range(max(delays)):
             await asyncio.sleep(0)  # sequences draft at different speeds, as they do in a server
@@ -103,11 +105,16 @@ class LocalStages:
         await asyncio.sleep(0)
         self.sent.append(("verify", len(requests)))
         self.on_call("verify", requests)
+        await self._take_cost(0, len(requests), max(len(r.token_ids) for r in requests))
         if self.fail_verify_after is not None and any(r.position >= self.fail_verify_after for r in requests):
             raise RuntimeError("verifier failed")
         results = self.verifier.verify(requests)
         self.peak_sequences = max(self.peak_sequences, self.verifier.num_active_sequences)
         return results
+
+    async def _take_cost(self, which, num_sequences, num_tokens):
+        if self.take_call_costs and num_tokens <= self.call_costs[which].tokens[-1]:
+            await asyncio.sleep(self.call_costs[which](num_sequences, num_tokens))
 
     async def sample(self, calls):
         await asyncio.sleep(0)
@@ -337,7 +344,7 @@ def test_adaptive_length_keeps_the_texts(codec, models, method):
 
 
 def test_adaptive_length_drafts_less_under_load(codec, models):
-    """Rows that cost 8 ms each: one draft pays alone (acceptance 0.8), none with 4 sequences live."""
+    """Stages that take 5 ms a call and 8 ms a row: one draft pays alone (acceptance 0.8), none with 4 live."""
 
     def linear(fixed_ms, per_row_ms, tokens):
         return CallCosts((1, 2, 4), tokens, tuple(tuple((fixed_ms + per_row_ms * n * t) / 1e3 for t in tokens)
@@ -346,6 +353,7 @@ def test_adaptive_length_drafts_less_under_load(codec, models):
     orchestrator, stages = make_orchestrator(codec, models, sampler=RejectionSampler("synthetic", 0.8))
     orchestrator.config = dataclasses.replace(orchestrator.config, length_policy="adaptive")
     stages.call_costs = (linear(5, 8, (1, 2, 4)), linear(0, 0.1, (1, 2, 4)))
+    stages.take_call_costs = True
     asked: list[tuple[int, int]] = []  # (live sequences, drafts asked) of each propose request
 
     def record(stage, requests):
