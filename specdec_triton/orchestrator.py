@@ -256,7 +256,7 @@ class Orchestrator:
             self.counters.record_step(len(proposal.token_ids), result.num_accepted, len(step.new_token_ids))
         if self.length_policy is not None:
             self.length_policy.record_step(len(proposal.token_ids), result.num_accepted)
-            self.length_policy.record_step_overhead(time.monotonic() - started - awaited)
+            self.length_policy.record_step_overhead(time.monotonic() - started - awaited, self.num_active_sequences)
 
     def _max_drafts(self, state: SequenceState) -> int | None:
         """The most drafts this step may ask for: 0 under ``disable_by_batch_size``, the length policy's choice."""

@@ -15,13 +15,15 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   (:mod:`specdec.call_costs`);
 - ``r_v`` and ``r_p``: how much longer such calls take here and now than measured
   alone (the BLS round trip, queueing, the cores shared with the other models under
-  load), moving averages of observed over measured;
+  load), moving averages of observed over measured, one per number of live sequences
+  (an unseen one takes the closest seen), so what the load taught does not linger when
+  it falls;
 - ``g(n)``: the groups that ``n`` drafting sequences split into. A plain decoding step
   goes from verify straight back to verify, so every sequence shares each forward; a
   drafting sequence alternates between the draft and the target, and under load the
   sequences settle into groups that take turns, each call carrying ``n / g`` of them.
   Observed while drafting (1 until then);
-- ``O``: a step's own time outside its stage calls.
+- ``O``: a step's own time outside its stage calls, also per number of live sequences.
 
 So a lone sequence with a good draft drafts deeply, and drafting stops where
 verifying drafts, and splitting the batch to draft them, costs more than they save:
@@ -55,16 +57,34 @@ class MovingAverage:
             self.value, self._observed = observation, True
 
 
+class ByLoad:
+    """One moving average per number of live sequences."""
+
+    def __init__(self, initial: float, nearest: bool):
+        self.initial = initial
+        self.nearest = nearest  # an unseen load takes the value of the closest one seen
+        self._by_load: dict[int, MovingAverage] = {}
+
+    def update(self, num_live: int, observation: float) -> None:
+        self._by_load.setdefault(num_live, MovingAverage(self.initial)).update(observation)
+
+    def value(self, num_live: int) -> float:
+        average = self._by_load.get(num_live)
+        if average is None and self.nearest and self._by_load:
+            average = self._by_load[min(self._by_load, key=lambda seen: (abs(seen - num_live), seen))]
+        return average.value if average is not None else self.initial
+
+
 class AdaptiveSpeculationLength:
     def __init__(self, verify_costs: CallCosts, propose_costs: CallCosts):
         self.verify_costs = verify_costs
         self.propose_costs = propose_costs
         self._accepted = 0.0  # decayed count of accepted draft positions
         self._positions = 0.0  # decayed count of draft positions the target judged
-        # r_v, r_p: a call's observed time over its time measured alone
-        self.slowdown = {"verify": MovingAverage(1.0), "propose": MovingAverage(1.0)}
-        self.step_overhead_s = MovingAverage(0.0)  # O
-        self._groups: dict[int, MovingAverage] = {}  # g(n), for the live counts n seen while drafting
+        # r_v, r_p by load: a call's observed time over its time measured alone
+        self.slowdown = {"verify": ByLoad(1.0, nearest=True), "propose": ByLoad(1.0, nearest=True)}
+        self.step_overhead_s = ByLoad(0.0, nearest=True)  # O
+        self._groups = ByLoad(1.0, nearest=False)  # g(n), for the live counts n seen while drafting
         self._drafting = True  # whether the last choice other than a probe was k > 0
         self._choices_at_zero = 0
 
@@ -77,8 +97,7 @@ class AdaptiveSpeculationLength:
 
     def groups(self, num_sequences: int) -> float:
         """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes."""
-        observed = self._groups.get(num_sequences)
-        return observed.value if observed is not None else 1.0
+        return self._groups.value(num_sequences)
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         """A step's outcome. Drafts past the first rejection were never judged, so they do not count."""
@@ -102,17 +121,19 @@ class AdaptiveSpeculationLength:
             return
         measured = costs(num_sequences, tokens_per_sequence)
         if measured > 0:
-            self.slowdown[stage].update(seconds / measured)
+            self.slowdown[stage].update(num_live, seconds / measured)
         if stage == "verify" and tokens_per_sequence > 1 and self._drafting and num_live >= num_sequences:
-            self._groups.setdefault(num_live, MovingAverage(1.0)).update(num_live / num_sequences)
+            self._groups.update(num_live, num_live / num_sequences)
 
-    def record_step_overhead(self, seconds: float) -> None:
-        """A step's wall time less the time it awaited its stage calls."""
-        self.step_overhead_s.update(max(0.0, seconds))
+    def record_step_overhead(self, seconds: float, num_live: int) -> None:
+        """A step's wall time less the time it awaited its stage calls, with ``num_live`` sequences live."""
+        self.step_overhead_s.update(num_live, max(0.0, seconds))
 
     def round_seconds(self, num_sequences: int, k: int) -> float:
         """Expected seconds of one step of each of ``num_sequences`` sequences drafting ``k``."""
-        r_v, r_p, overhead = self.slowdown["verify"].value, self.slowdown["propose"].value, self.step_overhead_s.value
+        n = num_sequences
+        r_v, r_p = self.slowdown["verify"].value(n), self.slowdown["propose"].value(n)
+        overhead = self.step_overhead_s.value(n)
         if k == 0:
             return overhead + r_v * self.verify_costs(num_sequences, 1)
         g = self.groups(num_sequences)

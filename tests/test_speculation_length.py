@@ -86,10 +86,10 @@ def test_observed_slowdowns_and_step_overhead_enter_the_round_time():
     assert base > 0
     for _ in range(200):
         policy.record_call("propose", 4, 2, 20 * policy.propose_costs(4, 2), num_live=4)
-    assert policy.slowdown["propose"].value == pytest.approx(20, rel=0.01)
+    assert policy.slowdown["propose"].value(4) == pytest.approx(20, rel=0.01)
     assert policy.choose(4, 8) == 0
     for _ in range(200):
-        policy.record_step_overhead(1.0)  # a second a step outside the calls: tokens per step are what counts
+        policy.record_step_overhead(1.0, num_live=4)  # a second a step outside the calls: tokens per step count
     assert policy.choose(4, 8) > 0
     for n in SEQUENCES:
         assert policy.choose(n, 8) == best_k_by_enumeration(policy, n, 8, policy.acceptance_rate)
@@ -98,11 +98,24 @@ def test_observed_slowdowns_and_step_overhead_enter_the_round_time():
 def test_calls_outside_the_grid_are_skipped_and_the_first_observation_replaces_the_default():
     policy = AdaptiveSpeculationLength(grid(2, 0.5), grid(0.5, 0.2))
     policy.record_call("verify", 1, 100, 1.0, num_live=1)  # a prefill: far beyond the measured rows, skipped
-    assert policy.slowdown["verify"].value == 1.0
+    assert policy.slowdown["verify"].value(1) == 1.0
     policy.record_call("verify", 2, 3, 3 * policy.verify_costs(2, 3), num_live=2)
-    assert policy.slowdown["verify"].value == pytest.approx(3.0)
+    assert policy.slowdown["verify"].value(2) == pytest.approx(3.0)
     policy.record_call("verify", 2, 3, policy.verify_costs(2, 3), num_live=2)
-    assert policy.slowdown["verify"].value == pytest.approx(3.0 - 2.0 * speculation_length.SMOOTHING)
+    assert policy.slowdown["verify"].value(2) == pytest.approx(3.0 - 2.0 * speculation_length.SMOOTHING)
+
+
+def test_slowdowns_are_kept_per_load_and_an_unseen_load_takes_the_closest():
+    """What 8 live sequences taught (slow calls) must not stop a lone sequence from drafting."""
+    policy = policy_with_acceptance(0.6, verify=grid(4, 0.2), propose=grid(0.5, 0.2))
+    for _ in range(100):
+        policy.record_call("propose", 8, 2, 30 * policy.propose_costs(8, 2), num_live=8)
+        policy.record_call("propose", 1, 2, policy.propose_costs(1, 2), num_live=1)
+    assert policy.slowdown["propose"].value(8) == pytest.approx(30, rel=0.01)
+    assert policy.slowdown["propose"].value(1) == pytest.approx(1.0)
+    assert policy.slowdown["propose"].value(6) == policy.slowdown["propose"].value(8)  # closest seen
+    assert policy.slowdown["propose"].value(3) == policy.slowdown["propose"].value(1)
+    assert policy.choose(8, 4) == 0 and policy.choose(1, 4) > 0
 
 
 def test_sequences_that_split_into_groups_while_drafting_stop_drafting_under_load():
