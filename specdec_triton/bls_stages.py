@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
 
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
@@ -43,6 +45,7 @@ class BlsStages:
             bls(wire.REJECTION_SAMPLER, wire.sampler_probe_inputs(), wire.SAMPLE_OUTPUTS),
         )
         max_num_seqs = [n for n in (wire.optional_limit(m, "max_num_seqs") for m in (verifier, proposer)) if n]
+        call_overhead_s = await self._round_trip_seconds() if call_costs else 0.0
         limits = Limits(
             max_model_len=wire.optional_limit(verifier, "max_model_len"),
             vocab_size=int(verifier["vocab_size"][0]),
@@ -50,10 +53,21 @@ class BlsStages:
             rejection_sample_method=wire.sampler_method_of(sampler),
             verify_costs=wire.call_costs_of(verifier) if call_costs else None,
             propose_costs=wire.call_costs_of(proposer) if call_costs else None,
+            call_overhead_s=call_overhead_s,
         )
         # at most one call in flight per sequence, two while it is released
         ensure_bls_threads(2 * (limits.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
         return limits
+
+    async def _round_trip_seconds(self, repeats: int = 5) -> float:
+        """What a BLS call costs beyond its model's work: the median of releases of no sequence."""
+        probe = wire.release_inputs([_LIMITS_PROBE_SEQ_ID])
+        times = []
+        for _ in range(repeats):
+            started = time.monotonic()
+            await bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS, batched=True)
+            times.append(time.monotonic() - started)
+        return statistics.median(times)
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(requests), wire.PROPOSE_OUTPUTS, batched=True)

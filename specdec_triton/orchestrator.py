@@ -60,6 +60,7 @@ class Limits:
     rejection_sample_method: str = "probabilistic"  # the rejection sampler's configured method
     verify_costs: CallCosts | None = None  # measured by the verifier; asked for by the adaptive length policy
     propose_costs: CallCosts | None = None  # measured by the proposer; likewise
+    call_overhead_s: float = 0.0  # what a stage call costs beyond its model's work (BLS round trip); likewise
 
 
 class Stages(Protocol):
@@ -114,7 +115,9 @@ class Orchestrator:
                 self._limits = limits
                 self._slots = asyncio.Semaphore(limits.max_num_seqs) if limits.max_num_seqs else None
                 if adaptive:
-                    self.length_policy = AdaptiveSpeculationLength(limits.verify_costs, limits.propose_costs)
+                    self.length_policy = AdaptiveSpeculationLength(
+                        limits.verify_costs, limits.propose_costs, limits.call_overhead_s
+                    )
         params = request.generation_params(
             self.config.default_max_tokens,
             self.config.num_speculative_tokens,

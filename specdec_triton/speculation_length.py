@@ -5,17 +5,18 @@ With ``speculative_length_policy: adaptive`` each step drafts the ``k`` in
 decoding round (every live sequence one step), for the ``n`` sequences live now:
 
     k* = argmax_k  E[tokens | k, alpha] / round(n, k)
-    round(n, 0) = O + r_v V(n, 1)
-    round(n, k) = O + g(n) (r_v V(n / g(n), k + 1) + r_p P(n / g(n), k))
+    round(n, 0) = O + r_v V(n, 1) + c
+    round(n, k) = O + g(n) (r_v V(n / g(n), k + 1) + r_p P(n / g(n), k) + 2 c)
 
 - ``E[tokens | k, alpha] = 1 + alpha + ... + alpha^k``: accepted drafts plus the
   recovered or bonus token, with ``alpha`` the per-position acceptance rate;
 - ``V(m, s)`` and ``P(m, k)``: a verify call of ``m`` sequences scoring ``s`` rows each
   and a propose call drafting ``k`` each, as the models measured themselves, alone
   (:mod:`specdec.call_costs`);
-- ``r_v`` and ``r_p``: how much longer such calls take here and now than measured
-  alone (the BLS round trip, queueing, the cores shared with the other models under
-  load), moving averages of observed over measured, one per number of live sequences
+- ``c``: a BLS round trip, timed once on calls that do no work;
+- ``r_v`` and ``r_p``: how much longer the models' work takes here and now than
+  measured alone (queueing, the cores shared with the other models under load),
+  moving averages of (observed - c) over measured, one per number of live sequences
   (an unseen one takes the closest seen), so what the load taught does not linger when
   it falls;
 - ``g(n)``: the groups that ``n`` drafting sequences split into. A plain decoding step
@@ -76,9 +77,10 @@ class ByLoad:
 
 
 class AdaptiveSpeculationLength:
-    def __init__(self, verify_costs: CallCosts, propose_costs: CallCosts):
+    def __init__(self, verify_costs: CallCosts, propose_costs: CallCosts, call_overhead_s: float = 0.0):
         self.verify_costs = verify_costs
         self.propose_costs = propose_costs
+        self.call_overhead_s = call_overhead_s  # c
         self._accepted = 0.0  # decayed count of accepted draft positions
         self._positions = 0.0  # decayed count of draft positions the target judged
         # r_v, r_p by load: a call's observed time over its time measured alone
@@ -121,7 +123,7 @@ class AdaptiveSpeculationLength:
             return
         measured = costs(num_sequences, tokens_per_sequence)
         if measured > 0:
-            self.slowdown[stage].update(num_live, seconds / measured)
+            self.slowdown[stage].update(num_live, max(0.0, seconds - self.call_overhead_s) / measured)
         if stage == "verify" and tokens_per_sequence > 1 and self._drafting and num_live >= num_sequences:
             self._groups.update(num_live, num_live / num_sequences)
 
@@ -134,13 +136,12 @@ class AdaptiveSpeculationLength:
         n = num_sequences
         r_v, r_p = self.slowdown["verify"].value(n), self.slowdown["propose"].value(n)
         overhead = self.step_overhead_s.value(n)
+        c = self.call_overhead_s
         if k == 0:
-            return overhead + r_v * self.verify_costs(num_sequences, 1)
+            return overhead + r_v * self.verify_costs(num_sequences, 1) + c
         g = self.groups(num_sequences)
         per_call = num_sequences / g
-        return overhead + g * (
-            r_v * self.verify_costs(per_call, k + 1) + r_p * self.propose_costs(per_call, k)
-        )
+        return overhead + g * (r_v * self.verify_costs(per_call, k + 1) + r_p * self.propose_costs(per_call, k) + 2 * c)
 
     def choose(self, num_sequences: int, max_k: int) -> int:
         """The number of drafts for the next step of one of ``num_sequences`` sequences stepping together."""

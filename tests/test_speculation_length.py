@@ -105,6 +105,17 @@ def test_calls_outside_the_grid_are_skipped_and_the_first_observation_replaces_t
     assert policy.slowdown["verify"].value(2) == pytest.approx(3.0 - 2.0 * speculation_length.SMOOTHING)
 
 
+def test_the_round_trip_is_taken_out_of_the_slowdown_and_paid_once_per_call():
+    policy = policy_with_acceptance(0.6, verify=grid(4, 0.2), propose=grid(0.5, 0.2))
+    policy.call_overhead_s = 3 * MS
+    policy.record_call("propose", 2, 4, 3 * MS + 2 * policy.propose_costs(2, 4), num_live=2)
+    assert policy.slowdown["propose"].value(2) == pytest.approx(2.0)
+    r_v = policy.slowdown["verify"].value(2)
+    assert policy.round_seconds(2, 0) == pytest.approx(r_v * policy.verify_costs(2, 1) + 3 * MS)
+    assert policy.round_seconds(2, 4) == pytest.approx(
+        r_v * policy.verify_costs(2, 5) + 2 * policy.propose_costs(2, 4) + 6 * MS)
+
+
 def test_slowdowns_are_kept_per_load_and_an_unseen_load_takes_the_closest():
     """What 8 live sequences taught (slow calls) must not stop a lone sequence from drafting."""
     policy = policy_with_acceptance(0.6, verify=grid(4, 0.2), propose=grid(0.5, 0.2))
