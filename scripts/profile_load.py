@@ -81,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         edits = {**args.edits, "draft_proposer": {"method": args.method, **args.edits.get("draft_proposer", {})}}
         repository = make_variant(args.repository, Path(workdir) / "repo", edits)
-        log = Path(workdir) / "server.log"
+        log = Path(os.environ.get("SPECDEC_PROFILE_LOG", Path(workdir) / "server.log"))
         env = {"OMP_NUM_THREADS": str(args.threads)}
         print(f"[profile] starting tritonserver ({args.method}) ...", flush=True)
         with TritonServer(REPO_ROOT / "scripts" / "serve.sh", repository, log, env) as server:

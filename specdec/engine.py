@@ -110,6 +110,7 @@ class SequenceState:
         seed = params.sampling.seed
         self._base_seed = seed if seed is not None else secrets.randbits(63)
         self._step = 0  # step 0 is the prefill
+        self.drafted_last_step = False  # False: a proposer has tokens to catch up on (the prompt, plain steps)
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
@@ -189,6 +190,7 @@ class SequenceState:
         if self._step > 0:
             self._record(num_drafts, result.num_accepted)
         self._step += 1
+        self.drafted_last_step = num_drafts > 0
         new_token_ids: list[int] = []
         for token in tokens:
             self.output_ids.append(token)

@@ -86,8 +86,10 @@ class Orchestrator:
         config: OrchestratorConfig,
         counters: SpecDecodeCounters | None = None,
         active: ActiveSequences | None = None,
+        log: Callable[[str], None] | None = None,  # the adaptive length policy's changes of mind
     ):
         self.stages = stages
+        self.log = log
         self.config = config
         self.counters = counters
         self.active = active
@@ -104,6 +106,7 @@ class Orchestrator:
         self._limits: Limits | None = None
         self._slots: asyncio.Semaphore | None = None  # admits at most limits.max_num_seqs sequences
         self.length_policy: AdaptiveSpeculationLength | None = None  # with speculative_length_policy adaptive
+        self._catching_up: set[str] = set()  # sequences whose propose call also feeds the draft missed tokens
 
     async def prepare(self, request: GenerateRequest) -> SequenceState:
         """Tokenize and validate; raises RequestError / ValueError naming the bad input."""
@@ -116,7 +119,7 @@ class Orchestrator:
                 self._slots = asyncio.Semaphore(limits.max_num_seqs) if limits.max_num_seqs else None
                 if adaptive:
                     self.length_policy = AdaptiveSpeculationLength(
-                        limits.verify_costs, limits.propose_costs, limits.call_overhead_s
+                        limits.verify_costs, limits.propose_costs, limits.call_overhead_s, self.log
                     )
         params = request.generation_params(
             self.config.default_max_tokens,
@@ -206,6 +209,8 @@ class Orchestrator:
         def record(items: list, seconds: float) -> None:
             if self.counters is not None:
                 self.counters.record_stage_call(stage, len(items), seconds)
+            if stage == "propose" and any(r.seq_id in self._catching_up for r in items):
+                return  # a prefill of the draft, not what a step of k drafts costs
             if self.length_policy is not None and tokens_of is not None and items:
                 tokens = max(map(tokens_of, items))
                 self.length_policy.record_call(stage, len(items), tokens, seconds, self.num_active_sequences)
@@ -245,7 +250,14 @@ class Orchestrator:
                 awaited += time.monotonic() - call_started
 
         propose_request = state.propose_request(self._max_drafts(state))
-        proposal = await timed(self.proposals(propose_request)) if propose_request is not None else None
+        proposal = None
+        if propose_request is not None:
+            if not state.drafted_last_step and self.length_policy is not None:
+                self._catching_up.add(state.seq_id)
+            try:
+                proposal = await timed(self.proposals(propose_request))
+            finally:
+                self._catching_up.discard(state.seq_id)
         verify_result = await timed(self.verifications(state.verify_request(proposal)))
         if proposal is None:
             proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long))

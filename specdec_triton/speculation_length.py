@@ -36,12 +36,16 @@ calls keep one shape).
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from specdec.call_costs import CallCosts
 
 ACCEPTANCE_WINDOW_STEPS = 256  # steps over which the acceptance rate is averaged (exponential decay)
 MIN_POSITIONS_OBSERVED = 16  # draft positions seen before the rate is trusted; until then k = the maximum
 SMOOTHING = 0.05  # weight of the newest observation in the moving averages
 PROBE_INTERVAL = 256  # while k* = 0, every this many choices drafts one token to keep the rate current
+LOG_INTERVAL_S = 10.0  # a load's changed choice is logged at most this often
 
 
 class MovingAverage:
@@ -77,7 +81,13 @@ class ByLoad:
 
 
 class AdaptiveSpeculationLength:
-    def __init__(self, verify_costs: CallCosts, propose_costs: CallCosts, call_overhead_s: float = 0.0):
+    def __init__(
+        self,
+        verify_costs: CallCosts,
+        propose_costs: CallCosts,
+        call_overhead_s: float = 0.0,
+        log: Callable[[str], None] | None = None,  # told when the choice at a load changes
+    ):
         self.verify_costs = verify_costs
         self.propose_costs = propose_costs
         self.call_overhead_s = call_overhead_s  # c
@@ -89,6 +99,8 @@ class AdaptiveSpeculationLength:
         self._groups = ByLoad(1.0, nearest=False)  # g(n), for the live counts n seen while drafting
         self._drafting = True  # whether the last choice other than a probe was k > 0
         self._choices_at_zero = 0
+        self._log = log
+        self._logged: dict[int, tuple[int, float]] = {}  # live count -> (choice, when) last logged
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -150,13 +162,33 @@ class AdaptiveSpeculationLength:
             return max(0, max_k)
         best_k, best_rate = 0, 0.0
         tokens = 0.0
+        rates = []
         for k in range(max_k + 1):
             tokens += alpha**k  # E[tokens | k] = 1 + alpha + ... + alpha^k
-            rate = tokens / max(self.round_seconds(num_sequences, k), 1e-9)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+            rates.append(tokens / max(self.round_seconds(num_sequences, k), 1e-9))
+            if rates[-1] > best_rate:
+                best_k, best_rate = k, rates[-1]
         self._drafting = best_k > 0
+        self._tell(num_sequences, best_k, alpha, rates)
         if best_k > 0:
             return best_k
         self._choices_at_zero += 1
         return 1 if self._choices_at_zero % PROBE_INTERVAL == 0 else 0
+
+    def _tell(self, num_sequences: int, k: int, alpha: float, rates: list[float]) -> None:
+        """Log a load's choice when it changed, at most every ``LOG_INTERVAL_S``: what an operator tunes by."""
+        if self._log is None:
+            return
+        now = time.monotonic()
+        last_k, last_time = self._logged.get(num_sequences, (None, -LOG_INTERVAL_S))
+        if k == last_k or now - last_time < LOG_INTERVAL_S:
+            return
+        self._logged[num_sequences] = (k, now)
+        n = num_sequences
+        self._log(
+            f"adaptive speculation length: {n} live -> k = {k}; acceptance {alpha:.2f}, expected tokens/s per "
+            f"sequence for k = 0..{len(rates) - 1}: {' '.join(f'{r:.0f}' for r in rates)}; slowdown verify "
+            f"{self.slowdown['verify'].value(n):.2f} propose {self.slowdown['propose'].value(n):.2f}, groups "
+            f"{self.groups(n):.2f}, step overhead {1e3 * self.step_overhead_s.value(n):.2f} ms, BLS round trip "
+            f"{1e3 * self.call_overhead_s:.2f} ms"
+        )

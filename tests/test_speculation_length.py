@@ -147,3 +147,15 @@ def test_while_nothing_pays_one_step_in_an_interval_drafts_to_keep_the_rate_curr
     policy = policy_with_acceptance(0.0, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
     choices = [policy.choose(1, 4) for _ in range(2 * speculation_length.PROBE_INTERVAL)]
     assert choices.count(1) == 2 and set(choices) == {0, 1}
+
+
+def test_a_changed_choice_is_logged_with_what_it_was_made_from():
+    lines: list[str] = []
+    policy = AdaptiveSpeculationLength(grid(4, 0.4), grid(0.5, 0.1), log=lines.append)
+    for i in range(400):
+        policy.record_step(1, int((i + 1) * 0.75) - int(i * 0.75))
+    policy.choose(1, 8)
+    policy.choose(1, 8)  # the same choice again: nothing new to say
+    assert len(lines) == 1 and "1 live -> k = " in lines[0] and "acceptance 0.75" in lines[0]
+    policy.choose(8, 8)  # another load is logged on its own
+    assert len(lines) == 2 and "8 live" in lines[1]

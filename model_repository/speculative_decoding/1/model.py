@@ -30,7 +30,9 @@ class TritonPythonModel:
             raise ParameterError(f"{name}: needs model_transaction_policy {{ decoupled: true }}")
         config = OrchestratorConfig.from_parameters(Parameters.from_args(args))
         counters = SpecDecodeCounters(name, config.num_speculative_tokens)
-        self.orchestrator = Orchestrator(BlsStages(self.logger), config, counters, ActiveSequences(name))
+        self.orchestrator = Orchestrator(
+            BlsStages(self.logger), config, counters, ActiveSequences(name), log=self.logger.info
+        )
         self.logger.info(str(config))
 
     async def execute(self, requests):
