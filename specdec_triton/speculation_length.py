@@ -44,7 +44,9 @@ from specdec.call_costs import CallCosts
 ACCEPTANCE_WINDOW_STEPS = 256  # steps over which the acceptance rate is averaged (exponential decay)
 MIN_POSITIONS_OBSERVED = 16  # draft positions seen before the rate is trusted; until then k = the maximum
 SMOOTHING = 0.05  # weight of the newest observation in the moving averages
-PROBE_INTERVAL = 256  # while k* = 0, every this many choices drafts one token to keep the rate current
+# while k* = 0, one step drafts one token once no step has drafted for this long, to keep the rate
+# current; rare, since a probing sequence leaves its batch for a step and its draft has tokens to catch up
+PROBE_INTERVAL_S = 5.0
 LOG_INTERVAL_S = 10.0  # a load's changed choice is logged at most this often
 
 
@@ -98,7 +100,7 @@ class AdaptiveSpeculationLength:
         self.step_overhead_s = ByLoad(0.0, nearest=True)  # O
         self._groups = ByLoad(1.0, nearest=False)  # g(n), for the live counts n seen while drafting
         self._drafting = True  # whether the last choice other than a probe was k > 0
-        self._choices_at_zero = 0
+        self._last_drafted = time.monotonic()  # when a step last drafted (or the policy started)
         self._log = log
         self._logged: dict[int, tuple[int, float]] = {}  # live count -> (choice, when) last logged
 
@@ -117,6 +119,7 @@ class AdaptiveSpeculationLength:
         """A step's outcome. Drafts past the first rejection were never judged, so they do not count."""
         if num_drafts == 0:
             return
+        self._last_drafted = time.monotonic()
         decay = 1.0 - 1.0 / ACCEPTANCE_WINDOW_STEPS
         self._accepted = self._accepted * decay + num_accepted
         self._positions = self._positions * decay + min(num_accepted + 1, num_drafts)
@@ -172,8 +175,11 @@ class AdaptiveSpeculationLength:
         self._tell(num_sequences, best_k, alpha, rates)
         if best_k > 0:
             return best_k
-        self._choices_at_zero += 1
-        return 1 if self._choices_at_zero % PROBE_INTERVAL == 0 else 0
+        now = time.monotonic()
+        if now - self._last_drafted < PROBE_INTERVAL_S:
+            return 0
+        self._last_drafted = now  # one probe; the next only after another interval without drafts
+        return 1
 
     def _tell(self, num_sequences: int, k: int, alpha: float, rates: list[float]) -> None:
         """Log a load's choice when it changed, at most every ``LOG_INTERVAL_S``: what an operator tunes by."""

@@ -143,10 +143,17 @@ def test_sequences_that_split_into_groups_while_drafting_stop_drafting_under_loa
     assert policy.groups(8) == pytest.approx(2.0)  # tells nothing of how drafting sequences group
 
 
-def test_while_nothing_pays_one_step_in_an_interval_drafts_to_keep_the_rate_current():
+def test_while_nothing_pays_one_step_drafts_after_an_interval_without_drafts(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(speculation_length.time, "monotonic", lambda: clock[0])
     policy = policy_with_acceptance(0.0, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
-    choices = [policy.choose(1, 4) for _ in range(2 * speculation_length.PROBE_INTERVAL)]
-    assert choices.count(1) == 2 and set(choices) == {0, 1}
+    assert [policy.choose(1, 4) for _ in range(100)] == [0] * 100
+    clock[0] += speculation_length.PROBE_INTERVAL_S
+    assert [policy.choose(1, 4) for _ in range(3)] == [1, 0, 0]  # one probe, then an interval again
+    clock[0] += speculation_length.PROBE_INTERVAL_S / 2
+    policy.record_step(1, 0)  # a step drafted (a request asked for it): the interval restarts
+    clock[0] += speculation_length.PROBE_INTERVAL_S * 0.75
+    assert policy.choose(1, 4) == 0
 
 
 def test_a_changed_choice_is_logged_with_what_it_was_made_from():
