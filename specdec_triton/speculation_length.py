@@ -48,6 +48,7 @@ SMOOTHING = 0.05  # weight of the newest observation in the moving averages
 # current; rare, since a probing sequence leaves its batch for a step and its draft has tokens to catch up
 PROBE_INTERVAL_S = 5.0
 LOG_INTERVAL_S = 10.0  # a load's changed choice is logged at most this often
+REUSE_CHOICE = 8  # a choice is worked out again after this many steps at the same load and maximum
 
 
 class MovingAverage:
@@ -103,6 +104,7 @@ class AdaptiveSpeculationLength:
         self._last_drafted = time.monotonic()  # when a step last drafted (or the policy started)
         self._log = log
         self._logged: dict[int, tuple[int, float]] = {}  # live count -> (choice, when) last logged
+        self._recent: dict[tuple[int, int], tuple[int, int]] = {}  # (live, max k) -> (k*, uses left)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -159,10 +161,31 @@ class AdaptiveSpeculationLength:
         return overhead + g * (r_v * self.verify_costs(per_call, k + 1) + r_p * self.propose_costs(per_call, k) + 2 * c)
 
     def choose(self, num_sequences: int, max_k: int) -> int:
-        """The number of drafts for the next step of one of ``num_sequences`` sequences stepping together."""
+        """The number of drafts for the next step of one of ``num_sequences`` sequences stepping together.
+
+        Each step of every live sequence asks, so a choice is reused for ``REUSE_CHOICE``
+        steps at the same load before it is worked out again: the figures it comes from
+        move slowly, and the orchestrator's loop is on every step's path.
+        """
         alpha = self.acceptance_rate
         if max_k <= 0 or alpha is None:
             return max(0, max_k)
+        best_k, uses_left = self._recent.get((num_sequences, max_k), (0, 0))
+        if uses_left > 0:
+            self._recent[(num_sequences, max_k)] = (best_k, uses_left - 1)
+        else:
+            best_k = self._best(num_sequences, max_k, alpha)
+            self._recent[(num_sequences, max_k)] = (best_k, REUSE_CHOICE - 1)
+        self._drafting = best_k > 0
+        if best_k > 0:
+            return best_k
+        now = time.monotonic()
+        if now - self._last_drafted < PROBE_INTERVAL_S:
+            return 0
+        self._last_drafted = now  # one probe; the next only after another interval without drafts
+        return 1
+
+    def _best(self, num_sequences: int, max_k: int, alpha: float) -> int:
         best_k, best_rate = 0, 0.0
         tokens = 0.0
         rates = []
@@ -171,15 +194,8 @@ class AdaptiveSpeculationLength:
             rates.append(tokens / max(self.round_seconds(num_sequences, k), 1e-9))
             if rates[-1] > best_rate:
                 best_k, best_rate = k, rates[-1]
-        self._drafting = best_k > 0
         self._tell(num_sequences, best_k, alpha, rates)
-        if best_k > 0:
-            return best_k
-        now = time.monotonic()
-        if now - self._last_drafted < PROBE_INTERVAL_S:
-            return 0
-        self._last_drafted = now  # one probe; the next only after another interval without drafts
-        return 1
+        return best_k
 
     def _tell(self, num_sequences: int, k: int, alpha: float, rates: list[float]) -> None:
         """Log a load's choice when it changed, at most every ``LOG_INTERVAL_S``: what an operator tunes by."""

@@ -11,6 +11,12 @@ MS = 1e-3
 SEQUENCES = (1, 2, 4, 8)
 
 
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    """Every choice worked out anew, so a test sees the effect of what it just recorded."""
+    monkeypatch.setattr(speculation_length, "REUSE_CHOICE", 1)
+
+
 def grid(fixed_ms: float, per_row_ms: float, tokens=(1, 2, 3, 5, 9)) -> CallCosts:
     """A call of n sequences x s tokens: fixed + per_row * n * s (a compute-bound model grows with rows)."""
     return CallCosts(SEQUENCES, tokens, tuple(tuple((fixed_ms + per_row_ms * n * s) * MS for s in tokens)
@@ -166,3 +172,13 @@ def test_a_changed_choice_is_logged_with_what_it_was_made_from():
     assert len(lines) == 1 and "1 live -> k = " in lines[0] and "acceptance 0.75" in lines[0]
     policy.choose(8, 8)  # another load is logged on its own
     assert len(lines) == 2 and "8 live" in lines[1]
+
+
+def test_a_choice_is_reused_for_a_few_steps_at_the_same_load(monkeypatch):
+    monkeypatch.setattr(speculation_length, "REUSE_CHOICE", 4)
+    policy = policy_with_acceptance(1.0, verify=grid(4, 0.4), propose=grid(0.5, 0.1))
+    assert policy.choose(1, 4) == 4
+    policy._accepted = 0.0  # the rate collapses: the next choices still reuse k = 4 ...
+    assert [policy.choose(1, 4) for _ in range(3)] == [4, 4, 4]
+    assert policy.choose(1, 4) == 0  # ... until it is worked out again
+    assert policy.choose(1, 2) == 0  # another maximum is a choice of its own
