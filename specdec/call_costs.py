@@ -60,6 +60,27 @@ class CallCosts:
         return "\n".join([head, *rows])
 
 
+class MeasuredOnce:
+    """A stage's call costs, measured the first time they are asked for (logged, with the time it took)."""
+
+    def __init__(self, stage: str, measure: Callable[[], CallCosts], log: Callable[[str], None]):
+        self.stage = stage  # "verify" or "propose", for the log
+        self._measure = measure
+        self._log = log
+        self._costs: CallCosts | None = None
+
+    def get(self) -> CallCosts:
+        if self._costs is None:
+            started = time.monotonic()
+            self._log(f"measuring {self.stage} call costs (once, on scratch sequences)")
+            self._costs = self._measure()
+            self._log(
+                f"{self.stage} call costs measured in {time.monotonic() - started:.1f} s, ms per call:\n"
+                f"{self._costs.describe()}"
+            )
+        return self._costs
+
+
 def _bracket(axis: Sequence[int], x: float) -> tuple[int, int, float]:
     """Indices of the two grid points around ``x`` and its weight towards the second; beyond the ends, the last pair."""
     if len(axis) == 1:

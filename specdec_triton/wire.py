@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from specdec.call_costs import CallCosts
+from specdec.call_costs import CallCosts, MeasuredOnce
 from specdec.rejection_sampler import METHODS
 from specdec.types import (
     Proposal,
@@ -199,6 +199,14 @@ def call_cost_outputs(costs: CallCosts) -> dict[str, np.ndarray]:
         "call_cost_tokens": _i64(costs.tokens),  # [T]: rows to score (verify) or drafts (propose) per sequence
         "call_cost_seconds": np.asarray(costs.seconds, dtype=np.float32).reshape(len(costs.sequences), -1),  # [N, T]
     }
+
+
+def add_call_costs(batch: Sequence[Mapping[str, np.ndarray]], outputs: list[dict], costs: MeasuredOnce) -> list[dict]:
+    """``outputs``, with the call costs added to those of the requests that asked for them."""
+    for inputs, out in zip(batch, outputs):
+        if wants_call_costs(inputs):
+            out.update(call_cost_outputs(costs.get()))
+    return outputs
 
 
 def call_costs_of(outputs: Mapping[str, np.ndarray]) -> CallCosts:

@@ -9,6 +9,7 @@ from specdec.call_costs import (
     PROPOSE_TOKENS,
     VERIFY_TOKENS,
     CallCosts,
+    MeasuredOnce,
     measure_propose_costs,
     measure_verify_costs,
     sequence_counts,
@@ -96,3 +97,11 @@ def test_propose_costs_are_measured_on_scratch_sequences_that_are_released(draft
     assert getattr(proposer, "num_active_sequences", 0) == 0
     if kind == "fast":  # more drafts take more passes
         assert costs(2, 8) > costs(2, 1)
+
+
+def test_costs_are_measured_once_and_the_table_logged():
+    lines, calls = [], []
+    costs = linear_costs()
+    once = MeasuredOnce("verify", lambda: calls.append(1) or costs, lines.append)
+    assert once.get() is costs and once.get() is costs and len(calls) == 1
+    assert len(lines) == 2 and "verify call costs measured in" in lines[1] and "seqs" in lines[1]

@@ -9,7 +9,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from specdec.call_costs import CallCosts
+from specdec.call_costs import CallCosts, MeasuredOnce
 from specdec.types import (
     Proposal,
     ProposeRequest,
@@ -160,6 +160,9 @@ def test_call_costs_round_trip():
     outputs = wire.call_cost_outputs(costs)
     assert set(outputs) == set(wire.CALL_COST_OUTPUTS)
     assert outputs["call_cost_seconds"].shape == (3, 2)
+    once = MeasuredOnce("verify", lambda: costs, lambda line: None)
+    answered = wire.add_call_costs([probe, wire.release_inputs(["a"])], [{}, {}], once)
+    assert set(answered[0]) == set(wire.CALL_COST_OUTPUTS) and answered[1] == {}  # only to the request that asked
     back = wire.call_costs_of(outputs)
     assert back.sequences == costs.sequences and back.tokens == costs.tokens
     assert np.allclose(back.seconds, costs.seconds, rtol=1e-6)

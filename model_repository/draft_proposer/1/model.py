@@ -7,9 +7,8 @@ forward. A request with ``measure_call_costs`` set also gets what a propose call
 each shape costs, measured on scratch sequences the first time it is asked
 (``specdec.call_costs``), for the orchestrator's adaptive speculation length.
 """
-import time
 
-from specdec.call_costs import CallCosts, measure_propose_costs
+from specdec.call_costs import MeasuredOnce, measure_propose_costs
 from specdec.fast import FastDraftProposer
 from specdec.models import load_causal_lm
 from specdec.proposers import DraftModelProposer, NgramProposer
@@ -24,7 +23,6 @@ class TritonPythonModel:
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         self.max_num_seqs = None  # n-gram lookup holds no per-sequence state
-        self.cost_sequences = config.max_num_seqs  # sequences per call measured for the call costs
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.engine == "fast":
@@ -34,7 +32,10 @@ class TritonPythonModel:
             self.proposer = DraftModelProposer(load_causal_lm(config.draft_model, config.dtype, device), device)
             self.max_num_seqs = config.max_num_seqs
         self.active = ActiveSequences(args["model_name"])
-        self._call_costs: CallCosts | None = None
+        vocab_size = getattr(self.proposer, "vocab_size", None)  # n-gram lookup has no vocabulary
+        self.call_costs = MeasuredOnce(
+            "propose", lambda: measure_propose_costs(self.proposer, config.max_num_seqs, vocab_size), self.logger.info
+        )
         self.logger.info(f"{config} on {device}")
 
     def execute(self, requests):
@@ -51,19 +52,4 @@ class TritonPythonModel:
         requests = [[] if wire.is_release(inputs) else wire.propose_requests_of(inputs) for inputs in batch]
         proposals = iter(self.proposer.propose([r for group in requests for r in group]))
         outputs = [wire.proposal_outputs([next(proposals) for _ in group], self.max_num_seqs) for group in requests]
-        for inputs, out in zip(batch, outputs):
-            if wire.wants_call_costs(inputs):
-                out.update(wire.call_cost_outputs(self._measured_call_costs()))
-        return outputs
-
-    def _measured_call_costs(self) -> CallCosts:
-        if self._call_costs is None:
-            started = time.monotonic()
-            self.logger.info("measuring propose call costs (once, on scratch sequences)")
-            vocab_size = getattr(self.proposer, "vocab_size", None)  # n-gram lookup has no vocabulary
-            self._call_costs = measure_propose_costs(self.proposer, self.cost_sequences, vocab_size)
-            self.logger.info(
-                f"propose call costs measured in {time.monotonic() - started:.1f} s, ms per call:\n"
-                f"{self._call_costs.describe()}"
-            )
-        return self._call_costs
+        return wire.add_call_costs(batch, outputs, self.call_costs)

@@ -9,9 +9,8 @@ checks requests against. A request with ``measure_call_costs`` set also gets wha
 verify call of each shape costs, measured on scratch sequences the first time it is
 asked (``specdec.call_costs``), for the orchestrator's adaptive speculation length.
 """
-import time
 
-from specdec.call_costs import CallCosts, measure_verify_costs
+from specdec.call_costs import MeasuredOnce, measure_verify_costs
 from specdec.fast import FastTargetVerifier
 from specdec.models import load_causal_lm
 from specdec.verifier import TargetVerifier
@@ -34,7 +33,11 @@ class TritonPythonModel:
             model = load_causal_lm(config.target_model, config.dtype, device)
             self.verifier = TargetVerifier(model, device, config.max_model_len)
         self.active = ActiveSequences(args["model_name"])
-        self._call_costs: CallCosts | None = None
+        self.call_costs = MeasuredOnce(
+            "verify",
+            lambda: measure_verify_costs(self.verifier, config.max_num_seqs, self.verifier.vocab_size),
+            self.logger.info,
+        )
         self.logger.info(f"{config} on {device}: max_model_len {self.verifier.max_model_len}")
 
     def execute(self, requests):
@@ -52,18 +55,4 @@ class TritonPythonModel:
         results = iter(self.verifier.verify([r for group in requests for r in group]))
         limits = (self.verifier.max_model_len, self.verifier.vocab_size, self.config.max_num_seqs)
         outputs = [wire.verify_outputs([next(results) for _ in group], *limits) for group in requests]
-        for inputs, out in zip(batch, outputs):
-            if wire.wants_call_costs(inputs):
-                out.update(wire.call_cost_outputs(self._measured_call_costs()))
-        return outputs
-
-    def _measured_call_costs(self) -> CallCosts:
-        if self._call_costs is None:
-            started = time.monotonic()
-            self.logger.info("measuring verify call costs (once, on scratch sequences)")
-            self._call_costs = measure_verify_costs(self.verifier, self.config.max_num_seqs, self.verifier.vocab_size)
-            self.logger.info(
-                f"verify call costs measured in {time.monotonic() - started:.1f} s, ms per call:\n"
-                f"{self._call_costs.describe()}"
-            )
-        return self._call_costs
+        return wire.add_call_costs(batch, outputs, self.call_costs)
