@@ -12,7 +12,10 @@ verify, sample and detokenize calls go through a
 sequences that are ready together leave as one request (one BLS round trip, one
 forward) while another group of sequences is at another stage; ``micro_batches``
 can keep those groups of equal size. No more sequences run than the stages can hold
-(``max_num_seqs``); later requests wait for a free slot.
+(``max_num_seqs``); later requests wait for a free slot. With
+``speculative_length_policy: adaptive`` each step asks
+:mod:`specdec_triton.speculation_length` how many drafts pay at the current load, and
+tells it what the step and its stage calls cost and earned.
 Cancellation is checked between steps (a step is the unit of work; Triton does not
 cancel BLS children), and every stage's state for the sequence is released however
 the request ends.
