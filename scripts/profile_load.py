@@ -13,6 +13,9 @@ and the orchestrator's turnaround.
     python scripts/profile_load.py --concurrency 8 --k 4
     python scripts/profile_load.py --concurrency 1 --k 0 --method ngram
     python scripts/profile_load.py --param speculative_decoding.micro_batches=1
+
+The server's log goes to a temporary directory, or to ``$SPECDEC_PROFILE_LOG`` when set
+(to read, say, the adaptive speculation length's choices afterwards).
 """
 from __future__ import annotations
 
