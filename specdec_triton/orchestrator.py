@@ -162,13 +162,15 @@ class Orchestrator:
         """Steps until the sequence finishes; returns the final response's outputs."""
         stream = TextStream()
         streaming: asyncio.Future | None = None  # the last step's detokenize-and-send, running beside the next step
+        previous_step_ended = time.monotonic()
         try:
             while True:
                 if is_cancelled():
                     raise RequestCancelled(f"request cancelled after {len(state.output_ids)} output tokens")
                 if streaming is not None and streaming.done():
                     streaming.result()  # a failed detokenize fails the request now, not at the end
-                await self._step(state)
+                await self._step(state, previous_step_ended)
+                previous_step_ended = time.monotonic()
                 if state.finished:
                     break
                 if request.stream:  # the piece is cut from this step's state, before the next step changes it
@@ -240,11 +242,16 @@ class Orchestrator:
         size = max(1, math.ceil(self.num_active_sequences / self.config.micro_batches))
         self.proposals.max_batch_size = self.verifications.max_batch_size = size
 
-    async def _step(self, state: SequenceState) -> None:
-        """One propose / verify / sample round, each call batched with those of other ready sequences."""
-        started, awaited = time.monotonic(), 0.0
+    async def _step(self, state: SequenceState, previous_step_ended: float) -> None:
+        """One propose / verify / sample round, each call batched with those of other ready sequences.
 
-        async def timed(call):  # the step's time outside its stage calls is the length policy's O
+        The time since the sequence's previous step ended, less what this step awaited in
+        its stage calls, is the length policy's per-step overhead ``O``: the
+        orchestrator's own work for the step and between steps (streaming included).
+        """
+        awaited = 0.0
+
+        async def timed(call):
             nonlocal awaited
             call_started = time.monotonic()
             try:
@@ -274,7 +281,8 @@ class Orchestrator:
             self.counters.record_step(len(proposal.token_ids), result.num_accepted, len(step.new_token_ids))
         if self.length_policy is not None:
             self.length_policy.record_step(len(proposal.token_ids), result.num_accepted)
-            self.length_policy.record_step_overhead(time.monotonic() - started - awaited, self.num_active_sequences)
+            cycle = time.monotonic() - previous_step_ended
+            self.length_policy.record_step_overhead(cycle - awaited, self.num_active_sequences)
 
     def _max_drafts(self, state: SequenceState) -> int | None:
         """The most drafts this step may ask for: 0 under ``disable_by_batch_size``, the length policy's choice."""

@@ -24,7 +24,9 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   drafting sequence alternates between the draft and the target, and under load the
   sequences settle into groups that take turns, each call carrying ``n / g`` of them.
   Observed while drafting (1 until then);
-- ``O``: a step's own time outside its stage calls, also per number of live sequences.
+- ``O``: a step's own time outside its stage calls, from the end of the sequence's
+  previous step (so the work between steps counts too), also per number of live
+  sequences.
 
 So a lone sequence with a good draft drafts deeply, and drafting stops where
 verifying drafts, and splitting the batch to draft them, costs more than they save:
@@ -145,7 +147,7 @@ class AdaptiveSpeculationLength:
             self._groups.update(num_live, num_live / num_sequences)
 
     def record_step_overhead(self, seconds: float, num_live: int) -> None:
-        """A step's wall time less the time it awaited its stage calls, with ``num_live`` sequences live."""
+        """A step's time since the previous one ended, less what it awaited in stage calls, at ``num_live``."""
         self.step_overhead_s.update(num_live, max(0.0, seconds))
 
     def round_seconds(self, num_sequences: int, k: int) -> float:
