@@ -217,16 +217,23 @@ def test_prompt_is_prepended_unless_excluded(codec, models):
     assert text_of(run(orchestrator, request("the fox", exclude_input_in_output=False))) == "the fox" + excluded
 
 
-def run_together(orchestrator, prompts, **overrides) -> list[str]:
-    """All prompts as concurrent requests on one event loop; their texts in order."""
+def run_together(orchestrator, prompts, *, stagger_turns=0, overrides_of=lambda i: {}, **overrides) -> list[str]:
+    """All prompts as concurrent requests on one event loop; their texts in order.
+
+    Request ``i`` starts ``i * stagger_turns`` event-loop turns late and gets
+    ``overrides_of(i)`` on top of ``overrides``.
+    """
 
     async def together():
         sent = [[] for _ in prompts]
-        await asyncio.gather(*(
-            orchestrator.generate(request(p, **overrides), lambda out, final, s=s: s.append((out, final)),
-                                  lambda: False)
-            for p, s in zip(prompts, sent)
-        ))  # fmt: skip
+
+        async def one(i):
+            for _ in range(stagger_turns * i):
+                await asyncio.sleep(0)
+            await orchestrator.generate(request(prompts[i], **{**overrides, **overrides_of(i)}),
+                                        lambda out, final: sent[i].append((out, final)), lambda: False)
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
         return [text_of(s) for s in sent]
 
     return asyncio.run(together())
@@ -283,19 +290,8 @@ def test_plain_decoding_sequences_share_every_forward(codec, models):
     alone = [text_of(run(orchestrator, request(p, num_speculative_tokens=0))) for p in PROMPTS]
     stages.sent.clear()
 
-    async def staggered():
-        sent = [[] for _ in PROMPTS]
-
-        async def one(i):
-            for _ in range(8 * i):  # the first is in flight when the next arrives
-                await asyncio.sleep(0)
-            await orchestrator.generate(request(PROMPTS[i], num_speculative_tokens=0),
-                                        lambda out, final: sent[i].append((out, final)), lambda: False)
-
-        await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
-        return [text_of(s) for s in sent]
-
-    assert asyncio.run(staggered()) == alone
+    # the first is in flight when the next arrives
+    assert run_together(orchestrator, PROMPTS, stagger_turns=8, num_speculative_tokens=0) == alone
     sizes = [n for stage, n in stages.sent if stage == "verify"]
     assert max(sizes) == len(PROMPTS)
     assert len(sizes) <= 20 + len(PROMPTS)  # 20 steps each: about one call per step once they are together
@@ -310,17 +306,9 @@ def test_speculation_pauses_while_more_sequences_than_disable_by_batch_size_are_
     live_at: list[tuple[str, int]] = []
     stages.on_call = lambda stage, requests: live_at.append((stage, orchestrator.num_active_sequences))
 
-    async def together():  # different lengths, so the live count falls as requests end
-        sent = [[] for _ in PROMPTS]
-        await asyncio.gather(*(
-            orchestrator.generate(request(p, max_tokens=12 + 4 * i), lambda out, final, s=s: s.append((out, final)),
-                                  lambda: False)
-            for i, (p, s) in enumerate(zip(PROMPTS, sent))
-        ))  # fmt: skip
-        return [text_of(s) for s in sent]
-
     assert len(PROMPTS) > 2
-    assert asyncio.run(together()) == alone
+    # different lengths, so the live count falls as requests end
+    assert run_together(orchestrator, PROMPTS, overrides_of=lambda i: {"max_tokens": 12 + 4 * i}) == alone
     assert max(live for stage, live in live_at if stage == "verify") == len(PROMPTS)  # steps ran above the limit
     assert max(live for stage, live in live_at if stage == "propose") <= 2  # but drafted only at or below it
     assert any(stage == "propose" for stage, _ in live_at)  # and drafting resumed
