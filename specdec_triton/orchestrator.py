@@ -214,11 +214,12 @@ class Orchestrator:
         def record(items: list, seconds: float) -> None:
             if self.counters is not None:
                 self.counters.record_stage_call(stage, len(items), seconds)
+            if self.length_policy is None or tokens_of is None or not items:
+                return
             if stage == "propose" and any(r.seq_id in self._catching_up for r in items):
                 return  # a prefill of the draft, not what a step of k drafts costs
-            if self.length_policy is not None and tokens_of is not None and items:
-                tokens = max(map(tokens_of, items))
-                self.length_policy.record_call(stage, len(items), tokens, seconds, self.num_active_sequences)
+            tokens = max(map(tokens_of, items))
+            self.length_policy.record_call(stage, len(items), tokens, seconds, self.num_active_sequences)
 
         return record
 
