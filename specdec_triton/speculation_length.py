@@ -5,8 +5,8 @@ With ``speculative_length_policy: adaptive`` each step drafts the ``k`` in
 decoding round (every live sequence one step), for the ``n`` sequences live now:
 
     k* = argmax_k  E[tokens | k, alpha] / round(n, k)
-    round(n, 0) = O + r_v V(n, 1) + c
-    round(n, k) = O + g(n) (r_v V(n / g(n), k + 1) + r_p P(n / g(n), k) + 2 c)
+    round(n, 0) = O + t_v(V(n, 1)) + c
+    round(n, k) = O + g(n) (t_v(V(n / g(n), k + 1)) + t_p(P(n / g(n), k)) + 2 c)
 
 - ``E[tokens | k, alpha] = 1 + alpha + ... + alpha^k``: accepted drafts plus the
   recovered or bonus token, with ``alpha`` the per-position acceptance rate;
@@ -14,11 +14,17 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   and a propose call drafting ``k`` each, as the models measured themselves, alone
   (:mod:`specdec.call_costs`);
 - ``c``: a BLS round trip, timed once on calls that do no work;
-- ``r_v`` and ``r_p``: how much longer the models' work takes here and now than
-  measured alone (queueing, the cores shared with the other models under load),
-  moving averages of (observed - c) over measured, one per number of live sequences
-  (an unseen one takes the closest seen), so what the load taught does not linger when
-  it falls;
+- ``t_v(x)`` and ``t_p(x) = f + r x``: what a call whose work measured ``x`` alone takes
+  here and now, less ``c``. ``r`` is how much slower the work runs (queueing, the cores
+  shared with the other models under load); ``f`` is what a real call pays besides its
+  work and the bare round trip (its tensors in and out, the model's own bookkeeping),
+  the same for one draft or four. A line fitted over recent calls (moving averages),
+  one per stage and number of live sequences (an unseen one takes the closest seen), so
+  what the load taught does not linger when it falls. ``f`` can only be told from ``r``
+  while calls of different sizes come in (the first steps draft the maximum, probes
+  draft one, the groups differ in size); in between, the last ``f`` found is kept and
+  ``r`` follows the calls. Without ``f``, a ratio learned at ``k = 2`` charges a
+  ``k = 4`` call its fixed part twice, and deep drafts look dearer than they are;
 - ``g(n)``: the groups that ``n`` drafting sequences split into. A plain decoding step
   goes from verify straight back to verify, so every sequence shares each forward; a
   drafting sequence alternates between the draft and the target, and under load the
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from specdec.call_costs import CallCosts
 
@@ -51,6 +58,11 @@ SMOOTHING = 0.05  # weight of the newest observation in the moving averages
 PROBE_INTERVAL_S = 5.0
 LOG_INTERVAL_S = 10.0  # a load's changed choice is logged at most this often
 REUSE_CHOICE = 8  # a choice is worked out again after this many steps at the same load and maximum
+MIN_SPREAD = 0.1  # relative spread of call sizes needed to tell a call's fixed part from its work
+MIN_SLOWDOWN = 0.5  # the work runs at most this much faster than measured alone; a flatter fit is noise
+MIN_FIT = 0.9  # R^2 of the calls about the fitted line; below it the calls' speed is changing, not their size
+
+Estimate = TypeVar("Estimate")
 
 
 class MovingAverage:
@@ -67,22 +79,61 @@ class MovingAverage:
             self.value, self._observed = observation, True
 
 
-class ByLoad:
-    """One moving average per number of live sequences."""
+class CallTime:
+    """``t(x) = f + r x``: a stage call's observed time (less the round trip) against its work measured alone.
 
-    def __init__(self, initial: float, nearest: bool):
-        self.initial = initial
-        self.nearest = nearest  # an unseen load takes the value of the closest one seen
-        self._by_load: dict[int, MovingAverage] = {}
+    A least-squares line over moving averages of the calls, through their mean, so the
+    call sizes in use are predicted as observed whatever the fit. ``f`` is fitted only
+    while the measured sizes spread by at least ``MIN_SPREAD`` of their mean, lie on a
+    line (``R^2 >= MIN_FIT``: not while calls of one size change speed) and give a
+    slope of at least ``MIN_SLOWDOWN``; otherwise the last fitted ``f`` stays (0 at
+    first) and ``r`` follows.
+    """
 
-    def update(self, num_live: int, observation: float) -> None:
-        self._by_load.setdefault(num_live, MovingAverage(self.initial)).update(observation)
+    def __init__(self):
+        self.slowdown = 1.0  # r
+        self.fixed_s = 0.0  # f
+        # moving averages of measured x, observed y and their products
+        self._x, self._y, self._xx, self._xy, self._yy = (MovingAverage(0.0) for _ in range(5))
 
-    def value(self, num_live: int) -> float:
-        average = self._by_load.get(num_live)
-        if average is None and self.nearest and self._by_load:
-            average = self._by_load[min(self._by_load, key=lambda seen: (abs(seen - num_live), seen))]
-        return average.value if average is not None else self.initial
+    def update(self, measured_s: float, observed_s: float) -> None:
+        x, y = measured_s, observed_s
+        for average, value in zip((self._x, self._y, self._xx, self._xy, self._yy), (x, y, x * x, x * y, y * y)):
+            average.update(value)
+        x, y = self._x.value, self._y.value
+        var_x, var_y = self._xx.value - x * x, self._yy.value - y * y
+        covariance = self._xy.value - x * y
+        if var_x > (MIN_SPREAD * x) ** 2 and covariance**2 >= MIN_FIT * var_x * var_y:
+            slope = covariance / var_x
+            if slope >= MIN_SLOWDOWN:
+                self.fixed_s = max(0.0, y - slope * x)
+        self.fixed_s = min(self.fixed_s, max(0.0, y - MIN_SLOWDOWN * x))  # keeps r >= MIN_SLOWDOWN where it can
+        self.slowdown = (y - self.fixed_s) / x if x > 0 else 1.0
+
+    def seconds(self, measured_s: float) -> float:
+        return self.fixed_s + self.slowdown * measured_s
+
+    def describe(self) -> str:
+        return f"{self.slowdown:.2f} x measured + {1e3 * self.fixed_s:.2f} ms"
+
+
+class ByLoad(Generic[Estimate]):
+    """One estimate per number of live sequences."""
+
+    def __init__(self, make: Callable[[], Estimate], nearest: bool):
+        self._make = make
+        self.nearest = nearest  # an unseen load takes the estimate of the closest one seen
+        self._by_load: dict[int, Estimate] = {}
+
+    def update(self, num_live: int, *observation: float) -> None:
+        self._by_load.setdefault(num_live, self._make()).update(*observation)
+
+    def at(self, num_live: int) -> Estimate:
+        """The estimate for ``num_live`` live sequences; a fresh one where none applies."""
+        estimate = self._by_load.get(num_live)
+        if estimate is None and self.nearest and self._by_load:
+            estimate = self._by_load[min(self._by_load, key=lambda seen: (abs(seen - num_live), seen))]
+        return estimate if estimate is not None else self._make()
 
 
 class AdaptiveSpeculationLength:
@@ -98,10 +149,10 @@ class AdaptiveSpeculationLength:
         self.call_overhead_s = call_overhead_s  # c
         self._accepted = 0.0  # decayed count of accepted draft positions
         self._positions = 0.0  # decayed count of draft positions the target judged
-        # r_v, r_p by load: a call's observed time over its time measured alone
-        self.slowdown = {"verify": ByLoad(1.0, nearest=True), "propose": ByLoad(1.0, nearest=True)}
-        self.step_overhead_s = ByLoad(0.0, nearest=True)  # O
-        self._groups = ByLoad(1.0, nearest=False)  # g(n), for the live counts n seen while drafting
+        # t_v, t_p by load: a call's observed time against its time measured alone
+        self.call_times = {"verify": ByLoad(CallTime, nearest=True), "propose": ByLoad(CallTime, nearest=True)}
+        self.step_overhead_s = ByLoad(lambda: MovingAverage(0.0), nearest=True)  # O
+        self._groups = ByLoad(lambda: MovingAverage(1.0), nearest=False)  # g(n), for the n seen while drafting
         self._drafting = True  # whether the last choice other than a probe was k > 0
         self._last_drafted = time.monotonic()  # when a step last drafted (or the policy started)
         self._log = log
@@ -117,7 +168,7 @@ class AdaptiveSpeculationLength:
 
     def groups(self, num_sequences: int) -> float:
         """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes."""
-        return self._groups.value(num_sequences)
+        return self._groups.at(num_sequences).value
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         """A step's outcome. Drafts past the first rejection were never judged, so they do not count."""
@@ -142,7 +193,7 @@ class AdaptiveSpeculationLength:
             return
         measured = costs(num_sequences, tokens_per_sequence)
         if measured > 0:
-            self.slowdown[stage].update(num_live, max(0.0, seconds - self.call_overhead_s) / measured)
+            self.call_times[stage].update(num_live, measured, max(0.0, seconds - self.call_overhead_s))
         if stage == "verify" and tokens_per_sequence > 1 and self._drafting and num_live >= num_sequences:
             self._groups.update(num_live, num_live / num_sequences)
 
@@ -153,14 +204,15 @@ class AdaptiveSpeculationLength:
     def round_seconds(self, num_sequences: int, k: int) -> float:
         """Expected seconds of one step of each of ``num_sequences`` sequences drafting ``k``."""
         n = num_sequences
-        r_v, r_p = self.slowdown["verify"].value(n), self.slowdown["propose"].value(n)
-        overhead = self.step_overhead_s.value(n)
+        t_v, t_p = self.call_times["verify"].at(n), self.call_times["propose"].at(n)
+        overhead = self.step_overhead_s.at(n).value
         c = self.call_overhead_s
         if k == 0:
-            return overhead + r_v * self.verify_costs(num_sequences, 1) + c
-        g = self.groups(num_sequences)
-        per_call = num_sequences / g
-        return overhead + g * (r_v * self.verify_costs(per_call, k + 1) + r_p * self.propose_costs(per_call, k) + 2 * c)
+            return overhead + t_v.seconds(self.verify_costs(n, 1)) + c
+        g = self.groups(n)
+        per_call = n / g
+        verify, propose = t_v.seconds(self.verify_costs(per_call, k + 1)), t_p.seconds(self.propose_costs(per_call, k))
+        return overhead + g * (verify + propose + 2 * c)
 
     def choose(self, num_sequences: int, max_k: int) -> int:
         """The number of drafts for the next step of one of ``num_sequences`` sequences stepping together.
@@ -209,10 +261,11 @@ class AdaptiveSpeculationLength:
             return
         self._logged[num_sequences] = (k, now)
         n = num_sequences
+        verify, propose = self.call_times["verify"].at(n), self.call_times["propose"].at(n)
         self._log(
             f"adaptive speculation length: {n} live -> k = {k}; acceptance {alpha:.2f}, expected tokens/s per "
-            f"sequence for k = 0..{len(rates) - 1}: {' '.join(f'{r:.0f}' for r in rates)}; slowdown verify "
-            f"{self.slowdown['verify'].value(n):.2f} propose {self.slowdown['propose'].value(n):.2f}, groups "
-            f"{self.groups(n):.2f}, step overhead {1e3 * self.step_overhead_s.value(n):.2f} ms, BLS round trip "
+            f"sequence for k = 0..{len(rates) - 1}: {' '.join(f'{r:.0f}' for r in rates)}; verify call "
+            f"{verify.describe()}, propose call {propose.describe()}, groups {self.groups(n):.2f}, step overhead "
+            f"{1e3 * self.step_overhead_s.at(n).value:.2f} ms, BLS round trip "
             f"{1e3 * self.call_overhead_s:.2f} ms"
         )
