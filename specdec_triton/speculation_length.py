@@ -18,13 +18,12 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   here and now, less ``c``. ``r`` is how much slower the work runs (queueing, the cores
   shared with the other models under load); ``f`` is what a real call pays besides its
   work and the bare round trip (its tensors in and out, the model's own bookkeeping),
-  the same for one draft or four. A line fitted over recent calls (moving averages),
-  one per stage and number of live sequences (an unseen one takes the closest seen), so
-  what the load taught does not linger when it falls. ``f`` can only be told from ``r``
-  while calls of different sizes come in (the first steps draft the maximum, probes
-  draft one, the groups differ in size); in between, the last ``f`` found is kept and
-  ``r`` follows the calls. Without ``f``, a ratio learned at ``k = 2`` charges a
-  ``k = 4`` call its fixed part twice, and deep drafts look dearer than they are;
+  the same for one draft or four. One line per stage and number of live sequences (an
+  unseen one takes the closest seen), so what the load taught does not linger when it
+  falls: through the average observed time of the call shape used last, with the slope
+  fitted over the averages of every shape seen (:class:`CallTime`). Without ``f``, a
+  ratio learned at ``k = 2`` charges a ``k = 4`` call its fixed part twice, and deep
+  drafts look dearer than they are;
 - ``g(n)``: the groups that ``n`` drafting sequences split into. A plain decoding step
   goes from verify straight back to verify, so every sequence shares each forward; a
   drafting sequence alternates between the draft and the target, and under load the
@@ -58,9 +57,8 @@ SMOOTHING = 0.05  # weight of the newest observation in the moving averages
 PROBE_INTERVAL_S = 5.0
 LOG_INTERVAL_S = 10.0  # a load's changed choice is logged at most this often
 REUSE_CHOICE = 8  # a choice is worked out again after this many steps at the same load and maximum
-MIN_SPREAD = 0.1  # relative spread of call sizes needed to tell a call's fixed part from its work
+MIN_SPREAD = 0.1  # relative spread of call costs needed to tell a call's fixed part from its work
 MIN_SLOWDOWN = 0.5  # the work runs at most this much faster than measured alone; a flatter fit is noise
-MIN_FIT = 0.9  # R^2 of the calls about the fitted line; below it the calls' speed is changing, not their size
 
 Estimate = TypeVar("Estimate")
 
@@ -80,35 +78,44 @@ class MovingAverage:
 
 
 class CallTime:
-    """``t(x) = f + r x``: a stage call's observed time (less the round trip) against its work measured alone.
+    """``t(x) = f + r x``: a stage call's observed time (less the round trip) for work measured at ``x`` alone.
 
-    A least-squares line over moving averages of the calls, through their mean, so the
-    call sizes in use are predicted as observed whatever the fit. ``f`` is fitted only
-    while the measured sizes spread by at least ``MIN_SPREAD`` of their mean, lie on a
-    line (``R^2 >= MIN_FIT``: not while calls of one size change speed) and give a
-    slope of at least ``MIN_SLOWDOWN``; otherwise the last fitted ``f`` stays (0 at
-    first) and ``r`` follows.
+    Observed times are averaged per call shape (sequences, tokens each; moving
+    averages), which takes the noise of single calls out. The line goes through the
+    shape called last, so the calls in use are predicted as observed; its slope ``r``
+    is a least-squares fit over the averages of every shape seen, kept between
+    ``MIN_SLOWDOWN`` and the last shape's own ratio (so ``f`` is never negative). With
+    one shape seen, or shapes whose measured costs differ by less than ``MIN_SPREAD``,
+    ``r`` is that ratio and ``f`` is 0. So a change of speed at the shape in use moves
+    the level at once, while the slope, how much a deeper draft adds, comes from
+    every depth the sequences have drafted.
     """
 
     def __init__(self):
+        self._shapes: dict[tuple[int, int], tuple[float, MovingAverage]] = {}  # shape -> (measured, observed)
+        self._last: tuple[float, float] | None = None  # the last call's shape: (measured, observed average)
         self.slowdown = 1.0  # r
         self.fixed_s = 0.0  # f
-        # moving averages of measured x, observed y and their products
-        self._x, self._y, self._xx, self._xy, self._yy = (MovingAverage(0.0) for _ in range(5))
 
-    def update(self, measured_s: float, observed_s: float) -> None:
-        x, y = measured_s, observed_s
-        for average, value in zip((self._x, self._y, self._xx, self._xy, self._yy), (x, y, x * x, x * y, y * y)):
-            average.update(value)
-        x, y = self._x.value, self._y.value
-        var_x, var_y = self._xx.value - x * x, self._yy.value - y * y
-        covariance = self._xy.value - x * y
-        if var_x > (MIN_SPREAD * x) ** 2 and covariance**2 >= MIN_FIT * var_x * var_y:
-            slope = covariance / var_x
-            if slope >= MIN_SLOWDOWN:
-                self.fixed_s = max(0.0, y - slope * x)
-        self.fixed_s = min(self.fixed_s, max(0.0, y - MIN_SLOWDOWN * x))  # keeps r >= MIN_SLOWDOWN where it can
-        self.slowdown = (y - self.fixed_s) / x if x > 0 else 1.0
+    def update(self, shape: tuple[int, int], measured_s: float, observed_s: float) -> None:
+        measured_s, average = self._shapes.setdefault(shape, (measured_s, MovingAverage(0.0)))
+        average.update(observed_s)
+        x0, y0 = self._last = (measured_s, average.value)
+        if x0 <= 0:
+            return
+        ratio, slope = y0 / x0, self._slope()
+        self.slowdown = ratio if slope is None else min(max(slope, MIN_SLOWDOWN), ratio)
+        self.fixed_s = y0 - self.slowdown * x0
+
+    def _slope(self) -> float | None:
+        """The least-squares slope over the shapes' averages; None while they are too alike to give one."""
+        points = [(x, average.value) for x, average in self._shapes.values()]
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        variance = sum((x - mean_x) ** 2 for x, _ in points) / len(points)
+        if len(points) < 2 or variance <= (MIN_SPREAD * mean_x) ** 2:
+            return None
+        return sum((x - mean_x) * (y - mean_y) for x, y in points) / len(points) / variance
 
     def seconds(self, measured_s: float) -> float:
         return self.fixed_s + self.slowdown * measured_s
@@ -125,7 +132,7 @@ class ByLoad(Generic[Estimate]):
         self.nearest = nearest  # an unseen load takes the estimate of the closest one seen
         self._by_load: dict[int, Estimate] = {}
 
-    def update(self, num_live: int, *observation: float) -> None:
+    def update(self, num_live: int, *observation) -> None:
         self._by_load.setdefault(num_live, self._make()).update(*observation)
 
     def at(self, num_live: int) -> Estimate:
@@ -193,7 +200,8 @@ class AdaptiveSpeculationLength:
             return
         measured = costs(num_sequences, tokens_per_sequence)
         if measured > 0:
-            self.call_times[stage].update(num_live, measured, max(0.0, seconds - self.call_overhead_s))
+            observed = max(0.0, seconds - self.call_overhead_s)
+            self.call_times[stage].update(num_live, (num_sequences, tokens_per_sequence), measured, observed)
         if stage == "verify" and tokens_per_sequence > 1 and self._drafting and num_live >= num_sequences:
             self._groups.update(num_live, num_live / num_sequences)
 
