@@ -93,29 +93,37 @@ class CallTime:
 
     def __init__(self):
         self._shapes: dict[tuple[int, int], tuple[float, MovingAverage]] = {}  # shape -> (measured, observed)
-        self._last: tuple[float, float] | None = None  # the last call's shape: (measured, observed average)
+        # over the shapes: count, sums of measured x, observed average y, x^2 and x y (kept as they change)
+        self._count, self._sum_x, self._sum_y, self._sum_xx, self._sum_xy = 0, 0.0, 0.0, 0.0, 0.0
         self.slowdown = 1.0  # r
         self.fixed_s = 0.0  # f
 
     def update(self, shape: tuple[int, int], measured_s: float, observed_s: float) -> None:
-        measured_s, average = self._shapes.setdefault(shape, (measured_s, MovingAverage(0.0)))
+        if shape not in self._shapes:
+            self._shapes[shape] = (measured_s, MovingAverage(0.0))
+            self._count += 1
+            self._sum_x += measured_s
+            self._sum_xx += measured_s**2
+        x, average = self._shapes[shape]
+        before = average.value
         average.update(observed_s)
-        x0, y0 = self._last = (measured_s, average.value)
-        if x0 <= 0:
+        self._sum_y += average.value - before
+        self._sum_xy += x * (average.value - before)
+        if x <= 0:
             return
-        ratio, slope = y0 / x0, self._slope()
+        ratio, slope = average.value / x, self._slope()
         self.slowdown = ratio if slope is None else min(max(slope, MIN_SLOWDOWN), ratio)
-        self.fixed_s = y0 - self.slowdown * x0
+        self.fixed_s = average.value - self.slowdown * x
 
     def _slope(self) -> float | None:
         """The least-squares slope over the shapes' averages; None while they are too alike to give one."""
-        points = [(x, average.value) for x, average in self._shapes.values()]
-        mean_x = sum(x for x, _ in points) / len(points)
-        mean_y = sum(y for _, y in points) / len(points)
-        variance = sum((x - mean_x) ** 2 for x, _ in points) / len(points)
-        if len(points) < 2 or variance <= (MIN_SPREAD * mean_x) ** 2:
+        if self._count < 2:
             return None
-        return sum((x - mean_x) * (y - mean_y) for x, y in points) / len(points) / variance
+        mean_x, mean_y = self._sum_x / self._count, self._sum_y / self._count
+        variance = self._sum_xx / self._count - mean_x**2
+        if variance <= (MIN_SPREAD * mean_x) ** 2:
+            return None
+        return (self._sum_xy / self._count - mean_x * mean_y) / variance
 
     def seconds(self, measured_s: float) -> float:
         return self.fixed_s + self.slowdown * measured_s

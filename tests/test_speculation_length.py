@@ -1,6 +1,8 @@
 """specdec_triton.speculation_length: the draft count that earns the most tokens per second."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specdec.call_costs import CallCosts
@@ -246,3 +248,20 @@ def test_a_fixed_part_per_call_does_not_make_deep_drafts_look_dear():
     assert ratio_only.choose(1, 4) == 2 and fitted.choose(1, 4) >= 3
     for policy in policies:
         assert policy.choose(1, 4) == best_k_by_enumeration(policy, 1, 4, policy.acceptance_rate)
+
+
+def test_the_slope_is_the_least_squares_fit_over_the_shapes_averages():
+    """Kept incrementally as the averages move; checked against a direct fit (r unclamped: between the bounds)."""
+    rng = random.Random(0)
+    fit = speculation_length.CallTime()
+    shapes = {(m, s): (m * s * MS, 0.0) for m in (1, 2, 4) for s in (1, 3, 5)}
+    for _ in range(2000):
+        shape = rng.choice(list(shapes))
+        measured, _ = shapes[shape]
+        fit.update(shape, measured, 2 * MS + 1.5 * measured + rng.uniform(-0.5, 0.5) * MS)
+    points = [(x, average.value) for x, average in fit._shapes.values()]
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    assert fit.slowdown == pytest.approx(slope, rel=1e-9)
+    assert slope == pytest.approx(1.5, rel=0.1)
