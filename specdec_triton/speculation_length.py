@@ -57,6 +57,9 @@ SMOOTHING = 0.05  # weight of the newest observation in the moving averages
 PROBE_INTERVAL_S = 5.0
 LOG_INTERVAL_S = 10.0  # a load's changed choice is logged at most this often
 REUSE_CHOICE = 8  # a choice is worked out again after this many steps at the same load and maximum
+# verify calls with drafts seen at a load before its g(n) is trusted; until then 1, so the policy drafts
+# there and finds out, rather than keeping what the first calls of a ramp showed (one sequence alone)
+MIN_GROUP_CALLS = 16
 MIN_SPREAD = 0.1  # relative spread of call costs needed to tell a call's fixed part from its work
 MIN_SLOWDOWN = 0.5  # the work runs at most this much faster than measured alone; a flatter fit is noise
 
@@ -64,17 +67,19 @@ Estimate = TypeVar("Estimate")
 
 
 class MovingAverage:
-    """Exponentially weighted; the first observation replaces the initial value."""
+    """The mean of the observations so far, then, after ``1 / SMOOTHING`` of them, exponentially weighted.
+
+    So the first observations, often from a ramp (sequences arriving one by one), weigh
+    no more than those after them; until the first one, the initial value.
+    """
 
     def __init__(self, initial: float):
         self.value = initial
-        self._observed = False
+        self.count = 0  # observations so far
 
     def update(self, observation: float) -> None:
-        if self._observed:
-            self.value += SMOOTHING * (observation - self.value)
-        else:
-            self.value, self._observed = observation, True
+        self.count += 1
+        self.value += max(SMOOTHING, 1.0 / self.count) * (observation - self.value)
 
 
 class CallTime:
@@ -183,7 +188,8 @@ class AdaptiveSpeculationLength:
 
     def groups(self, num_sequences: int) -> float:
         """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes."""
-        return self._groups.at(num_sequences).value
+        groups = self._groups.at(num_sequences)
+        return groups.value if groups.count >= MIN_GROUP_CALLS else 1.0
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         """A step's outcome. Drafts past the first rejection were never judged, so they do not count."""

@@ -103,14 +103,27 @@ def test_observed_slowdowns_and_step_overhead_enter_the_round_time():
         assert policy.choose(n, 8) == best_k_by_enumeration(policy, n, 8, policy.acceptance_rate)
 
 
-def test_calls_outside_the_grid_are_skipped_and_the_first_observation_replaces_the_default():
+def test_calls_outside_the_grid_are_skipped_and_the_first_observations_are_averaged_alike():
     policy = AdaptiveSpeculationLength(grid(2, 0.5), grid(0.5, 0.2))
     policy.record_call("verify", 1, 100, 1.0, num_live=1)  # a prefill: far beyond the measured rows, skipped
     assert policy.call_times["verify"].at(1).slowdown == 1.0
     policy.record_call("verify", 2, 3, 3 * policy.verify_costs(2, 3), num_live=2)
     assert policy.call_times["verify"].at(2).slowdown == pytest.approx(3.0)
     policy.record_call("verify", 2, 3, policy.verify_costs(2, 3), num_live=2)
-    assert policy.call_times["verify"].at(2).slowdown == pytest.approx(3.0 - 2.0 * speculation_length.SMOOTHING)
+    assert policy.call_times["verify"].at(2).slowdown == pytest.approx(2.0)  # the mean of 3 and 1
+
+
+def test_a_moving_average_is_the_mean_at_first_then_weights_the_newest_by_the_smoothing():
+    average = speculation_length.MovingAverage(7.0)
+    assert average.value == 7.0
+    for observation in (1.0, 2.0, 3.0):
+        average.update(observation)
+    assert average.value == pytest.approx(2.0)
+    for _ in range(1000):
+        average.update(10.0)
+    before = average.value
+    average.update(0.0)
+    assert average.value == pytest.approx(before * (1 - speculation_length.SMOOTHING))
 
 
 def test_the_round_trip_is_taken_out_of_the_slowdown_and_paid_once_per_call():
@@ -149,6 +162,20 @@ def test_sequences_that_split_into_groups_while_drafting_stop_drafting_under_loa
     assert policy.choose(8, 4) == 0  # back at 8 live: not drafting
     policy.record_call("verify", 1, 2, policy.verify_costs(1, 2), num_live=8)  # a probe's call
     assert policy.groups(8) == pytest.approx(2.0)  # tells nothing of how drafting sequences group
+
+
+def test_the_groups_of_a_load_are_trusted_only_after_enough_calls():
+    """A ramp's first calls carry one sequence each; judged on them, drafting at that load would never be tried."""
+    policy = policy_with_acceptance(0.6, verify=grid(10, 0.5), propose=grid(0.5, 0.1))
+    for _ in range(speculation_length.MIN_GROUP_CALLS - 1):
+        policy.record_call("verify", 1, 3, policy.verify_costs(1, 3), num_live=8)
+    assert policy.groups(8) == 1.0 and policy.choose(8, 4) > 0
+    for _ in range(speculation_length.MIN_GROUP_CALLS):
+        policy.record_call("verify", 8, 3, policy.verify_costs(8, 3), num_live=8)  # then all of them together
+    assert 1.0 < policy.groups(8) < 8.0
+    for _ in range(200):
+        policy.record_call("verify", 8, 3, policy.verify_costs(8, 3), num_live=8)
+    assert policy.groups(8) == pytest.approx(1.0, abs=0.01)
 
 
 def test_while_nothing_pays_one_step_drafts_after_an_interval_without_drafts(monkeypatch):
