@@ -28,7 +28,7 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   goes from verify straight back to verify, so every sequence shares each forward; a
   drafting sequence alternates between the draft and the target, and under load the
   sequences settle into groups that take turns, each call carrying ``n / g`` of them.
-  Observed while drafting (1 until then);
+  Observed while drafting (1 until ``MIN_GROUP_CALLS`` such calls at that load);
 - ``O``: a step's own time outside its stage calls, from the end of the sequence's
   previous step (so the work between steps counts too), also per number of live
   sequences.
