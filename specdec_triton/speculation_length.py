@@ -104,6 +104,7 @@ class CallTime:
         self.fixed_s = 0.0  # f
 
     def update(self, shape: tuple[int, int], measured_s: float, observed_s: float) -> None:
+        """A call of ``shape`` whose work measured ``measured_s`` (> 0) alone took ``observed_s`` here."""
         if shape not in self._shapes:
             self._shapes[shape] = (measured_s, MovingAverage(0.0))
             self._count += 1
@@ -114,8 +115,6 @@ class CallTime:
         average.update(observed_s)
         self._sum_y += average.value - before
         self._sum_xy += x * (average.value - before)
-        if x <= 0:
-            return
         ratio, slope = average.value / x, self._slope()
         self.slowdown = ratio if slope is None else min(max(slope, MIN_SLOWDOWN), ratio)
         self.fixed_s = average.value - self.slowdown * x
