@@ -204,22 +204,23 @@ class Orchestrator:
         if new_text:
             send(self._outputs(state, new_text), False)
 
-    def _timed(self, stage: str, tokens_of: Callable | None = None) -> Callable[[list, float], None]:
+    def _timed(self, stage: str, tokens_of: Callable | None = None) -> Callable[[list, float, bool], None]:
         """What a stage's batcher reports after each call: into the stage counters and the length policy.
 
         ``tokens_of(item)``: the tokens one sequence asks of a propose or verify call (its
         drafts, its rows), which with the call's size gives the shape the policy looks up.
+        A failed call counts as a call, but tells the policy nothing of what a call costs.
         """
 
-        def record(items: list, seconds: float) -> None:
+        def record(items: list, seconds: float, succeeded: bool) -> None:
             if self.counters is not None:
                 self.counters.record_stage_call(stage, len(items), seconds)
-            if self.length_policy is None or tokens_of is None or not items:
+            if self.length_policy is None or tokens_of is None or not items or not succeeded:
                 return
             if stage == "propose" and any(r.seq_id in self._catching_up for r in items):
                 return  # a prefill of the draft, not what a step of k drafts costs
             tokens = max(map(tokens_of, items))
-            self.length_policy.record_call(stage, len(items), tokens, seconds, self.num_active_sequences)
+            self.length_policy.record_call(stage, len(items), tokens, seconds, self._policy_load())
 
         return record
 
@@ -283,7 +284,7 @@ class Orchestrator:
         if self.length_policy is not None:
             self.length_policy.record_step(len(proposal.token_ids), result.num_accepted)
             cycle = time.monotonic() - previous_step_ended
-            self.length_policy.record_step_overhead(cycle - awaited, self.num_active_sequences)
+            self.length_policy.record_step_overhead(cycle - awaited, self._policy_load())
 
     def _max_drafts(self, state: SequenceState) -> int | None:
         """The most drafts this step may ask for: 0 under ``disable_by_batch_size``, the length policy's choice."""
@@ -291,8 +292,12 @@ class Orchestrator:
             return 0
         if self.length_policy is None or state.num_draft_tokens() == 0:
             return None
+        return self.length_policy.choose(self._policy_load(), state.num_draft_tokens())
+
+    def _policy_load(self) -> int:
+        """The load the length policy chooses at and learns at: the live sequences, at most one call's share."""
         per_call = self.verifications.max_batch_size or self.num_active_sequences
-        return self.length_policy.choose(min(self.num_active_sequences, per_call), state.num_draft_tokens())
+        return min(self.num_active_sequences, per_call)
 
     def _speculating(self) -> bool:
         """Whether steps draft now: not while more sequences are live than ``disable_by_batch_size``.

@@ -28,7 +28,8 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   goes from verify straight back to verify, so every sequence shares each forward; a
   drafting sequence alternates between the draft and the target, and under load the
   sequences settle into groups that take turns, each call carrying ``n / g`` of them.
-  Observed while drafting (1 until ``MIN_GROUP_CALLS`` such calls at that load);
+  Observed while the choice at that load is to draft (1 until ``MIN_GROUP_CALLS`` such
+  calls at that load);
 - ``O``: a step's own time outside its stage calls, from the end of the sequence's
   previous step (so the work between steps counts too), also per number of live
   sequences.
@@ -172,7 +173,7 @@ class AdaptiveSpeculationLength:
         self.call_times = {"verify": ByLoad(CallTime, nearest=True), "propose": ByLoad(CallTime, nearest=True)}
         self.step_overhead_s = ByLoad(lambda: MovingAverage(0.0), nearest=True)  # O
         self._groups = ByLoad(lambda: MovingAverage(1.0), nearest=False)  # g(n), for the n seen while drafting
-        self._drafting = True  # whether the last choice other than a probe was k > 0
+        self._drafting: dict[int, bool] = {}  # load -> whether its last choice other than a probe was k > 0
         self._last_drafted = time.monotonic()  # when a step last drafted (or the policy started)
         self._log = log
         self._logged: dict[int, tuple[int, float]] = {}  # live count -> (choice, when) last logged
@@ -206,7 +207,8 @@ class AdaptiveSpeculationLength:
 
         Calls of shapes outside the measured grid are skipped: prefills (whole prompts)
         would only test the extrapolation. A verify call that scores drafts while the
-        policy drafts tells how many groups the live sequences formed.
+        policy drafts at that load tells how many groups the live sequences formed (not a
+        probe's, nor one made while that load's last choice was not to draft).
         """
         costs = self.verify_costs if stage == "verify" else self.propose_costs
         if num_sequences < 1 or tokens_per_sequence > costs.tokens[-1]:
@@ -215,7 +217,8 @@ class AdaptiveSpeculationLength:
         if measured > 0:
             observed = max(0.0, seconds - self.call_overhead_s)
             self.call_times[stage].update(num_live, (num_sequences, tokens_per_sequence), measured, observed)
-        if stage == "verify" and tokens_per_sequence > 1 and self._drafting and num_live >= num_sequences:
+        drafting = self._drafting.get(num_live, True)  # until a choice there, the steps draft the maximum
+        if stage == "verify" and tokens_per_sequence > 1 and drafting and num_live >= num_sequences:
             self._groups.update(num_live, num_live / num_sequences)
 
     def record_step_overhead(self, seconds: float, num_live: int) -> None:
@@ -251,7 +254,7 @@ class AdaptiveSpeculationLength:
         else:
             best_k = self._best(num_sequences, max_k, alpha)
             self._recent[(num_sequences, max_k)] = (best_k, REUSE_CHOICE - 1)
-        self._drafting = best_k > 0
+        self._drafting[num_sequences] = best_k > 0
         if best_k > 0:
             return best_k
         now = time.monotonic()

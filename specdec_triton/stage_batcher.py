@@ -48,7 +48,8 @@ class StageBatcher(Generic[Item, Result]):
         self,
         call: BatchCall,
         max_batch_size: int | None = None,
-        on_call: Callable[[list[Item], float], None] | None = None,  # (items, seconds) after every call, failed too
+        # (items, seconds, succeeded) after every call, failed ones too
+        on_call: Callable[[list[Item], float, bool], None] | None = None,
     ):
         self._call = call
         self.max_batch_size = max_batch_size  # None: every queued item goes in the next call
@@ -111,15 +112,16 @@ class StageBatcher(Generic[Item, Result]):
             self._schedule()
 
     async def _checked_call(self, items: list[Item]) -> list[Result]:
-        started = time.monotonic()
+        started, succeeded = time.monotonic(), False
         try:
             results = list(await self._call(items))
+            if len(results) != len(items):
+                raise RuntimeError(f"a batched call returned {len(results)} results for {len(items)} items")
+            succeeded = True
+            return results
         finally:
             if self._on_call is not None:
-                self._on_call(items, time.monotonic() - started)
-        if len(results) != len(items):
-            raise RuntimeError(f"a batched call returned {len(results)} results for {len(items)} items")
-        return results
+                self._on_call(items, time.monotonic() - started, succeeded)
 
     async def _one_by_one(self, items: list[Item]) -> list:
         outcomes = []

@@ -23,6 +23,7 @@ from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.orchestrator import Limits, Orchestrator, Tokenized
 from specdec_triton.plumbing import RequestCancelled, RequestError
 from specdec_triton.request import GenerateRequest
+from specdec_triton.speculation_length import AdaptiveSpeculationLength
 from specdec_triton.text import TextCodec
 
 K = 3
@@ -358,6 +359,31 @@ def test_adaptive_length_drafts_less_under_load(codec, models):
     assert all(live < len(PROMPTS) for live, _ in asked)  # no drafts while all four were live
 
 
+def test_with_micro_batches_the_length_policy_learns_at_the_load_it_chooses_at(codec, models, monkeypatch):
+    """Four live in calls of at most two: choices and what the calls taught are both at load 2, not 4."""
+    orchestrator, stages = make_orchestrator(codec, models, micro_batches=2)
+    orchestrator.config = dataclasses.replace(orchestrator.config, length_policy="adaptive")
+    stages.call_costs = (
+        measure_verify_costs(stages.verifier, 2, stages.verifier.vocab_size),
+        measure_propose_costs(stages.proposer, 2, stages.verifier.vocab_size),
+    )
+    chosen_at, taught_at = set(), set()
+    choose, record_call = AdaptiveSpeculationLength.choose, AdaptiveSpeculationLength.record_call
+
+    def spy_choose(self, num_sequences, max_k):
+        chosen_at.add(num_sequences)
+        return choose(self, num_sequences, max_k)
+
+    def spy_record_call(self, stage, num_sequences, tokens, seconds, num_live):
+        taught_at.add(num_live)
+        return record_call(self, stage, num_sequences, tokens, seconds, num_live)
+
+    monkeypatch.setattr(AdaptiveSpeculationLength, "choose", spy_choose)
+    monkeypatch.setattr(AdaptiveSpeculationLength, "record_call", spy_record_call)
+    run_together(orchestrator, PROMPTS)
+    assert max(chosen_at) == max(taught_at) == 2
+
+
 @pytest.mark.parametrize("sampler_method", ["probabilistic", "strict"])
 def test_greedy_steps_are_matched_without_the_sampler(codec, models, sampler_method):
     """Against a greedy target rejection sampling is a comparison of ids: no sampler round trip."""
@@ -399,6 +425,24 @@ def test_one_failing_sequence_does_not_fail_the_others(codec, models):
     assert first is None and text_of(got) == expected
     assert isinstance(second, RuntimeError) and "verifier failed" in str(second)
     assert len(stages.released) == 3 and orchestrator.num_active_sequences == 0
+
+
+def test_a_failed_stage_call_is_counted_but_teaches_the_length_policy_nothing(codec, models, monkeypatch):
+    orchestrator, stages = make_orchestrator(codec, models)
+    orchestrator.config = dataclasses.replace(orchestrator.config, length_policy="adaptive")
+    stages.call_costs = (
+        measure_verify_costs(stages.verifier, 1, stages.verifier.vocab_size),
+        measure_propose_costs(stages.proposer, 1, stages.verifier.vocab_size),
+    )
+    taught = []
+    monkeypatch.setattr(AdaptiveSpeculationLength, "record_call", lambda self, stage, *rest: taught.append(stage))
+    stages.fail_verify_after = 12
+    with pytest.raises(RuntimeError, match="verifier failed"):
+        run(orchestrator, request("the quick brown fox"))
+    num_verify_calls = sum(1 for stage, _ in stages.sent if stage == "verify")
+    assert num_verify_calls > 1 and taught.count("verify") == num_verify_calls - 1  # all but the failed one
+    calls = FakeFamily.metrics[("spec_decode_stage_calls", (("model", "sd"), ("stage", "verify")))].value
+    assert calls == num_verify_calls
 
 
 def test_no_more_sequences_than_the_stages_hold(codec, models):

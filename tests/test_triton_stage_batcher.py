@@ -81,16 +81,16 @@ def test_a_failed_batch_is_retried_per_item_so_only_the_bad_item_fails():
     assert stage.calls == [[1, 3, 5], [1], [3], [5]]
 
 
-def test_every_call_is_reported_with_its_size_and_time_failed_ones_too():
+def test_every_call_is_reported_with_its_size_time_and_outcome():
     stage, reports = Stage(fail_on=3), []
 
     async def main():
-        batcher = StageBatcher(stage, on_call=lambda items, seconds: reports.append((len(items), seconds)))
+        batcher = StageBatcher(stage, on_call=lambda items, seconds, ok: reports.append((len(items), seconds, ok)))
         return await asyncio.gather(*(batcher(i) for i in (1, 2, 3)), return_exceptions=True)
 
     asyncio.run(main())
-    assert [n for n, _ in reports] == [3, 1, 1, 1]  # the failed batch, then the retries one by one
-    assert all(seconds >= 0 for _, seconds in reports)
+    assert [(n, ok) for n, _, ok in reports] == [(3, False), (1, True), (1, True), (1, False)]  # then one by one
+    assert all(seconds >= 0 for _, seconds, _ in reports)
 
 
 def test_a_wrong_number_of_results_is_an_error():
