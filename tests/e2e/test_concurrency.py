@@ -8,6 +8,7 @@ import time
 import pytest
 import tritonclient.grpc as grpcclient
 from client.generate import generate_grpc, grpc_inputs
+from triton_server import REPO_ROOT, configured_parameter
 
 pytestmark = pytest.mark.server
 
@@ -76,6 +77,36 @@ def test_concurrent_streams_match_one_by_one_and_share_forwards(server_name, req
     steps, calls = steps_and_verify_calls(server)
     assert steps - steps_before > calls - calls_before > 0
     print(f"8 one by one: {one_by_one_s:.2f} s, 8 concurrent: {concurrent_s:.2f} s")
+    wait_until_idle(server)
+
+
+def test_more_streams_than_slots_wait_their_turn_and_decode_exactly(server, reference):
+    """Twice ``max_num_seqs`` streams at once: the later ones queue for a slot, none fails, every text is greedy."""
+    slots = int(configured_parameter(REPO_ROOT / "model_repository" / "target_verifier", "max_num_seqs"))
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(2 * slots)]
+    max_tokens = 16
+    params = {"stream": True, "max_tokens": max_tokens, "exclude_input_in_output": True}
+    texts: list[str | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    peak = {model: 0.0 for model in STATEFUL_MODELS}
+
+    def run(i: int) -> None:
+        try:
+            texts[i] = generate_grpc(server.grpc_url, "ensemble", prompts[i], params).text
+        except BaseException as err:  # noqa: BLE001 - reported below, with the stream it came from
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        for model, held in active_sequences(server).items():
+            peak[model] = max(peak[model], held)
+        time.sleep(0.02)
+    assert not errors, errors
+    failures = [f for f in (reference.greedy_mismatch(p, t, max_tokens) for p, t in zip(prompts, texts)) if f]
+    assert not failures, "\n".join(failures)
+    assert peak["speculative_decoding"] == slots and max(peak.values()) <= slots
     wait_until_idle(server)
 
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 import pytest
 from client.generate import generate_grpc, generate_http
 
-from specdec.detokenize import stable_text
-
 pytestmark = pytest.mark.server
 
-TIE_TOLERANCE = 1e-4  # top-2 logit gap below which either token is a correct greedy choice
 MAX_TOKENS = 32
 PROMPTS = [
     "Once upon a time",
@@ -43,20 +40,6 @@ def generate(server, protocol: str, prompt: str, **params):
     return generate_http(server.http_url, "ensemble", prompt, {"stream": False, **params})
 
 
-def greedy_mismatch(reference, prompt: str, text: str, max_tokens: int) -> str | None:
-    """None when ``text`` is the target's greedy output up to a near-tie; else what went wrong."""
-    prompt_ids, ref_ids = reference.greedy_ids(prompt, max_tokens)
-    if text == reference.codec.decode(ref_ids):
-        return None
-    for j in range(len(ref_ids)):
-        if not text.startswith(stable_text(reference.codec.decode(ref_ids[: j + 1]), final=False)):
-            gap = reference.top2_gap(prompt_ids + ref_ids[:j])
-            if gap < TIE_TOLERANCE:
-                return None
-            return f"{prompt!r}: diverges at output token {j} (top-2 gap {gap:.2e}): {text!r}"
-    return f"{prompt!r}: longer than the reference {reference.codec.decode(ref_ids)!r}: {text!r}"
-
-
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("server_name", ["server", "ngram_server", "adaptive_server"])
 def test_greedy_output_equals_the_targets_greedy_decoding(request, reference, server_name, protocol):
@@ -65,7 +48,7 @@ def test_greedy_output_equals_the_targets_greedy_decoding(request, reference, se
     for prompt in PROMPTS:
         result = generate(server, protocol, prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True)
         drafted += result.total_draft_tokens
-        failure = greedy_mismatch(reference, prompt, result.text, MAX_TOKENS)
+        failure = reference.greedy_mismatch(prompt, result.text, MAX_TOKENS)
         if failure:
             failures.append(failure)
     assert not failures, "\n".join(failures)
@@ -76,7 +59,7 @@ def test_greedy_output_equals_the_targets_greedy_decoding(request, reference, se
 def test_per_request_speculation_depth_keeps_the_output(server, reference, k):
     for prompt in PROMPTS[:4]:
         result = generate(server, "grpc", prompt, max_tokens=MAX_TOKENS, num_speculative_tokens=k)
-        assert greedy_mismatch(reference, prompt, result.text, MAX_TOKENS) is None
+        assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
         assert result.total_draft_tokens <= k * MAX_TOKENS and (k or result.total_draft_tokens == 0)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from specdec.detokenize import stable_text
 from specdec_triton.text import TextCodec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300  # six Python stubs importing torch on a busy 2-core machine take a while
 STOP_TIMEOUT_S = 60
 MODEL_PATH_KEYS = ("target_model", "draft_model", "tokenizer_dir")
+TIE_TOLERANCE = 1e-4  # top-2 logit gap below which either token is a correct greedy choice
 
 
 def models_dir() -> Path:
@@ -131,6 +133,15 @@ def _set_parameter(text: str, key: str, value: Callable[[str], str]) -> str:
     return re.sub(pattern, lambda match: f'{match.group(1)}{value(match.group(2))}"', text)
 
 
+def configured_parameter(model_dir: Path, key: str) -> str:
+    """The string value of parameter ``key`` in ``model_dir/config.pbtxt``."""
+    text = (model_dir / "config.pbtxt").read_text()
+    match = re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)"', text)
+    if match is None:
+        raise KeyError(f"{model_dir / 'config.pbtxt'} sets no parameter {key!r}")
+    return match.group(1)
+
+
 def repository_copy(
     destination: Path, models: Path, method: str, only: tuple[str, ...] = (), parameters: dict[str, str] | None = None
 ) -> Path:
@@ -187,3 +198,16 @@ class Reference:
             logits = self.model(torch.tensor([token_ids])).logits[0, -1].float()  # [vocab]
         top = torch.topk(logits, 2).values
         return float(top[0] - top[1])
+
+    def greedy_mismatch(self, prompt: str, text: str, max_tokens: int) -> str | None:
+        """None when ``text`` is the target's greedy output up to a near-tie; else what went wrong."""
+        prompt_ids, ref_ids = self.greedy_ids(prompt, max_tokens)
+        if text == self.codec.decode(ref_ids):
+            return None
+        for j in range(len(ref_ids)):
+            if not text.startswith(stable_text(self.codec.decode(ref_ids[: j + 1]), final=False)):
+                gap = self.top2_gap(prompt_ids + ref_ids[:j])
+                if gap < TIE_TOLERANCE:
+                    return None
+                return f"{prompt!r}: diverges at output token {j} (top-2 gap {gap:.2e}): {text!r}"
+        return f"{prompt!r}: longer than the reference {self.codec.decode(ref_ids)!r}: {text!r}"
