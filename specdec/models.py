@@ -56,6 +56,19 @@ def model_vocab_size(model: PreTrainedModel) -> int:
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
+def check_within_positions(max_model_len: int, max_position_embeddings: int | None) -> None:
+    """A ``max_model_len`` past the model's ``max_position_embeddings`` is refused, as vLLM refuses it.
+
+    Positions beyond it were never trained (absolute position embeddings have no row for
+    them at all), and the KV cache would be sized for tokens the model cannot serve well.
+    """
+    if max_position_embeddings is not None and max_model_len > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_position_embeddings} "
+            f"(its config.json); set max_model_len to at most {max_position_embeddings}"
+        )
+
+
 def _config_max_len(config) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
@@ -118,6 +131,8 @@ class CachedCausalLM:
         self.max_model_len = max_model_len if max_model_len is not None else _config_max_len(model.config)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None:
+            check_within_positions(self.max_model_len, _config_max_len(model.config))
         self.vocab_size = model_vocab_size(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._caches: dict[str, DynamicCache] = {}

@@ -196,6 +196,13 @@ def test_sliding_window_shorter_than_max_model_len_is_rejected(tmp_path):
         FastCausalLM(path, dtype="float32", max_model_len=16)
 
 
+def test_max_model_len_past_the_trained_positions_is_rejected(tmp_path):
+    path, _ = save_checkpoint(tmp_path)  # max_position_embeddings 256
+    assert FastCausalLM(path, dtype="float32", max_model_len=256).max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len=257 exceeds the model's max_position_embeddings=256"):
+        FastCausalLM(path, dtype="float32", max_model_len=257)
+
+
 def test_config_validation_names_the_field(tmp_path):
     path, _ = save_checkpoint(tmp_path)
     raw = json.loads((path / "config.json").read_text())

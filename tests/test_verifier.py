@@ -139,6 +139,9 @@ def test_max_model_len_is_enforced(target_model):
     assert TargetVerifier(target_model).max_model_len == target_model.config.max_position_embeddings
     with pytest.raises(ValueError, match="max_model_len"):
         TargetVerifier(target_model, max_model_len=0)
+    limit = target_model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"exceeds the model's max_position_embeddings={limit}"):
+        TargetVerifier(target_model, max_model_len=limit + 1)
 
 
 def test_vocab_size_is_the_logits_width(target_model):

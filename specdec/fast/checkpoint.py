@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from specdec.models import check_within_positions
+
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 SINGLE_FILE = "model.safetensors"
@@ -58,9 +60,10 @@ class LlamaArchConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """Full causal attention equals sliding-window attention only while the window covers every position."""
+        """Within the positions the model was trained for, and where full attention equals its sliding window."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        check_within_positions(max_model_len, self.max_position_embeddings)
         if self.sliding_window is not None and max_model_len > self.sliding_window:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's sliding_window={self.sliding_window}; "
@@ -175,3 +178,4 @@ def _check_dir(path: str | os.PathLike) -> str:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
     return path
+
