@@ -67,6 +67,20 @@ class DraftProposerConfig:
             raise ParameterError(f"draft_proposer: {err}") from None
         return config
 
+    def unread_settings(self) -> list[str]:
+        """Warnings for settings given a value that the chosen method does not read.
+
+        Not errors: switching between methods is a one-line edit of ``method`` that
+        leaves the other method's settings in place (the committed ``draft_model``
+        path stays set under ``ngram``), but a value set for n-gram lookup alone
+        suggests the user believes it is in use.
+        """
+        if self.method == "ngram":
+            return []
+        settings = {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        given = [name for name, value in settings.items() if value is not None]
+        return [f"{name} is set but only method ngram reads it; method is {self.method!r}" for name in given]
+
 
 @dataclass(frozen=True)
 class TargetVerifierConfig:

@@ -135,7 +135,10 @@ class Orchestrator:
             params.validate(self._limits.max_model_len, len(tokenized.prompt_ids))
             check_token_ids(tokenized.prompt_ids, params, self._limits.vocab_size)
         except ValueError as err:
-            raise RequestError(str(err)) from None
+            message = str(err)
+            if request.max_tokens is None and "max_tokens" in message:
+                message += f" (the request sent no max_tokens: the model's default_max_tokens, {params.max_tokens})"
+            raise RequestError(message) from None
         return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params)
 
     async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool]) -> None:

@@ -348,6 +348,12 @@ class ModelLogger:
         else:
             self._fallback.info(self.prefix + message)
 
+    def warning(self, message: str) -> None:
+        if self._logger is not None:
+            self._logger.log_warn(self.prefix + message)
+        else:
+            self._fallback.warning(self.prefix + message)
+
     def error(self, message: str) -> None:
         if self._logger is not None:
             self._logger.log_error(self.prefix + message)

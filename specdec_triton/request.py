@@ -3,9 +3,11 @@
 Every input but ``text_input`` is optional. Errors name the input, so a client can
 tell what to fix; range checks the engine already makes
 (``GenerationParams.validate``) are left to it, and its messages name the same fields.
+Request parameters are refused (:func:`check_parameters`): every setting is an input.
 """
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +27,26 @@ GENERATE_OUTPUTS = (
 )  # fmt: skip
 
 
+def check_parameters(parameters: Mapping[str, object]) -> None:
+    """Refuses request parameters, naming them: this model reads every setting from its inputs.
+
+    Over HTTP ``/generate`` a JSON key that names no input arrives as a request
+    parameter, so without this a misspelt ``max_token`` would silently decode the
+    default length. Names starting with ``triton_`` are Triton's own and pass.
+    """
+    unknown = sorted(name for name in parameters if not name.startswith("triton_"))
+    if not unknown:
+        return
+    described = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, GENERATE_INPUTS, n=1)
+        described.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise RequestError(
+        f"unknown request parameter{'s' if len(unknown) > 1 else ''} {', '.join(described)}: every setting is an "
+        f"input, one of {', '.join(GENERATE_INPUTS)}"
+    )
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     text_input: str
@@ -42,6 +64,9 @@ class GenerateRequest:
         prompt = text(inputs, "text_input")
         if not prompt:
             raise RequestError("input 'text_input' is required and must not be empty")
+        stop_words = tuple(texts(inputs, "stop_words") or ())
+        if "" in stop_words:
+            raise RequestError("input 'stop_words' must not contain an empty string")
         return cls(
             text_input=prompt,
             max_tokens=scalar(inputs, "max_tokens", int),
@@ -52,7 +77,7 @@ class GenerateRequest:
                 top_p=scalar(inputs, "top_p", float, 1.0),
                 seed=scalar(inputs, "seed", int),
             ),
-            stop_words=tuple(texts(inputs, "stop_words") or ()),
+            stop_words=stop_words,
             end_id=scalar(inputs, "end_id", int),
             min_tokens=scalar(inputs, "min_tokens", int, 0),
             exclude_input_in_output=scalar(inputs, "exclude_input_in_output", bool, False),

@@ -22,7 +22,7 @@ from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.orchestrator import Limits, Orchestrator, Tokenized
 from specdec_triton.plumbing import RequestCancelled, RequestError
-from specdec_triton.request import GenerateRequest
+from specdec_triton.request import GenerateRequest, check_parameters
 from specdec_triton.speculation_length import AdaptiveSpeculationLength
 from specdec_triton.text import TextCodec
 
@@ -501,6 +501,7 @@ def test_a_failing_streaming_detokenize_fails_the_request_and_releases(codec, mo
         ({"end_id": 10**6}, r"'end_id' must be a token id in \[0, \d+\), got 1000000"),
         ({"end_id": -1}, r"'end_id' must be a token id in \[0, \d+\), got -1"),
         ({"text_input": "x" * 200}, r"prompt \(\d+ tokens\) \+ max_tokens \(20\) exceeds max_model_len=96"),
+        ({"stop_words": ["end", ""]}, r"input 'stop_words' must not contain an empty string"),
     ],
 )
 def test_bad_requests_fail_before_any_model_call(codec, models, overrides, message):
@@ -509,6 +510,23 @@ def test_bad_requests_fail_before_any_model_call(codec, models, overrides, messa
     with pytest.raises(RequestError, match=message):
         run(orchestrator, request(prompt, **overrides))
     assert stages.released == [] and stages.verifier.num_active_sequences == 0
+
+
+def test_an_error_over_the_default_max_tokens_says_it_was_the_default(codec, models):
+    orchestrator, _ = make_orchestrator(codec, models)  # default_max_tokens 16
+    no_max_tokens = GenerateRequest.from_inputs({"text_input": _array("x" * 90)})
+    with pytest.raises(RequestError, match=r"max_tokens \(16\) exceeds .* sent no max_tokens: .*default_max_tokens"):
+        run(orchestrator, no_max_tokens)
+
+
+def test_request_parameters_are_refused_naming_them_and_the_closest_input():
+    check_parameters({})
+    check_parameters({"triton_enable_empty_final_response": True})  # Triton's own
+    with pytest.raises(RequestError, match=r"unknown request parameter 'max_token' \(did you mean 'max_tokens'\?\)"):
+        check_parameters({"max_token": 8})
+    with pytest.raises(RequestError, match=r"parameters 'foo', 'tempreature' \(did you mean 'temperature'\?\): .*"
+                                           r"one of text_input, max_tokens"):
+        check_parameters({"tempreature": 0.5, "foo": 1})
 
 
 def test_counters_add_up(codec, models):

@@ -133,6 +133,15 @@ def test_draft_proposer_config_per_method(tmp_path):
         DraftProposerConfig.from_parameters(params(base, method="ngram", lookup_max="2"))
 
 
+def test_n_gram_settings_under_another_method_are_warned_of(tmp_path):
+    base, draft = str(tmp_path), str(tmp_path)
+    config = DraftProposerConfig.from_parameters(params(base, draft_model=draft, prompt_lookup_min="3"))
+    assert config.unread_settings() == ["prompt_lookup_min is set but only method ngram reads it; method is "
+                                        "'draft_model'"]  # fmt: skip
+    ngram = DraftProposerConfig.from_parameters(params(base, method="ngram", draft_model=draft, prompt_lookup_min="3"))
+    assert ngram.unread_settings() == []
+
+
 def test_run_batch_isolates_the_failing_item():
     def handler(items):
         if any(item < 0 for item in items):

@@ -1,6 +1,10 @@
 """Through a real server: bad requests get an error naming the input, and the server keeps serving."""
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -42,6 +46,37 @@ def test_bad_parameters_are_named(server, params, message):
 def test_bad_text_input_is_named(server, prompt):
     with pytest.raises(GenerateError, match="text_input"):
         generate_grpc(server.grpc_url, "ensemble", prompt, {"max_tokens": 4})
+
+
+def post_generate(server, model: str, body: dict) -> tuple[int, str]:
+    """(HTTP status, error text or body) of one ``/generate`` request sent as is, bypassing the client's checks."""
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read().decode()).get("error", "")
+
+
+@pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
+def test_a_request_without_text_input_is_named(server, model):
+    """Triton counts inputs, not names: max_tokens alone passes its check, and the model must answer."""
+    status, error = post_generate(server, model, {"max_tokens": 4})
+    assert status == 400 and "input 'text_input' is required" in error
+    max_tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([4], np.int32))
+    with pytest.raises(GenerateError, match="input 'text_input' is required"):
+        grpc_stream(server.grpc_url, model, [max_tokens])
+
+
+def test_a_misspelt_http_key_is_named_not_ignored(server):
+    """/generate passes JSON keys that name no input on as request parameters."""
+    status, error = post_generate(server, "ensemble", {"text_input": "Hello", "max_token": 4})
+    assert status == 400 and "unknown request parameter 'max_token' (did you mean 'max_tokens'?)" in error
+    assert_serving(server)
 
 
 def test_prompt_longer_than_max_model_len(server, reference):

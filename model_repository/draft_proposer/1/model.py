@@ -37,6 +37,8 @@ class TritonPythonModel:
             "propose", lambda: measure_propose_costs(self.proposer, config.max_num_seqs, vocab_size), self.logger.info
         )
         self.logger.info(f"{config} on {device}")
+        for warning in config.unread_settings():
+            self.logger.warning(warning)
 
     def execute(self, requests):
         responses = answer_batch(requests, wire.PROPOSE_INPUTS, self._propose)

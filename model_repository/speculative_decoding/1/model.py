@@ -17,7 +17,7 @@ from specdec_triton.plumbing import (
     BlsError, ModelLogger, ParameterError, Parameters, RequestCancelled, error_response, make_response,
     request_inputs,
 )  # fmt: skip
-from specdec_triton.request import GENERATE_INPUTS, GenerateRequest
+from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -49,6 +49,7 @@ class TritonPythonModel:
             finished = final
 
         try:
+            check_parameters(json.loads(request.parameters() or "{}"))
             generate_request = GenerateRequest.from_inputs(request_inputs(request, GENERATE_INPUTS))
             await self.orchestrator.generate(generate_request, send, request.is_cancelled)
         except Exception as err:
