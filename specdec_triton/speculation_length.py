@@ -118,7 +118,7 @@ class CallTime:
         self._sum_xy += x * (average.value - before)
         ratio, slope = average.value / x, self._slope()
         self.slowdown = ratio if slope is None else min(max(slope, MIN_SLOWDOWN), ratio)
-        self.fixed_s = average.value - self.slowdown * x
+        self.fixed_s = max(0.0, average.value - self.slowdown * x)  # >= 0 by the clamp; no rounding to -0.00
 
     def _slope(self) -> float | None:
         """The least-squares slope over the shapes' averages; None while they are too alike to give one."""
