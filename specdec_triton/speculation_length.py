@@ -28,8 +28,9 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   goes from verify straight back to verify, so every sequence shares each forward; a
   drafting sequence alternates between the draft and the target, and under load the
   sequences settle into groups that take turns, each call carrying ``n / g`` of them.
-  Observed while the choice at that load is to draft (1 until ``MIN_GROUP_CALLS`` such
-  calls at that load);
+  Observed while the choice at that load is to draft (trusted after ``MIN_GROUP_CALLS``
+  such calls at that load; until then the sequences per call of the nearest load that
+  has them, or 1 where none has);
 - ``O``: a step's own time outside its stage calls, from the end of the sequence's
   previous step (so the work between steps counts too), also per number of live
   sequences.
@@ -151,9 +152,18 @@ class ByLoad(Generic[Estimate]):
     def at(self, num_live: int) -> Estimate:
         """The estimate for ``num_live`` live sequences; a fresh one where none applies."""
         estimate = self._by_load.get(num_live)
-        if estimate is None and self.nearest and self._by_load:
-            estimate = self._by_load[min(self._by_load, key=lambda seen: (abs(seen - num_live), seen))]
+        if estimate is None and self.nearest:
+            found = self.nearest_where(num_live, lambda _: True)
+            estimate = found[1] if found is not None else None
         return estimate if estimate is not None else self._make()
+
+    def nearest_where(self, num_live: int, usable: Callable[[Estimate], bool]) -> tuple[int, Estimate] | None:
+        """The load closest to ``num_live`` (itself first, then the lower) whose estimate is usable, with it."""
+        loads = [load for load, estimate in self._by_load.items() if usable(estimate)]
+        if not loads:
+            return None
+        load = min(loads, key=lambda seen: (abs(seen - num_live), seen))
+        return load, self._by_load[load]
 
 
 class AdaptiveSpeculationLength:
@@ -187,9 +197,22 @@ class AdaptiveSpeculationLength:
         return self._accepted / self._positions
 
     def groups(self, num_sequences: int) -> float:
-        """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes."""
-        groups = self._groups.at(num_sequences)
-        return groups.value if groups.count >= MIN_GROUP_CALLS else 1.0
+        """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes.
+
+        A load without ``MIN_GROUP_CALLS`` drafting verify calls of its own takes the
+        sequences per call (``n / g``) of the nearest load that has them, at most one
+        group per sequence: under steady load the live count dips by one whenever a
+        request ends, and a load that does not draft never learns its own groups, so
+        without this it would draft there on the guess of one group. 1 while no load
+        has them.
+        """
+        found = self._groups.nearest_where(num_sequences, lambda groups: groups.count >= MIN_GROUP_CALLS)
+        if found is None:
+            return 1.0
+        load, groups = found
+        if load == num_sequences:
+            return groups.value
+        return min(float(num_sequences), max(1.0, num_sequences * groups.value / load))
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         """A step's outcome. Drafts past the first rejection were never judged, so they do not count."""
