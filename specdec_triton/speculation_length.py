@@ -28,10 +28,9 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   goes from verify straight back to verify, so every sequence shares each forward; a
   drafting sequence alternates between the draft and the target, and under load the
   sequences settle into groups that take turns, each call carrying ``n / g`` of them.
-  Observed while the choice at that load is to draft; the first ``MIN_GROUP_CALLS``
-  such calls at a load are left out (a ramp's), and the average is trusted after as
-  many more. Until then the sequences per call of the nearest load that has them, or
-  1 where none has;
+  Observed while the choice at that load is to draft (trusted after ``MIN_GROUP_CALLS``
+  such calls at that load; until then the sequences per call of the nearest load that
+  has them, or 1 where none has);
 - ``O``: a step's own time outside its stage calls, from the end of the sequence's
   previous step (so the work between steps counts too), also per number of live
   sequences.
@@ -60,9 +59,8 @@ SMOOTHING = 0.05  # weight of the newest observation in the moving averages
 PROBE_INTERVAL_S = 5.0
 LOG_INTERVAL_S = 10.0  # a load's changed choice is logged at most this often
 REUSE_CHOICE = 8  # a choice is worked out again after this many steps at the same load and maximum
-# verify calls with drafts at a load that its g(n) leaves out, then averages before trusting it: the
-# first calls of a ramp carry one sequence each, before the sequences settle into groups, and a g(n)
-# judged on them stops drafting at that load (and, through the nearest-load rule, around it) for good
+# verify calls with drafts seen at a load before its g(n) is trusted; until then 1, so the policy drafts
+# there and finds out, rather than keeping what the first calls of a ramp showed (one sequence alone)
 MIN_GROUP_CALLS = 16
 MIN_SPREAD = 0.1  # relative spread of call costs needed to tell a call's fixed part from its work
 MIN_SLOWDOWN = 0.5  # the work runs at most this much faster than measured alone; a flatter fit is noise
@@ -185,7 +183,6 @@ class AdaptiveSpeculationLength:
         self.call_times = {"verify": ByLoad(CallTime, nearest=True), "propose": ByLoad(CallTime, nearest=True)}
         self.step_overhead_s = ByLoad(lambda: MovingAverage(0.0), nearest=True)  # O
         self._groups = ByLoad(lambda: MovingAverage(1.0), nearest=False)  # g(n), for the n seen while drafting
-        self._group_calls_skipped: dict[int, int] = {}  # load -> drafting verify calls left out so far
         self._drafting: dict[int, bool] = {}  # load -> whether its last choice other than a probe was k > 0
         self._last_drafted = time.monotonic()  # when a step last drafted (or the policy started)
         self._log = log
@@ -202,11 +199,12 @@ class AdaptiveSpeculationLength:
     def groups(self, num_sequences: int) -> float:
         """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes.
 
-        A load without a trusted average of its own takes the sequences per call
-        (``n / g``) of the nearest load that has one, at most one group per sequence:
-        under steady load the live count dips by one whenever a request ends, and a
-        load that does not draft never learns its own groups, so without this it would
-        draft there on the guess of one group. 1 while no load has one.
+        A load without ``MIN_GROUP_CALLS`` drafting verify calls of its own takes the
+        sequences per call (``n / g``) of the nearest load that has them, at most one
+        group per sequence: under steady load the live count dips by one whenever a
+        request ends, and a load that does not draft never learns its own groups, so
+        without this it would draft there on the guess of one group. 1 while no load
+        has them.
         """
         found = self._groups.nearest_where(num_sequences, lambda groups: groups.count >= MIN_GROUP_CALLS)
         if found is None:
@@ -244,11 +242,7 @@ class AdaptiveSpeculationLength:
             self.call_times[stage].update(num_live, (num_sequences, tokens_per_sequence), measured, observed)
         drafting = self._drafting.get(num_live, True)  # until a choice there, the steps draft the maximum
         if stage == "verify" and tokens_per_sequence > 1 and drafting and num_live >= num_sequences:
-            skipped = self._group_calls_skipped.get(num_live, 0)
-            if skipped < MIN_GROUP_CALLS:
-                self._group_calls_skipped[num_live] = skipped + 1  # still the ramp's, perhaps
-            else:
-                self._groups.update(num_live, num_live / num_sequences)
+            self._groups.update(num_live, num_live / num_sequences)
 
     def record_step_overhead(self, seconds: float, num_live: int) -> None:
         """A step's time since the previous one ended, less what it awaited in stage calls, at ``num_live``."""

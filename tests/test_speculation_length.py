@@ -175,25 +175,23 @@ def test_a_load_without_groups_of_its_own_takes_the_sequences_per_call_of_the_ne
     assert policy.groups(7) == pytest.approx(7 / 4) and policy.groups(6) == pytest.approx(6 / 4)
     assert policy.groups(2) == 1.0 and policy.groups(1) == 1.0  # never fewer than one sequence per group
     assert policy.choose(7, 4) == 0
-    for _ in range(2 * speculation_length.MIN_GROUP_CALLS):
+    for _ in range(speculation_length.MIN_GROUP_CALLS):
         policy.record_call("verify", 6, 3, policy.verify_costs(6, 3), num_live=6)  # six's own, once trusted
     assert policy.groups(6) == pytest.approx(1.0)
     assert policy.groups(7) == pytest.approx(7 / 6)  # as near to six as to eight: the lower load
 
 
-def test_a_loads_first_calls_are_left_out_of_its_groups_which_are_trusted_only_after_as_many_more():
+def test_the_groups_of_a_load_are_trusted_only_after_enough_calls():
     """A ramp's first calls carry one sequence each; judged on them, drafting at that load would never be tried."""
     policy = policy_with_acceptance(0.6, verify=grid(10, 0.5), propose=grid(0.5, 0.1))
-    for _ in range(speculation_length.MIN_GROUP_CALLS):
-        policy.record_call("verify", 1, 3, policy.verify_costs(1, 3), num_live=8)  # the ramp: one at a time
-    assert policy.groups(8) == 1.0 and policy.choose(8, 4) > 0
     for _ in range(speculation_length.MIN_GROUP_CALLS - 1):
-        policy.record_call("verify", 2, 3, policy.verify_costs(2, 3), num_live=8)  # settled: two per call
-    assert policy.groups(8) == 1.0  # not trusted yet
-    policy.record_call("verify", 2, 3, policy.verify_costs(2, 3), num_live=8)
-    assert policy.groups(8) == pytest.approx(4.0)  # the ramp's eight groups left no trace
-    for _ in range(200):
+        policy.record_call("verify", 1, 3, policy.verify_costs(1, 3), num_live=8)
+    assert policy.groups(8) == 1.0 and policy.choose(8, 4) > 0
+    for _ in range(speculation_length.MIN_GROUP_CALLS):
         policy.record_call("verify", 8, 3, policy.verify_costs(8, 3), num_live=8)  # then all of them together
+    assert 1.0 < policy.groups(8) < 8.0
+    for _ in range(200):
+        policy.record_call("verify", 8, 3, policy.verify_costs(8, 3), num_live=8)
     assert policy.groups(8) == pytest.approx(1.0, abs=0.01)
 
 
