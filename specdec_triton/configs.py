@@ -7,6 +7,7 @@ defaults point at the shipped pair under ``<repo>/models``.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from specdec.models import DTYPE_CHOICES
@@ -127,6 +128,8 @@ class OrchestratorConfig:
     micro_batches: int = 1  # groups the live sequences are split into, taking turns at the draft and the target
     disable_by_batch_size: int = 0  # steps draft nothing while more sequences than this are live; 0: never
     length_policy: str = "fixed"  # LENGTH_POLICIES
+    # request parameters (forwarded headers) accepted and left unread; any other one is refused
+    ignored_request_parameters: re.Pattern | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
@@ -136,6 +139,7 @@ class OrchestratorConfig:
             micro_batches=params.get_int("micro_batches", 1, minimum=1),
             disable_by_batch_size=params.get_int("speculative_disable_by_batch_size", 0, minimum=0),
             length_policy=params.get_str("speculative_length_policy", "fixed", choices=LENGTH_POLICIES),
+            ignored_request_parameters=params.get_pattern("ignored_request_parameters"),
         )
         params.check_all_read()
         return config

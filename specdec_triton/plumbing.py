@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,16 @@ class Parameters:
         if choices is not None and value not in choices:
             raise self._fail(key, value, f"one of {tuple(choices)}")
         return value
+
+    def get_pattern(self, key: str) -> re.Pattern | None:
+        """A regular expression; None when empty."""
+        value = self._get(key)
+        if value is None:
+            return None
+        try:
+            return re.compile(value)
+        except re.error as err:
+            raise self._fail(key, value, f"a regular expression ({err})") from None
 
     def get_bool(self, key: str, default: bool) -> bool:
         value = self._get(key)

@@ -8,6 +8,7 @@ Request parameters are refused (:func:`check_parameters`): every setting is an i
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,14 +28,18 @@ GENERATE_OUTPUTS = (
 )  # fmt: skip
 
 
-def check_parameters(parameters: Mapping[str, object]) -> None:
+def check_parameters(parameters: Mapping[str, object], ignored: re.Pattern | None = None) -> None:
     """Refuses request parameters, naming them: this model reads every setting from its inputs.
 
     Over HTTP ``/generate`` a JSON key that names no input arrives as a request
     parameter, so without this a misspelt ``max_token`` would silently decode the
-    default length. Names starting with ``triton_`` are Triton's own and pass.
+    default length. Names starting with ``triton_`` are Triton's own and pass, and so
+    do names that ``ignored`` matches whole (headers that Triton forwards as parameters).
     """
-    unknown = sorted(name for name in parameters if not name.startswith("triton_"))
+    unknown = sorted(
+        name for name in parameters
+        if not name.startswith("triton_") and not (ignored is not None and ignored.fullmatch(name))
+    )  # fmt: skip
     if not unknown:
         return
     described = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -527,6 +528,12 @@ def test_request_parameters_are_refused_naming_them_and_the_closest_input():
     with pytest.raises(RequestError, match=r"parameters 'foo', 'tempreature' \(did you mean 'temperature'\?\): .*"
                                            r"one of text_input, max_tokens"):
         check_parameters({"tempreature": 0.5, "foo": 1})
+    forwarded = re.compile("x-.*")  # as in --http-header-forward-pattern x-.*
+    check_parameters({"x-request-id": "abc", "x-tenant": "t1"}, forwarded)
+    with pytest.raises(RequestError, match="unknown request parameter 'max_token'"):
+        check_parameters({"x-request-id": "abc", "max_token": 8}, forwarded)
+    with pytest.raises(RequestError, match="'y-x-id'"):
+        check_parameters({"y-x-id": "abc"}, forwarded)  # the whole name must match
 
 
 def test_counters_add_up(codec, models):

@@ -142,6 +142,14 @@ def test_n_gram_settings_under_another_method_are_warned_of(tmp_path):
     assert ngram.unread_settings() == []
 
 
+def test_ignored_request_parameters_is_a_regular_expression():
+    assert OrchestratorConfig.from_parameters(params()).ignored_request_parameters is None
+    config = OrchestratorConfig.from_parameters(params(ignored_request_parameters="x-.*"))
+    assert config.ignored_request_parameters.fullmatch("x-request-id")
+    with pytest.raises(ParameterError, match=r"'ignored_request_parameters' must be a regular expression .*got 'x-\('"):
+        OrchestratorConfig.from_parameters(params(ignored_request_parameters="x-("))
+
+
 def test_run_batch_isolates_the_failing_item():
     def handler(items):
         if any(item < 0 for item in items):

@@ -49,7 +49,8 @@ class TritonPythonModel:
             finished = final
 
         try:
-            check_parameters(json.loads(request.parameters() or "{}"))
+            ignored = self.orchestrator.config.ignored_request_parameters
+            check_parameters(json.loads(request.parameters() or "{}"), ignored)
             generate_request = GenerateRequest.from_inputs(request_inputs(request, GENERATE_INPUTS))
             await self.orchestrator.generate(generate_request, send, request.is_cancelled)
         except Exception as err:
