@@ -209,9 +209,7 @@ class AdaptiveSpeculationLength:
         found = self._groups.nearest_where(num_sequences, lambda groups: groups.count >= MIN_GROUP_CALLS)
         if found is None:
             return 1.0
-        load, groups = found
-        if load == num_sequences:
-            return groups.value
+        load, groups = found  # at the load itself this is its own average, which lies in [1, n]
         return min(float(num_sequences), max(1.0, num_sequences * groups.value / load))
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
