@@ -29,8 +29,8 @@ decoding round (every live sequence one step), for the ``n`` sequences live now:
   drafting sequence alternates between the draft and the target, and under load the
   sequences settle into groups that take turns, each call carrying ``n / g`` of them.
   Observed while the choice at that load is to draft (trusted after ``MIN_GROUP_CALLS``
-  such calls at that load; until then the sequences per call of the nearest load that
-  has them, or 1 where none has);
+  such calls at that load; until then the groups of the nearest load that has them,
+  at most ``n``, or 1 where none has);
 - ``O``: a step's own time outside its stage calls, from the end of the sequence's
   previous step (so the work between steps counts too), also per number of live
   sequences.
@@ -200,17 +200,18 @@ class AdaptiveSpeculationLength:
         """g(n): how many calls of each stage a round of ``num_sequences`` drafting sequences takes.
 
         A load without ``MIN_GROUP_CALLS`` drafting verify calls of its own takes the
-        sequences per call (``n / g``) of the nearest load that has them, at most one
-        group per sequence: under steady load the live count dips by one whenever a
-        request ends, and a load that does not draft never learns its own groups, so
-        without this it would draft there on the guess of one group. 1 while no load
-        has them.
+        groups of the nearest load that has them, at most one group per sequence: under
+        steady load the live count dips by one whenever a request ends, and a load that
+        does not draft never learns its own groups, so without this it would draft there
+        on the guess of one group. The groups carry over, not the sequences per call:
+        one live sequence always makes calls of one, which says nothing of how eight
+        group. 1 while no load has them.
         """
         found = self._groups.nearest_where(num_sequences, lambda groups: groups.count >= MIN_GROUP_CALLS)
         if found is None:
             return 1.0
-        load, groups = found  # at the load itself this is its own average, which lies in [1, n]
-        return min(float(num_sequences), max(1.0, num_sequences * groups.value / load))
+        _, groups = found  # at the load itself, its own average, which lies in [1, n]
+        return min(float(num_sequences), groups.value)
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         """A step's outcome. Drafts past the first rejection were never judged, so they do not count."""

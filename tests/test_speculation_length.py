@@ -165,20 +165,23 @@ def test_sequences_that_split_into_groups_while_drafting_stop_drafting_under_loa
     assert policy.groups(8) == pytest.approx(2.0)  # neither tells how drafting sequences group at 8
 
 
-def test_a_load_without_groups_of_its_own_takes_the_sequences_per_call_of_the_nearest_that_has_them():
+def test_a_load_without_groups_of_its_own_takes_the_groups_of_the_nearest_that_has_them():
     """Eight streams dip to seven live whenever a request ends; seven must not draft on a guess of one group."""
     policy = policy_with_acceptance(0.6, verify=grid(10, 0.5), propose=grid(0.5, 0.1))
-    assert policy.groups(7) == 1.0 and policy.choose(7, 4) > 0  # no load has groups yet: one
+    for _ in range(50):
+        policy.record_call("verify", 1, 3, policy.verify_costs(1, 3), num_live=1)  # one live: calls of one
+    assert policy.groups(1) == 1.0
+    assert policy.groups(7) == 1.0 and policy.choose(7, 4) > 0  # which says nothing of how seven group
     for _ in range(50):
         policy.record_call("verify", 4, 3, policy.verify_costs(4, 3), num_live=8)  # four per call at 8
     assert policy.groups(8) == pytest.approx(2.0)
-    assert policy.groups(7) == pytest.approx(7 / 4) and policy.groups(6) == pytest.approx(6 / 4)
-    assert policy.groups(2) == 1.0 and policy.groups(1) == 1.0  # never fewer than one sequence per group
+    assert policy.groups(7) == pytest.approx(2.0) and policy.groups(6) == pytest.approx(2.0)
+    assert policy.groups(2) == 1.0  # the nearest is one live, alone in its calls
     assert policy.choose(7, 4) == 0
     for _ in range(speculation_length.MIN_GROUP_CALLS):
         policy.record_call("verify", 6, 3, policy.verify_costs(6, 3), num_live=6)  # six's own, once trusted
     assert policy.groups(6) == pytest.approx(1.0)
-    assert policy.groups(7) == pytest.approx(7 / 6)  # as near to six as to eight: the lower load
+    assert policy.groups(7) == pytest.approx(1.0)  # as near to six as to eight: the lower load
 
 
 def test_the_groups_of_a_load_are_trusted_only_after_enough_calls():
