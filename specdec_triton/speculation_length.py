@@ -141,21 +141,19 @@ class CallTime:
 class ByLoad(Generic[Estimate]):
     """One estimate per number of live sequences."""
 
-    def __init__(self, make: Callable[[], Estimate], nearest: bool):
+    def __init__(self, make: Callable[[], Estimate]):
         self._make = make
-        self.nearest = nearest  # an unseen load takes the estimate of the closest one seen
         self._by_load: dict[int, Estimate] = {}
 
     def update(self, num_live: int, *observation) -> None:
         self._by_load.setdefault(num_live, self._make()).update(*observation)
 
     def at(self, num_live: int) -> Estimate:
-        """The estimate for ``num_live`` live sequences; a fresh one where none applies."""
-        estimate = self._by_load.get(num_live)
-        if estimate is None and self.nearest:
-            found = self.nearest_where(num_live, lambda _: True)
-            estimate = found[1] if found is not None else None
-        return estimate if estimate is not None else self._make()
+        """The estimate for ``num_live`` live sequences, else that of the closest load seen; a fresh one if none."""
+        if num_live in self._by_load:
+            return self._by_load[num_live]
+        found = self.nearest_where(num_live, lambda _: True)
+        return found[1] if found is not None else self._make()
 
     def nearest_where(self, num_live: int, usable: Callable[[Estimate], bool]) -> tuple[int, Estimate] | None:
         """The load closest to ``num_live`` (itself first, then the lower) whose estimate is usable, with it."""
@@ -180,9 +178,9 @@ class AdaptiveSpeculationLength:
         self._accepted = 0.0  # decayed count of accepted draft positions
         self._positions = 0.0  # decayed count of draft positions the target judged
         # t_v, t_p by load: a call's observed time against its time measured alone
-        self.call_times = {"verify": ByLoad(CallTime, nearest=True), "propose": ByLoad(CallTime, nearest=True)}
-        self.step_overhead_s = ByLoad(lambda: MovingAverage(0.0), nearest=True)  # O
-        self._groups = ByLoad(lambda: MovingAverage(1.0), nearest=False)  # g(n), for the n seen while drafting
+        self.call_times = {"verify": ByLoad(CallTime), "propose": ByLoad(CallTime)}
+        self.step_overhead_s = ByLoad(lambda: MovingAverage(0.0))  # O
+        self._groups = ByLoad(lambda: MovingAverage(1.0))  # g(n), for the n seen while drafting; read by groups()
         self._drafting: dict[int, bool] = {}  # load -> whether its last choice other than a probe was k > 0
         self._last_drafted = time.monotonic()  # when a step last drafted (or the policy started)
         self._log = log
