@@ -42,3 +42,42 @@ class TextStream:
         new = stable[len(self.emitted) :]
         self.emitted = stable
         return new
+
+
+class IncrementalDetokenizer:
+    """The new text of each step's new tokens, in time proportional to those tokens, not to the output.
+
+    ``TextStream`` needs the whole output decoded at every step: O(n^2) over a request.
+    This one feeds each new token to ``tokenizers``' ``DecodeStream``, which decodes a
+    short window of recent tokens (the offset technique of vLLM's and TGI's incremental
+    decoders) and holds back a trailing incomplete UTF-8 character, so each step costs
+    what its own tokens cost. ``finish`` compares the pieces against one full decode of
+    the output, so the stream always concatenates to the non-streamed text byte for byte
+    (a trailing U+FFFD that no later token completed comes out there, as in the full
+    decode), and a tokenizer whose decode is not prefix-stable fails loudly instead.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        """``tokenizer``: a ``tokenizers.Tokenizer`` (a fast Hugging Face tokenizer's ``backend_tokenizer``)."""
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.emitted = ""  # everything returned so far, concatenated
+
+    def push(self, token_ids: list[int]) -> str:
+        pieces = [self._stream.step(self._tokenizer, token_id) for token_id in token_ids]
+        new = "".join(piece for piece in pieces if piece)
+        self.emitted += new
+        return new
+
+    def finish(self, full_text: str) -> str:
+        """What is left to send once the output is final; ``full_text`` decodes the whole output."""
+        if not full_text.startswith(self.emitted):
+            raise ValueError(
+                "decoding is not prefix-stable: the full decode does not start with the text already "
+                f"streamed ({self.emitted[-20:]!r} ...); disable clean_up_tokenization_spaces"
+            )
+        rest = full_text[len(self.emitted) :]
+        self.emitted = full_text
+        return rest

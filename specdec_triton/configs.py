@@ -14,6 +14,7 @@ from specdec.models import DTYPE_CHOICES
 from specdec.proposers import PROPOSERS
 from specdec.proposers.ngram import NgramConfig
 from specdec.rejection_sampler import METHODS
+from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec_triton.plumbing import ParameterError, Parameters
 
 DEFAULT_TARGET_MODEL = "../models/tiny-target"  # relative to the model repository directory
@@ -22,9 +23,6 @@ DEFAULT_DRAFT_MODEL = "../models/tiny-draft"
 # static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
 ENGINES = ("fast", "hf")
 DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
-# fixed: every step drafts num_speculative_tokens; adaptive: each step drafts what pays most now,
-# up to that many (specdec_triton.speculation_length)
-LENGTH_POLICIES = ("fixed", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -125,20 +123,26 @@ class RejectionSamplerConfig:
 class OrchestratorConfig:
     num_speculative_tokens: int  # k by default, and the most a request may ask for
     default_max_tokens: int  # when a request sends no max_tokens
-    micro_batches: int = 1  # groups the live sequences are split into, taking turns at the draft and the target
-    disable_by_batch_size: int = 0  # steps draft nothing while more sequences than this are live; 0: never
-    length_policy: str = "fixed"  # LENGTH_POLICIES
+    speculation: SpeculationLength  # the most drafts a step allows, by the number of sequences in it
     # request parameters (forwarded headers) accepted and left unread; any other one is refused
     ignored_request_parameters: re.Pattern | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
+        k = params.get_int("num_speculative_tokens", 4, minimum=0)
+        table = params.get_str("num_speculative_tokens_per_batch_size", "")
+        try:
+            speculation = SpeculationLength(
+                num_speculative_tokens=k,
+                per_batch_size=parse_per_batch_size(table),
+                disable_by_batch_size=params.get_int("speculative_disable_by_batch_size", 0, minimum=0),
+            )
+        except ValueError as err:
+            raise ParameterError(f"speculative_decoding: parameter 'num_speculative_tokens_per_batch_size' {err}") from None
         config = cls(
-            num_speculative_tokens=params.get_int("num_speculative_tokens", 4, minimum=0),
+            num_speculative_tokens=k,
             default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
-            micro_batches=params.get_int("micro_batches", 1, minimum=1),
-            disable_by_batch_size=params.get_int("speculative_disable_by_batch_size", 0, minimum=0),
-            length_policy=params.get_str("speculative_length_policy", "fixed", choices=LENGTH_POLICIES),
+            speculation=speculation,
             ignored_request_parameters=params.get_pattern("ignored_request_parameters"),
         )
         params.check_all_read()

@@ -22,12 +22,18 @@ _COUNTERS = {
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the rejection sampler",
     "spec_decode_num_output_tokens": "Tokens emitted to clients",
 }
-STAGES = ("propose", "verify", "sample", "detokenize")  # the orchestrator's batched calls
+STAGES = ("propose", "verify", "sample")  # the calls a step makes, each for all its sequences
 _STAGE_COUNTERS = {
     "spec_decode_stage_calls": "Calls the orchestrator made to a composing model, by stage",
     "spec_decode_stage_sequences": "Sequences those calls carried, by stage",
     "spec_decode_stage_seconds": "Wall time of those calls as the orchestrator waited for them "
     "(round trip, queueing and compute), by stage",
+}
+# The shape of every step, as counts by value: a Prometheus histogram's observe() is a round trip to
+# the server per observation, while these sum between flushes like the other counters.
+_STEP_SHAPE = {
+    "spec_decode_steps_by_batch_size": ("sequences", "Scheduler steps, by the number of sequences the step verified"),
+    "spec_decode_steps_by_k": ("k", "Scheduler steps, by the most draft tokens the step allowed a sequence"),
 }
 _PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0-based)")
 # How stale the counters on the metrics port may be under load; Prometheus scrapes every 10-60 s.
@@ -88,6 +94,10 @@ class SpecDecodeCounters:
             for name, family in self._stage_families.items()
             for stage in STAGES
         }
+        self._shape_families = {name: _family(name, text, "COUNTER", family_type)
+                                for name, (_, text) in _STEP_SHAPE.items()}  # fmt: skip
+        self._shape: dict[tuple[str, int], object] = {}  # (family, value) -> its metric, made on first use
+        self._labels = labels
         self._pending: dict[object, float] = {}  # metric -> increment not applied yet
         self._flush_interval_s = flush_interval_s
         self._scheduled_flush: asyncio.TimerHandle | None = None
@@ -99,7 +109,18 @@ class SpecDecodeCounters:
         self._add(self._stage[("spec_decode_stage_sequences", stage)], num_sequences)
         self._add(self._stage[("spec_decode_stage_seconds", stage)], seconds)
 
+    def record_step_shape(self, num_sequences: int, k: int) -> None:
+        """One scheduler step: how many sequences it verified, and the most drafts it allowed each."""
+        for name, value in (("spec_decode_steps_by_batch_size", num_sequences), ("spec_decode_steps_by_k", k)):
+            metric = self._shape.get((name, value))
+            if metric is None:
+                label = _STEP_SHAPE[name][0]
+                metric = self._shape_families[name].Metric(labels={**self._labels, label: str(value)})
+                self._shape[(name, value)] = metric
+            self._add(metric, 1)
+
     def record_step(self, num_draft_tokens: int, num_accepted: int, num_output_tokens: int) -> None:
+        """One sequence's part of a step (``spec_decode_num_steps`` counts target passes per sequence)."""
         self._add(self._counters["spec_decode_num_steps"], 1)
         if num_draft_tokens:
             self._add(self._counters["spec_decode_num_drafts"], 1)

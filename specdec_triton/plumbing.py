@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from specdec.scheduler import SequenceCancelled
+
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
@@ -170,8 +172,8 @@ class RequestError(ValueError):
     """A request input is missing or invalid; answered with an error response naming the input."""
 
 
-class RequestCancelled(Exception):
-    """The client cancelled the request."""
+class ServingError(RuntimeError):
+    """The repository's models do not fit together (e.g. draft and target vocabularies); no request can run."""
 
 
 def request_inputs(request, names: Iterable[str]) -> dict[str, np.ndarray]:
@@ -232,8 +234,10 @@ def make_response(outputs: Mapping[str, np.ndarray]):
 def error_response(err: Exception):
     """An error response whose code follows the exception: invalid input, cancelled, or internal."""
     pb_utils = triton_utils()
-    if isinstance(err, RequestCancelled):
+    if isinstance(err, SequenceCancelled):
         code, message = pb_utils.TritonError.CANCELLED, str(err)
+    elif isinstance(err, ServingError):
+        code, message = pb_utils.TritonError.UNAVAILABLE, str(err)
     elif isinstance(err, BlsError):
         code, message = err.code, str(err)
     elif isinstance(err, ValueError):

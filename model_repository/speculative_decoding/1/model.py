@@ -14,9 +14,9 @@ from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.orchestrator import Orchestrator
 from specdec_triton.plumbing import (
-    BlsError, ModelLogger, ParameterError, Parameters, RequestCancelled, error_response, make_response,
-    request_inputs,
+    BlsError, ModelLogger, ParameterError, Parameters, error_response, make_response, request_inputs,
 )  # fmt: skip
+from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -54,7 +54,7 @@ class TritonPythonModel:
             generate_request = GenerateRequest.from_inputs(request_inputs(request, GENERATE_INPUTS))
             await self.orchestrator.generate(generate_request, send, request.is_cancelled)
         except Exception as err:
-            if not isinstance(err, (ValueError, BlsError, RequestCancelled)):
+            if not isinstance(err, (ValueError, BlsError, SequenceCancelled)):
                 self.logger.error(f"request failed: {err!r}")
             if not finished:
                 sender.send(error_response(err), flags=FINAL)

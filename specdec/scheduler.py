@@ -1,0 +1,281 @@
+"""The step scheduler: one loop decides, for every step, which sequences run and how many tokens they draft.
+
+In the spirit of vLLM v1's scheduler, requests do not drive their own decoding: each
+submits a :class:`~specdec.engine.SequenceState` and reads its steps from a queue,
+while one loop runs every step for all of them:
+
+1. admit waiting sequences in arrival order while fewer than ``max_num_seqs`` run
+   (the KV-cache slots the stages hold), and drop cancelled ones;
+2. choose the step's ``k`` from the batch size (:class:`SpeculationLength`); a sequence
+   drafts fewer if its own ``num_speculative_tokens`` or its tokens left say so;
+3. **one** propose call for every sequence that drafts, **one** verify call for all;
+4. rejection sampling: against a greedy target the drafts are matched to the target's
+   argmax here, without a call; the sampled sequences go to the sampler in one call;
+5. commit, hand each sequence its :class:`~specdec.engine.StepOutput`, and release the
+   sequences that finished (in one call) before their slots are given to others.
+
+So the batch shape of every step is a decision made in one place and reported
+(:class:`StepReport`), not something that emerges from when coroutines wake up. A stage
+call that fails fails the sequences it carried; the loop goes on with the others.
+Nothing here imports Triton: :class:`Stages` is the seam, implemented with BLS calls in
+``specdec_triton.bls_stages`` and with local objects in the tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.engine import SequenceState, StepOutput
+from specdec.rejection_sampler import match_greedy
+from specdec.speculation_length import SpeculationLength
+from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
+
+
+class Stages(Protocol):
+    """The calls a step makes; each takes every sequence of the step at once."""
+
+    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
+    async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
+    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]: ...  # the rejection sampler
+    async def release(self, seq_ids: list[str]) -> None: ...  # frees the sequences' state in every stage
+
+
+class SequenceCancelled(Exception):
+    """The sequence's client cancelled it; raised from :meth:`ScheduledSequence.steps`."""
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """What one sequence did in one step."""
+
+    num_draft_tokens: int
+    num_accepted: int
+    num_new_tokens: int  # tokens emitted (fewer than accepted + 1 when a stop condition cut the step)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step of the loop: its shape, what each sequence did, and what each call took."""
+
+    k: int  # the most drafts the step allowed a sequence
+    sequences: tuple[SequenceStep, ...]  # one per sequence verified, in batch order
+    calls: dict[str, tuple[int, float]]  # "propose" / "verify" / "sample" -> (sequences, wall seconds), calls made
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """A step as its sequence's reader gets it: the output, and the request's counts as of this step."""
+
+    output: StepOutput
+    num_output_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+_RELEASED = object()  # queue marker: the stages hold nothing more for the sequence; no steps follow
+
+
+class ScheduledSequence:
+    """A submitted sequence: its state (owned by the loop once submitted) and its queue of steps."""
+
+    def __init__(self, state: SequenceState, is_cancelled: Callable[[], bool]):
+        self.state = state
+        self.is_cancelled = is_cancelled
+        self._queue: asyncio.Queue = asyncio.Queue()  # ScheduledStep | BaseException | _RELEASED
+
+    async def steps(self) -> AsyncIterator[ScheduledStep]:
+        """Every step's output in order; ends once the sequence is released, or raises why it failed.
+
+        The iteration ends only after the stages released the sequence, so a final
+        response sent after it tells the client the server holds nothing more for it.
+        """
+        while True:
+            item = await self._queue.get()
+            if item is _RELEASED:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class StepScheduler:
+    def __init__(
+        self,
+        stages: Stages,
+        speculation: SpeculationLength,
+        max_num_seqs: int | None,  # sequences the stages hold at once; None: no limit
+        match_greedy_here: bool = True,  # False: every step goes to the sampler (e.g. its synthetic method)
+        on_step: Callable[[StepReport], None] | None = None,
+    ):
+        self.stages = stages
+        self.speculation = speculation
+        self.max_num_seqs = max_num_seqs
+        self.match_greedy_here = match_greedy_here
+        self.on_step = on_step
+        self._waiting: collections.deque[ScheduledSequence] = collections.deque()
+        self._running: list[ScheduledSequence] = []
+        self._loop_task: asyncio.Task | None = None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, state: SequenceState, is_cancelled: Callable[[], bool] = lambda: False) -> ScheduledSequence:
+        """Queue a sequence (its prompt not yet in any cache); read its steps from the returned object."""
+        sequence = ScheduledSequence(state, is_cancelled)
+        self._waiting.append(sequence)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.ensure_future(self._run())
+        return sequence
+
+    async def _run(self) -> None:
+        """Steps until no sequence runs or waits; a fault of the loop itself fails every sequence."""
+        try:
+            while self._waiting or self._running:
+                await self._admit()
+                if self._running:
+                    await self._step()
+        except BaseException as err:  # a bug here must not leave clients waiting forever
+            everyone = [*self._running, *self._waiting]
+            self._running, self._waiting = [], collections.deque()
+            await self._end(everyone, RuntimeError(f"step scheduler failed: {err!r}"))
+            if not isinstance(err, Exception):
+                raise
+
+    async def _admit(self) -> None:
+        """Cancelled sequences leave; waiting ones fill the free slots in arrival order."""
+        cancelled = [s for s in [*self._running, *self._waiting] if s.is_cancelled()]
+        if cancelled:
+            self._running = [s for s in self._running if s not in cancelled]
+            self._waiting = collections.deque(s for s in self._waiting if s not in cancelled)
+            for sequence in cancelled:
+                done = len(sequence.state.output_ids)
+                await self._end([sequence], SequenceCancelled(f"request cancelled after {done} output tokens"))
+        while self._waiting and (self.max_num_seqs is None or len(self._running) < self.max_num_seqs):
+            self._running.append(self._waiting.popleft())
+
+    async def _step(self) -> None:
+        batch = list(self._running)
+        k = self.speculation.k_for(len(batch))
+        calls: dict[str, tuple[int, float]] = {}  # what the report says of each call
+        failed: dict[ScheduledSequence, Exception] = {}
+        proposals = await self._propose(batch, k, calls, failed)
+        alive = [s for s in batch if s not in failed]
+        verify_requests = [s.state.verify_request(proposals[s]) for s in alive]
+        verified = dict(zip(alive, await self._call("verify", self.stages.verify, verify_requests, calls)))
+        results = await self._sample(alive, proposals, verified, calls, failed)
+        steps, finished = [], []
+        for sequence in (s for s in batch if s not in failed):
+            try:
+                output = sequence.state.commit(proposals[sequence], results[sequence])
+            except ValueError as err:  # a result that does not fit the sequence's drafts
+                failed[sequence] = err
+                continue
+            steps.append(SequenceStep(len(proposals[sequence].token_ids), results[sequence].num_accepted,
+                                      len(output.new_token_ids)))  # fmt: skip
+            stats = sequence.state.stats
+            sequence._queue.put_nowait(ScheduledStep(
+                output, len(sequence.state.output_ids), stats.num_draft_tokens, stats.num_accepted_tokens))
+            if output.finished:
+                finished.append(sequence)
+        if self.on_step is not None:
+            self.on_step(StepReport(k, tuple(steps), calls))
+        if finished or failed:
+            self._running = [s for s in self._running if s not in finished and s not in failed]
+            await self._end(finished, None)
+            for sequence, err in failed.items():
+                await self._end([sequence], err)
+
+    async def _propose(self, batch, k: int, calls: dict, failed: dict) -> dict[ScheduledSequence, Proposal]:
+        """One propose call for the sequences that draft; an empty proposal for the others."""
+        empty = Proposal(token_ids=torch.empty(0, dtype=torch.long))
+        proposals = {s: empty for s in batch}
+        requests = {s: s.state.propose_request(k) for s in batch} if k else {}
+        drafting = [s for s, request in requests.items() if request is not None]
+        outcomes = await self._call("propose", self.stages.propose, [requests[s] for s in drafting], calls)
+        for sequence, outcome in zip(drafting, outcomes):
+            if isinstance(outcome, Exception):
+                failed[sequence] = outcome
+            else:
+                proposals[sequence] = outcome
+        return proposals
+
+    async def _sample(self, alive, proposals, verified, calls: dict, failed: dict) -> dict:
+        """Greedy targets are matched here; every other sequence goes to the sampler in one call."""
+        results, to_sample = {}, []
+        for sequence in alive:
+            outcome, drafts = verified[sequence], proposals[sequence].token_ids
+            if isinstance(outcome, Exception):
+                failed[sequence] = outcome
+            elif outcome.probs is None and self.match_greedy_here:
+                results[sequence] = match_greedy(drafts.tolist(), outcome.argmax.tolist())
+            else:
+                to_sample.append(sequence)
+        sample_calls = [SampleCall(proposals[s].token_ids, proposals[s].probs, verified[s], s.state.sample_seed())
+                        for s in to_sample]  # fmt: skip
+        for sequence, outcome in zip(to_sample, await self._call("sample", self.stages.sample, sample_calls, calls)):
+            if isinstance(outcome, Exception):
+                failed[sequence] = outcome
+            else:
+                results[sequence] = outcome
+        return results
+
+    @staticmethod
+    async def _call(stage: str, call: Callable, items: list, calls: dict) -> list:
+        """One call for all ``items``: each one's result, or the exception that is its own.
+
+        If the call fails, each item is sent again alone, so one sequence's bad input
+        fails that sequence, not every sequence it shared a step with. Propose and
+        verify calls are addressed by position, so sending one again is harmless.
+        """
+        if not items:
+            return []
+        started = time.monotonic()
+        try:
+            return _one_each(stage, items, await call(items))
+        except Exception as err:
+            if len(items) == 1:
+                return [err]
+        finally:
+            calls[stage] = (len(items), time.monotonic() - started)
+        outcomes = []
+        for item in items:
+            try:
+                outcomes.append(_one_each(stage, [item], await call([item]))[0])
+            except Exception as err:
+                outcomes.append(err)
+        return outcomes
+
+    async def _end(self, sequences: list[ScheduledSequence], error: BaseException | None) -> None:
+        """Release the sequences in every stage (one call), then end their step queues."""
+        if not sequences:
+            return
+        try:
+            await self.stages.release([s.state.seq_id for s in sequences])
+        except Exception as err:  # the client hears of it: the server may still hold the sequence
+            error = error or RuntimeError(f"releasing the sequence failed: {err}")
+        for sequence in sequences:
+            if error is not None:
+                sequence._queue.put_nowait(error)
+            sequence._queue.put_nowait(_RELEASED)
+
+
+def _one_each(stage: str, asked: list, answered: list) -> list:
+    """A stage's results, one per item it was given; anything else is the stage's fault, not the sequences'."""
+    if len(answered) != len(asked):
+        raise RuntimeError(f"{stage} returned {len(answered)} results for {len(asked)} sequences")
+    return answered
