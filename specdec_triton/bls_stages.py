@@ -1,17 +1,14 @@
-"""The orchestrator's stages as BLS requests to the composing models of the repository."""
+"""The scheduler's and orchestrator's stages as BLS requests to the composing models of the repository."""
 from __future__ import annotations
 
 import asyncio
-import statistics
-import time
 
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
-from specdec_triton.orchestrator import Limits, Tokenized
+from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.plumbing import ModelLogger, bls, bytes_array, ensure_bls_threads
 
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
-_LIMITS_PROBE_SEQ_ID = ""  # releasing a sequence that never existed is a no-op that still reports limits
 
 
 class BlsStages:
@@ -29,45 +26,20 @@ class BlsStages:
             eos_token_ids=tuple(out["end_ids"].reshape(-1).tolist()),
         )
 
-    async def detokenize(self, token_id_lists: list[list[int]]) -> list[str]:
-        out = await bls(wire.DETOKENIZER, wire.detokenize_inputs(token_id_lists), wire.DETOKENIZE_OUTPUTS)
-        return wire.texts_of(out)
-
-    async def limits(self, call_costs: bool = False) -> Limits:
-        """The stages' limits; with ``call_costs`` also what their calls cost (measured on first asking)."""
-        probe = wire.release_inputs([_LIMITS_PROBE_SEQ_ID])
-        if call_costs:
-            probe.update(wire.measure_call_costs_input())
-        costs = wire.CALL_COST_OUTPUTS if call_costs else ()
-        verifier, proposer, sampler = await asyncio.gather(
-            bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS + costs, batched=True),
-            bls(wire.DRAFT_PROPOSER, probe, wire.PROPOSE_OUTPUTS + costs, batched=True),
-            bls(wire.REJECTION_SAMPLER, wire.sampler_probe_inputs(), wire.SAMPLE_OUTPUTS),
+    async def describe(self) -> Descriptions:
+        """Each composing model's description, asked of all four at once."""
+        probe = wire.describe_inputs()
+        tokenizer, draft, target, sampler = await asyncio.gather(
+            bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
+            bls(wire.DRAFT_PROPOSER, probe, wire.DESCRIBE_OUTPUTS, batched=True),
+            bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS, batched=True),
+            bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
-        max_num_seqs = [n for n in (wire.optional_limit(m, "max_num_seqs") for m in (verifier, proposer)) if n]
-        call_overhead_s = await self._round_trip_seconds() if call_costs else 0.0
-        limits = Limits(
-            max_model_len=wire.optional_limit(verifier, "max_model_len"),
-            vocab_size=int(verifier["vocab_size"][0]),
-            max_num_seqs=min(max_num_seqs, default=None),
-            rejection_sample_method=wire.sampler_method_of(sampler),
-            verify_costs=wire.call_costs_of(verifier) if call_costs else None,
-            propose_costs=wire.call_costs_of(proposer) if call_costs else None,
-            call_overhead_s=call_overhead_s,
-        )
-        # at most one call in flight per sequence, two while it is released
-        ensure_bls_threads(2 * (limits.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
-        return limits
-
-    async def _round_trip_seconds(self, repeats: int = 5) -> float:
-        """What a BLS call costs beyond its model's work: the median of releases of no sequence."""
-        probe = wire.release_inputs([_LIMITS_PROBE_SEQ_ID])
-        times = []
-        for _ in range(repeats):
-            started = time.monotonic()
-            await bls(wire.TARGET_VERIFIER, probe, wire.VERIFY_OUTPUTS, batched=True)
-            times.append(time.monotonic() - started)
-        return statistics.median(times)
+        descriptions = Descriptions(*(wire.description_of(out) for out in (tokenizer, draft, target, sampler)))
+        # a step's calls are few (one per stage), but finished sequences' releases and new
+        # requests' tokenize calls run beside them
+        ensure_bls_threads(2 * (descriptions.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
+        return descriptions
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(requests), wire.PROPOSE_OUTPUTS, batched=True)
@@ -81,14 +53,16 @@ class BlsStages:
         out = await bls(wire.REJECTION_SAMPLER, wire.sample_inputs(calls), wire.SAMPLE_OUTPUTS)
         return wire.sample_results_of(out)
 
-    async def release(self, seq_id: str) -> None:
-        """Frees the sequence in both models that hold state; failures are logged, never raised."""
-        inputs = wire.release_inputs([seq_id])
+    async def release(self, seq_ids: list[str]) -> None:
+        """Frees the sequences in both models that hold state, one call each; a failure is logged and raised."""
+        inputs = wire.release_inputs(seq_ids)
         results = await asyncio.gather(
             bls(wire.DRAFT_PROPOSER, inputs, wire.PROPOSE_OUTPUTS, batched=True),
             bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),
             return_exceptions=True,
         )
-        for model, result in zip((wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER), results):
-            if isinstance(result, BaseException):
-                self.logger.error(f"releasing seq {seq_id!r} in {model} failed: {result}")
+        failures = [f"{model}: {result}" for model, result in zip((wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER), results)
+                    if isinstance(result, BaseException)]  # fmt: skip
+        if failures:
+            self.logger.error(f"releasing {len(seq_ids)} sequence(s) failed: {'; '.join(failures)}")
+            raise RuntimeError(f"releasing the sequence failed in {'; '.join(failures)}")

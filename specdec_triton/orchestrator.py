@@ -24,7 +24,7 @@ from typing import Protocol
 
 from specdec.detokenize import IncrementalDetokenizer
 from specdec.engine import SequenceState, check_token_ids
-from specdec.proposers.compatibility import check_draft_compatible
+from specdec.proposers import check_draft_compatible
 from specdec.scheduler import ScheduledStep, StepReport, StepScheduler
 from specdec.scheduler import Stages as StepStages
 from specdec.types import ModelDescription, RequestStats

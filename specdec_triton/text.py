@@ -16,6 +16,7 @@ from specdec_triton.plumbing import RequestError
 
 class TextCodec:
     def __init__(self, tokenizer_dir: str):
+        self.tokenizer_dir = tokenizer_dir
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, tokenizer_dir)
 
