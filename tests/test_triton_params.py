@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from specdec.speculation_length import SpeculationLength
+
 from specdec_triton.configs import (
     DraftProposerConfig,
     OrchestratorConfig,
@@ -103,20 +105,21 @@ def test_component_configs_parse_and_reject(tmp_path):
         RejectionSamplerConfig.from_parameters(params(rejection_sample_method="greedy"))
     with pytest.raises(ParameterError, match=r"'synthetic_acceptance_rate' must be a number in \[0.0, 1.0\]"):
         RejectionSamplerConfig.from_parameters(params(synthetic_acceptance_rate="2"))
-    assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(4, 64, micro_batches=1)
+    assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(4, 64, SpeculationLength(4))
     with pytest.raises(ParameterError, match=r"'num_speculative_tokens' must be an integer >= 0, got '-1'"):
         OrchestratorConfig.from_parameters(params(num_speculative_tokens="-1"))
-    assert OrchestratorConfig.from_parameters(params(micro_batches="2")).micro_batches == 2
-    with pytest.raises(ParameterError, match=r"'micro_batches' must be an integer >= 1, got '0'"):
-        OrchestratorConfig.from_parameters(params(micro_batches="0"))
-    assert OrchestratorConfig.from_parameters(params()).disable_by_batch_size == 0  # never
-    assert OrchestratorConfig.from_parameters(params(speculative_disable_by_batch_size="8")).disable_by_batch_size == 8
+    speculation = OrchestratorConfig.from_parameters(params(speculative_disable_by_batch_size="8")).speculation
+    assert speculation.disable_by_batch_size == 8 and speculation.k_for(9) == 0
     with pytest.raises(ParameterError, match=r"'speculative_disable_by_batch_size' must be an integer >= 0, got '-1'"):
         OrchestratorConfig.from_parameters(params(speculative_disable_by_batch_size="-1"))
-    assert OrchestratorConfig.from_parameters(params()).length_policy == "fixed"
-    assert OrchestratorConfig.from_parameters(params(speculative_length_policy="adaptive")).length_policy == "adaptive"
-    with pytest.raises(ParameterError, match=r"'speculative_length_policy' must be one of .*fixed.*adaptive.*'auto'"):
-        OrchestratorConfig.from_parameters(params(speculative_length_policy="auto"))
+    table = OrchestratorConfig.from_parameters(params(num_speculative_tokens_per_batch_size="1:4,2:2,4:0")).speculation
+    assert [table.k_for(n) for n in range(1, 6)] == [4, 2, 2, 0, 0]
+    with pytest.raises(ParameterError, match=r"'num_speculative_tokens_per_batch_size' entry '2' is not 'batch_size:k'"):
+        OrchestratorConfig.from_parameters(params(num_speculative_tokens_per_batch_size="1:4,2"))
+    with pytest.raises(ParameterError, match=r"asks for k = 6, more than num_speculative_tokens = 4"):
+        OrchestratorConfig.from_parameters(params(num_speculative_tokens_per_batch_size="1:6"))
+    with pytest.raises(ParameterError, match=r"unknown parameter\(s\) \['micro_batches'\]"):
+        OrchestratorConfig.from_parameters(params(micro_batches="2"))
 
 
 def test_draft_proposer_config_per_method(tmp_path):

@@ -2,8 +2,8 @@
 
 The default server serves the committed ``model_repository`` as is (draft_model
 proposer, paths relative to the repository). The n-gram server serves a copy made in
-a temporary directory with ``method: ngram``, the adaptive server one with
-``speculative_length_policy: adaptive``. ``SPECDEC_E2E_MODELS`` may name another
+a temporary directory with ``method: ngram``, the table server one whose step k
+follows a ``num_speculative_tokens_per_batch_size`` table. ``SPECDEC_E2E_MODELS`` may name another
 directory holding ``tiny-target`` and ``tiny-draft``; every server then uses a copy
 pointing there. Without the model pair the tests skip.
 """
@@ -51,9 +51,9 @@ def ngram_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def adaptive_server(tmp_path_factory):
-    """draft_model, with speculative_length_policy adaptive: each step drafts 0 .. 4 tokens."""
-    server = _start_server(tmp_path_factory, "draft_model", {"speculative_length_policy": "adaptive"})
+def table_server(tmp_path_factory):
+    """draft_model, k = 4 for one sequence, 2 for two, none from three sequences on."""
+    server = _start_server(tmp_path_factory, "draft_model", {"num_speculative_tokens_per_batch_size": "1:4,2:2,3:0"})
     yield server
     server.stop()
 

@@ -41,7 +41,7 @@ def generate(server, protocol: str, prompt: str, **params):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-@pytest.mark.parametrize("server_name", ["server", "ngram_server", "adaptive_server"])
+@pytest.mark.parametrize("server_name", ["server", "ngram_server", "table_server"])
 def test_greedy_output_equals_the_targets_greedy_decoding(request, reference, server_name, protocol):
     server = request.getfixturevalue(server_name)
     failures, drafted = [], 0

@@ -50,5 +50,7 @@ def test_metrics_add_up(server):
     assert stage_delta("spec_decode_stage_sequences", "verify") == delta["spec_decode_num_steps"]  # one per step
     assert stage_delta("spec_decode_stage_sequences", "propose") == drafts  # steps that drafted (prefills do not)
     assert stage_delta("spec_decode_stage_calls", "sample") == 0  # greedy steps are matched in the orchestrator
-    for stage in ("propose", "verify", "detokenize"):
+    steps_by_size = [v - before.get(key, 0.0) for key, v in after.items() if key[0] == "spec_decode_steps_by_batch_size"]
+    assert sum(steps_by_size) == stage_delta("spec_decode_stage_calls", "verify")  # one verify call per step
+    for stage in ("propose", "verify"):
         assert stage_delta("spec_decode_stage_seconds", stage) > 0
