@@ -1,9 +1,16 @@
-"""tokenizer: text -> prompt token ids, plus stop words as id sequences and the default EOS ids."""
+"""tokenizer: text -> prompt token ids, plus stop words as id sequences and the default EOS ids.
+
+A request with ``describe`` set gets the tokenizer's directory instead: the orchestrator
+loads the same tokenizer to decode streamed text in its own process.
+"""
+import os
+
 import numpy as np
 
+from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import TokenizerConfig
-from specdec_triton.plumbing import ModelLogger, Parameters, answer, text, texts
+from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, text, texts
 from specdec_triton.text import TextCodec
 
 
@@ -12,12 +19,19 @@ class TritonPythonModel:
         self.logger = ModelLogger(args["model_name"])
         config = TokenizerConfig.from_parameters(Parameters.from_args(args))
         self.codec = TextCodec(config.tokenizer_dir)
+        self.description = ModelDescription(
+            os.path.realpath(config.tokenizer_dir), len(self.codec.tokenizer), None, None, "tokenizer"
+        )
         self.logger.info(f"tokenizer from {config.tokenizer_dir}, eos ids {self.codec.eos_token_ids}")
 
     def execute(self, requests):
-        return answer(requests, wire.TOKENIZE_INPUTS, self._tokenize)
+        return answer(requests, ("describe", *wire.TOKENIZE_INPUTS), self._tokenize)
 
     def _tokenize(self, inputs):
+        if wire.is_describe(inputs):
+            return wire.description_outputs(self.description)
+        if "text_input" not in inputs:
+            raise RequestError("input 'text_input' is required")
         prompt_ids = self.codec.encode_prompt(text(inputs, "text_input", ""))
         stop_sequences = self.codec.encode_stop_words(texts(inputs, "stop_words") or [])
         return {
@@ -25,3 +39,6 @@ class TritonPythonModel:
             **wire.stop_words_arrays(stop_sequences),
             "end_ids": np.asarray(self.codec.eos_token_ids, dtype=np.int64),  # [num eos ids]
         }
+
+    def finalize(self):
+        self.logger.info("unloaded")
