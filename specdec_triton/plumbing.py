@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,28 @@ class RequestError(ValueError):
 
 class ServingError(RuntimeError):
     """The repository's models do not fit together (e.g. draft and target vocabularies); no request can run."""
+
+
+CANCEL_CHECK_INTERVAL_S = 0.02  # how stale a request's cancelled flag may be: at most ~one step of work wasted
+
+
+def cancellation_check(request, interval_s: float = CANCEL_CHECK_INTERVAL_S) -> Callable[[], bool]:
+    """``request.is_cancelled``, asked of the server at most every ``interval_s``.
+
+    In the Python backend ``is_cancelled()`` is a round trip to the server process, and
+    the scheduler asks before every step for every live sequence, so unthrottled it adds
+    one round trip per sequence to every step. Once cancelled, always cancelled.
+    """
+    last_asked, cancelled = float("-inf"), False
+
+    def is_cancelled() -> bool:
+        nonlocal last_asked, cancelled
+        now = time.monotonic()
+        if not cancelled and now - last_asked >= interval_s:
+            last_asked, cancelled = now, request.is_cancelled()
+        return cancelled
+
+    return is_cancelled
 
 
 def request_inputs(request, names: Iterable[str]) -> dict[str, np.ndarray]:

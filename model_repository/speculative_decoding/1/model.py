@@ -14,7 +14,8 @@ from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.orchestrator import Orchestrator
 from specdec_triton.plumbing import (
-    BlsError, ModelLogger, ParameterError, Parameters, error_response, make_response, request_inputs,
+    BlsError, ModelLogger, ParameterError, Parameters, cancellation_check, error_response, make_response,
+    request_inputs,
 )  # fmt: skip
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
@@ -52,7 +53,7 @@ class TritonPythonModel:
             ignored = self.orchestrator.config.ignored_request_parameters
             check_parameters(json.loads(request.parameters() or "{}"), ignored)
             generate_request = GenerateRequest.from_inputs(request_inputs(request, GENERATE_INPUTS))
-            await self.orchestrator.generate(generate_request, send, request.is_cancelled)
+            await self.orchestrator.generate(generate_request, send, cancellation_check(request))
         except Exception as err:
             if not isinstance(err, (ValueError, BlsError, SequenceCancelled)):
                 self.logger.error(f"request failed: {err!r}")
