@@ -15,7 +15,7 @@ repository whose parameters select the method, and stops it afterwards. Figures 
 configuration and concurrency: tokens/s per stream and in total, TTFT, ITL p50/p99,
 acceptance (overall and per draft position), tokens per target pass, per-step
 orchestration overhead, the analytic speedup bound and the efficiency against it
-(see ``specdec/bench``). In this process it also times the target's steps against their
+(see ``bench``). In this process it also times the target's steps against their
 memory-bandwidth floor (weight bytes / measured copy bandwidth) and, on CUDA, the
 captured CUDA graphs against eager. Writes JSON (and a PNG when matplotlib is installed) to
 --out-dir and appends a markdown table to docs/benchmarks.md.
@@ -43,20 +43,20 @@ import torch
 import transformers
 from tritonclient.grpc import InferenceServerClient
 
-from specdec.bench import report
-from specdec.bench.bound import forward_ms
-from specdec.bench.client import Job, JobResult, run_load
-from specdec.bench.hf import generation_config, run_hf
-from specdec.bench.repository import get_parameters, make_variant
-from specdec.bench.results import (
+from bench import report
+from bench.bound import forward_ms
+from bench.client import Job, JobResult, run_load
+from bench.hf import generation_config, run_hf
+from bench.repository import get_parameters, make_variant
+from bench.results import (
     annotate,
     match_reference,
     step_time_keys,
     tokens_per_step,
 )
-from specdec.bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
-from specdec.bench.server import TritonServer
-from specdec.bench.stats import (
+from bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
+from bench.server import TritonServer
+from bench.stats import (
     ModelCounters,
     Samples,
     acceptance_from_metrics,
@@ -70,7 +70,7 @@ from specdec.bench.stats import (
     samples_sum,
     step_overhead_ms,
 )
-from specdec.bench.workload import held_out_texts, select_prompts
+from bench.workload import held_out_texts, select_prompts
 from specdec.fast import FastCausalLM
 from specdec.models import load_causal_lm, load_tokenizer
 from specdec.proposers import PROPOSERS

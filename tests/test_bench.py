@@ -1,4 +1,4 @@
-"""Unit tests of the benchmark's logic (specdec/bench): no server."""
+"""Unit tests of the benchmark harness (bench/): no server."""
 from __future__ import annotations
 
 import math
@@ -10,25 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench.bound import efficiency, forward_ms, speedup_bound
-from specdec.bench.client import Job, build_inputs
-from specdec.bench.cpu import CpuSnapshot, process_label, process_tree
-from specdec.bench.hf import generation_config, run_hf
-from specdec.bench.report import COLUMNS, format_cell, markdown_section, markdown_table
-from specdec.bench.repository import (
+from bench.bound import efficiency, forward_ms, speedup_bound
+from bench.client import Job, build_inputs
+from bench.cpu import CpuSnapshot, process_label, process_tree
+from bench.hf import generation_config, run_hf
+from bench.report import COLUMNS, format_cell, markdown_section, markdown_table
+from bench.repository import (
     get_parameters,
     make_variant,
     parameter_edits,
     set_parameters,
 )
-from specdec.bench.results import (
+from bench.results import (
     annotate,
     match_reference,
     step_time_keys,
     tokens_per_step,
 )
-from specdec.bench.roofline import floor_ms, memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
-from specdec.bench.stats import (
+from bench.roofline import floor_ms, memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
+from bench.stats import (
     Acceptance,
     ModelCounters,
     RequestTiming,
@@ -46,7 +46,7 @@ from specdec.bench.stats import (
     samples_sum,
     step_overhead_ms,
 )
-from specdec.bench.workload import Prompt, held_out_texts, is_held_out, select_prompts
+from bench.workload import Prompt, held_out_texts, is_held_out, select_prompts
 from specdec.fast import FastCausalLM
 from specdec.models import load_causal_lm
 

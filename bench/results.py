@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from specdec.bench.bound import efficiency, speedup_bound
+from bench.bound import efficiency, speedup_bound
 
 StepTimes = dict[str, float]  # "target_1", "target_<n>", "draft_1" -> median ms
 
