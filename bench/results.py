@@ -1,15 +1,21 @@
-"""Turn measured phases into table rows: speedups against the right baseline, bounds, efficiency.
+"""Turn measured phases into rows: ratios against k = 0 and HF plain, the analytic bound, efficiency.
 
-A row is a plain dict (JSON-ready). The keys this module reads:
+A row is a plain dict (JSON-ready), one per configuration and concurrency. Its
+configurations (``kind``):
 
-* ``config``, ``concurrency``, ``k`` (0 for baselines), ``proposer`` (``"draft_model"``,
-  ``"ngram"`` or None for baselines);
-* ``baseline``: the ``config`` of the row it is compared to at the same concurrency
-  (k = 0 on the same server; plain ``generate`` for the Hugging Face rows);
-* ``tokens_per_s_per_stream``;
-* for the bound, either ``mean_accepted_length`` with ``num_drafts`` and ``decode_steps``
-  (server rows: steps that drafted and all decode steps), or ``tokens_per_step`` alone
-  (tokens per target pass, every pass taken as drafting: Hugging Face rows).
+* ``k0`` -- the server, ``num_speculative_tokens = 0`` per request: plain decoding
+  through the serving path, the baseline of that server;
+* ``fixed`` -- the server, one proposer ``method``, ``k`` drafts per step per request;
+* ``default`` -- the server as the repository ships it: requests send no
+  ``num_speculative_tokens``, the server decides (``k`` is None);
+* ``hf_plain``, ``hf_assisted``, ``hf_prompt_lookup`` -- in-process Hugging Face
+  ``generate``, one request at a time (concurrency 1 only).
+
+The keys this module reads: ``config``, ``kind``, ``concurrency``, ``k``, ``proposer``
+(the method that drafts, None for plain decoding), ``baseline`` (the ``config`` of the
+k = 0 row of the same server; ``hf plain`` for HF rows), ``tokens_per_s_aggregate``,
+and for the bound either ``mean_accepted_length`` with ``num_drafts`` and
+``decode_steps`` (server rows) or ``tokens_per_step`` alone (HF rows).
 """
 from __future__ import annotations
 
@@ -18,6 +24,20 @@ import math
 from bench.bound import efficiency, speedup_bound
 
 StepTimes = dict[str, float]  # "target_1", "target_<n>", "draft_1" -> median ms
+HF_PLAIN = "hf plain"
+KINDS = ("k0", "fixed", "default", "hf_plain", "hf_assisted", "hf_prompt_lookup")
+
+
+def k0_name(method: str) -> str:
+    """The k = 0 row of the server that runs ``method`` (each method has its own server, so its own baseline)."""
+    return f"k=0 ({method} server)"
+
+
+def fixed_name(method: str, k: int) -> str:
+    return f"{method} k={k}"
+
+
+DEFAULT_NAME = "default"
 
 
 def step_time_keys(ks: list[int]) -> list[tuple[str, int]]:
@@ -30,19 +50,32 @@ def tokens_per_step(output_tokens: int, requests: int, decode_steps: int) -> flo
     return (output_tokens - requests) / decode_steps if decode_steps > 0 else math.nan
 
 
-def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
-    """Add ``speedup`` (per-stream tokens/s over the baseline row), ``speedup_bound`` and ``efficiency``.
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or not base or math.isnan(base):
+        return None
+    return value / base
 
-    Rows of the adaptive length policy get a speedup, no bound: they do not draft a fixed ``k``.
+
+def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
+    """Add ``x_k0``, ``x_hf_plain``, and at concurrency 1 ``speedup_bound`` and ``efficiency``.
+
+    ``x_k0``: aggregate tokens/s over the baseline row's at the same concurrency.
+    ``x_hf_plain``: aggregate tokens/s over HF plain's (one request at a time), at any
+    concurrency: what serving earns over decoding one prompt after another in-process.
+    The bound is that of one sequence decoding alone (``bench.bound``), so it is given at
+    concurrency 1 only, and only for a fixed ``k``.
     """
     index = {(r["config"], r["concurrency"]): r for r in rows}
+    hf_plain = next((r for r in rows if r["config"] == HF_PLAIN), None)
     for row in rows:
+        tokens_per_s = row.get("tokens_per_s_aggregate")
         base = index.get((row.get("baseline"), row["concurrency"]))
-        if base is not None and base.get("tokens_per_s_per_stream"):
-            row["speedup"] = row["tokens_per_s_per_stream"] / base["tokens_per_s_per_stream"]
-        k = row.get("k", 0)
-        # the bound is for k drafts a step; an adaptive length drafts 0 .. k, chosen step by step
-        if k >= 1 and row.get("proposer") is not None and row.get("length_policy", "fixed") == "fixed":
+        if (x := _ratio(tokens_per_s, base.get("tokens_per_s_aggregate") if base else None)) is not None:
+            row["x_k0"] = x
+        if hf_plain is not None and (x := _ratio(tokens_per_s, hf_plain.get("tokens_per_s_aggregate"))) is not None:
+            row["x_hf_plain"] = x
+        k = row.get("k")
+        if row["concurrency"] == 1 and k is not None and k >= 1 and row.get("proposer") is not None:
             t_draft = 0.0 if row["proposer"] == "ngram" else step_times["draft_1"]
             length, fraction = _length_and_drafting_fraction(row)
             if math.isnan(fraction) or (fraction > 0 and not 1.0 <= length <= k + 1):
@@ -51,8 +84,8 @@ def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
             row["speedup_bound"] = speedup_bound(
                 length, k, step_times["target_1"], step_times[f"target_{k + 1}"], t_draft, fraction
             )
-            if "speedup" in row:
-                row["efficiency"] = efficiency(row["speedup"], row["speedup_bound"])
+            if "x_k0" in row:
+                row["efficiency"] = efficiency(row["x_k0"], row["speedup_bound"])
     return rows
 
 
