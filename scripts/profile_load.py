@@ -15,7 +15,7 @@ and the orchestrator's turnaround.
     python scripts/profile_load.py --param speculative_decoding.micro_batches=1
 
 The server's log goes to a temporary directory, or to ``$SPECDEC_PROFILE_LOG`` when set
-(to read, say, the adaptive speculation length's choices afterwards).
+(to read what the server logged during the load afterwards).
 """
 from __future__ import annotations
 
