@@ -20,7 +20,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-from specdec.bench.workload import held_out_texts  # noqa: E402
+from bench.workload import held_out_texts  # noqa: E402
 from specdec.engine import GenerationParams, generate  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402

@@ -15,7 +15,7 @@ and the orchestrator's turnaround.
     python scripts/profile_load.py --param speculative_decoding.micro_batches=1
 
 The server's log goes to a temporary directory, or to ``$SPECDEC_PROFILE_LOG`` when set
-(to read, say, the adaptive speculation length's choices afterwards).
+(to read what the server logged during the load afterwards).
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from specdec.bench.client import Job, run_load
-from specdec.bench.cpu import CpuSnapshot, process_tree
-from specdec.bench.repository import make_variant, parameter_edits
-from specdec.bench.server import TritonServer
-from specdec.bench.stats import (
+from bench.client import Job, run_load
+from bench.cpu import CpuSnapshot, process_tree
+from bench.repository import make_variant, parameter_edits
+from bench.server import TritonServer
+from bench.stats import (
     StageTimes,
     counters_delta,
     metric_total,
@@ -38,7 +38,7 @@ from specdec.bench.stats import (
     parse_prometheus,
     samples_delta,
 )
-from specdec.bench.workload import held_out_texts, select_prompts
+from bench.workload import held_out_texts, select_prompts
 from specdec.models import load_tokenizer
 from specdec.proposers import PROPOSERS
 from specdec_triton import wire

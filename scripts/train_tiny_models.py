@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdec.bench.workload import is_held_out  # the one definition of the held-out split
+from bench.workload import is_held_out  # the one definition of the held-out split
 
 EOS = "<|endoftext|>"
 REPO_ROOT = Path(__file__).resolve().parent.parent

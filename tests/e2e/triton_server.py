@@ -1,14 +1,13 @@
-"""A tritonserver run by scripts/serve.sh on free ports, repository copies, and the target as a reference."""
+"""What the end-to-end tests add to ``bench.server``: repository copies, and the target as a reference.
+
+Starting ``scripts/serve.sh`` on free ports, readiness and stopping are ``bench.server``'s;
+here a failure to start fails the test with the server's log.
+"""
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +16,13 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from bench.repository import get_parameters
+from bench.server import REPO_ROOT, SERVE_SCRIPT, TritonServer
+from bench.stats import Samples, parse_prometheus
 from specdec.detokenize import stable_text
 from specdec_triton.text import TextCodec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 READY_TIMEOUT_S = 300  # six Python stubs importing torch on a busy 2-core machine take a while
-STOP_TIMEOUT_S = 60
 MODEL_PATH_KEYS = ("target_model", "draft_model", "tokenizer_dir")
 TIE_TOLERANCE = 1e-4  # top-2 logit gap below which either token is a correct greedy choice
 
@@ -32,99 +31,29 @@ def models_dir() -> Path:
     return Path(os.environ.get("SPECDEC_E2E_MODELS", REPO_ROOT / "models"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(TritonServer):
+    """``bench.server.TritonServer`` with failures reported as test failures, the server's log attached."""
 
+    def __init__(self, repository: Path, log_path: Path):
+        super().__init__(SERVE_SCRIPT, repository, log_path, startup_timeout_s=READY_TIMEOUT_S)
 
-@dataclass
-class Server:
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    repository: Path
-    log_path: Path
-    process: subprocess.Popen | None = None
-
-    @property
-    def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
-
-    def log_tail(self, lines: int = 80) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def command(self) -> list[str]:
-        return [
-            str(REPO_ROOT / "scripts" / "serve.sh"),
-            f"--model-repository={self.repository}",
-            f"--http-port={self.http_port}",
-            f"--grpc-port={self.grpc_port}",
-            f"--metrics-port={self.metrics_port}",
-        ]
-
-    def _launch(self) -> None:
-        with open(self.log_path, "w") as log:  # the child keeps its own handle
-            # Its own session, so that a hung server can be killed with its stubs and nothing else.
-            self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def start(self) -> None:
+    def start(self) -> Server:
         """Start the server and wait until it is ready; fails the test with the log if it is not."""
-        self._launch()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"tritonserver exited with {self.process.returncode}; log:\n{self.log_tail()}")
-            if self.is_ready():
-                return
-            time.sleep(1)
-        self.stop()
-        pytest.fail(f"tritonserver not ready after {READY_TIMEOUT_S} s; log:\n{self.log_tail()}")
+        try:
+            return super().start()
+        except (RuntimeError, TimeoutError) as err:
+            pytest.fail(str(err))
 
     def run_until_exit(self, timeout_s: float = READY_TIMEOUT_S) -> int:
         """Start the server and wait for it to exit by itself (a repository that must fail to load)."""
-        self._launch()
         try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            pytest.fail(f"tritonserver still running after {timeout_s} s; log:\n{self.log_tail()}")
+            return self.wait_exit(timeout_s)
+        except TimeoutError as err:
+            pytest.fail(f"{err}:\n{self.log_tail()}")
 
-    def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGINT)  # graceful: unloads models, ends the stubs
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
+    def metrics(self) -> Samples:
         """Prometheus samples as {(name, sorted label pairs): value}."""
-        with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            match = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-            if match:
-                labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', match.group(2) or "")))
-                samples[(match.group(1), labels)] = float(match.group(3))
-        return samples
+        return parse_prometheus(self.metrics_text())
 
 
 def _set_parameter(text: str, key: str, value: Callable[[str], str]) -> str:
@@ -135,11 +64,10 @@ def _set_parameter(text: str, key: str, value: Callable[[str], str]) -> str:
 
 def configured_parameter(model_dir: Path, key: str) -> str:
     """The string value of parameter ``key`` in ``model_dir/config.pbtxt``."""
-    text = (model_dir / "config.pbtxt").read_text()
-    match = re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)"', text)
-    if match is None:
+    parameters = get_parameters((model_dir / "config.pbtxt").read_text())
+    if key not in parameters:
         raise KeyError(f"{model_dir / 'config.pbtxt'} sets no parameter {key!r}")
-    return match.group(1)
+    return parameters[key]
 
 
 def repository_copy(
@@ -164,7 +92,7 @@ def repository_copy(
 
 def server_on_free_ports(workdir: Path, repository: Path) -> Server:
     """A server on free ports, not started."""
-    return Server(_free_port(), _free_port(), _free_port(), repository, workdir / "tritonserver.log")
+    return Server(repository, workdir / "tritonserver.log")
 
 
 @dataclass

@@ -24,8 +24,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from specdec.bench.stats import RequestTiming
-from specdec.bench.workload import Prompt
+from bench.stats import RequestTiming
+from bench.workload import Prompt
 
 MODES = ("plain", "assisted", "prompt_lookup")
 

@@ -16,8 +16,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.grpc import InferInput
 
-from specdec.bench.stats import RequestTiming
-from specdec.bench.workload import Prompt
+from bench.stats import RequestTiming
+from bench.workload import Prompt
 
 # Tensor names of the orchestrator model (model_repository/speculative_decoding/config.pbtxt).
 PROMPT_INPUT = "text_input"

@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from specdec.bench.bound import synchronize
+from bench.bound import synchronize
 
 DEFAULT_BUFFER_MB = {"cuda": 1024, "cpu": 256}  # well above any cache on either
 

@@ -1,0 +1,56 @@
+"""bench/repository.py: model repository variants."""
+from __future__ import annotations
+
+import pytest
+
+from bench.repository import get_parameters, make_variant, parameter_edits, set_parameters
+
+
+PBTXT = """name: "draft_proposer"
+backend: "python"
+parameters: {
+  key: "method"
+  value: { string_value: "draft_model" }
+}
+parameters [
+  { key: "draft_model", value: { string_value: "../models/tiny-draft" } },
+  { key: "num_speculative_tokens" value: {string_value: "4"} }
+]
+"""
+
+
+def test_get_and_set_parameters():
+    assert get_parameters(PBTXT) == {"method": "draft_model", "draft_model": "../models/tiny-draft",
+                                     "num_speculative_tokens": "4"}
+    edited = set_parameters(PBTXT, {"method": "ngram", "draft_model": '/abs/"q"'})
+    assert get_parameters(edited) == {"method": "ngram", "draft_model": '/abs/\\"q\\"', "num_speculative_tokens": "4"}
+    assert edited.replace("ngram", "draft_model").replace('/abs/\\"q\\"', "../models/tiny-draft") == PBTXT
+    with pytest.raises(KeyError, match="no parameter 'methd'.*'method'"):
+        set_parameters(PBTXT, {"methd": "ngram"})
+
+
+def test_parameter_edits_from_the_command_line():
+    settings = ["speculative_decoding.micro_batches=1", "draft_proposer.method=ngram", "draft_proposer.k=a=b"]
+    assert parameter_edits(settings) == {
+        "speculative_decoding": {"micro_batches": "1"},
+        "draft_proposer": {"method": "ngram", "k": "a=b"},  # the value is everything after the first '='
+    }
+    for bad in ("micro_batches=1", "speculative_decoding.micro_batches", ".x=1"):
+        with pytest.raises(ValueError, match="--param must look like MODEL.KEY=VALUE"):
+            parameter_edits([bad])
+
+
+def test_make_variant_copies_edits_and_makes_relative_paths_absolute(tmp_path):
+    src = tmp_path / "repo"
+    (src / "draft_proposer" / "1").mkdir(parents=True)
+    (tmp_path / "models" / "tiny-draft").mkdir(parents=True)
+    (src / "draft_proposer" / "config.pbtxt").write_text(PBTXT)
+    (src / "draft_proposer" / "1" / "model.py").write_text("pass\n")
+    dest = make_variant(src, tmp_path / "elsewhere" / "variant", {"draft_proposer": {"method": "ngram"}})
+    params = get_parameters((dest / "draft_proposer" / "config.pbtxt").read_text())
+    assert params == {"method": "ngram", "draft_model": str(tmp_path / "models" / "tiny-draft"),
+                      "num_speculative_tokens": "4"}
+    assert (dest / "draft_proposer" / "1" / "model.py").read_text() == "pass\n"
+    assert (src / "draft_proposer" / "config.pbtxt").read_text() == PBTXT
+    with pytest.raises(KeyError, match="no model 'nope'.*draft_proposer"):
+        make_variant(src, tmp_path / "v2", {"nope": {}})
