@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.fast.runner import FastCausalLM, ForwardCall
+from specdec.cached_lm import CachedLM, ForwardCall
+from specdec.fast.runner import FastCausalLM
 from specdec.models import CachedCausalLM
 
 # One forward of one sequence: (seq_id, position, token_ids, num_logits) -> logits
@@ -89,37 +90,32 @@ def forward_ms(
     gen = torch.Generator().manual_seed(seed)
     runs = []
     for name, (model, num_tokens) in shapes.items():
-        forward, vocab_size, device = _one_sequence_forward(model)
-        ids = torch.randint(0, vocab_size, (context_len + num_tokens,), generator=gen).tolist()
+        forward, lm = _one_sequence_forward(model)
+        ids = torch.randint(0, lm.vocab_size, (context_len + num_tokens,), generator=gen).tolist()
         forward(name, 0, ids[:context_len], 1)
-        runs.append((name, forward, device, ids[context_len:]))
+        runs.append((name, forward, lm, ids[context_len:]))
     times: dict[str, list[float]] = {name: [] for name in shapes}
     for i in range(warmup + repeats):
-        for name, forward, device, step in runs:
-            synchronize(device)
+        for name, forward, lm, step in runs:
+            synchronize(lm.device)
             start = time.perf_counter()
             forward(name, context_len, step, len(step))
-            synchronize(device)
+            synchronize(lm.device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
-    for name, (model, _) in shapes.items():
-        if isinstance(model, FastCausalLM):
-            model.release(name)  # the timing sequences leave no slot taken
+    for name, _, lm, _ in runs:
+        lm.release(name)  # the timing sequences leave no slot taken
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def _one_sequence_forward(model: torch.nn.Module | FastCausalLM) -> tuple[ForwardFn, int, torch.device]:
-    if isinstance(model, FastCausalLM):
-        def fast_forward(seq_id: str, position: int, ids: list[int], num_logits: int):
-            return model.forward([ForwardCall(seq_id, position, ids, num_logits)])
+def _one_sequence_forward(model: torch.nn.Module | CachedLM) -> tuple[ForwardFn, CachedLM]:
+    """A one-call forward over ``model``'s ``CachedLM`` (a Hugging Face module gets the ``hf`` engine's)."""
+    lm = CachedCausalLM(model) if isinstance(model, torch.nn.Module) else model
 
-        return fast_forward, model.vocab_size, model.device
-    lm = CachedCausalLM(model, device=next(model.parameters()).device)
+    def forward(seq_id: str, position: int, ids: list[int], num_logits: int):
+        return lm.forward([ForwardCall(seq_id, position, ids, num_logits)])
 
-    def hf_forward(seq_id: str, position: int, ids: list[int], num_logits: int):
-        return lm.forward(seq_id, position, ids, num_logits=num_logits)
-
-    return hf_forward, lm.vocab_size, lm.device
+    return forward, lm
 
 
 def synchronize(device: torch.device) -> None:

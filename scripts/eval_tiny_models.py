@@ -22,7 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 from bench.workload import held_out_texts  # noqa: E402
 from specdec.engine import GenerationParams, generate  # noqa: E402
-from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
+from specdec.build import build_lm  # noqa: E402
+from specdec.models import load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
 from specdec.proposers.ngram import NgramProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
@@ -80,8 +81,8 @@ def main() -> None:
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(args.target)
-    target = load_causal_lm(args.target, dtype="float32")
-    draft = load_causal_lm(args.draft, dtype="float32")
+    target = build_lm(args.target, "hf", dtype="float32")
+    draft = build_lm(args.draft, "hf", dtype="float32")
     prompts = held_out_prompts(tokenizer, args.num_prompts, args.prompt_tokens)
     verifier = TargetVerifier(target)
     sampler = RejectionSampler("strict")

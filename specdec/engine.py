@@ -6,7 +6,9 @@ state machine and makes no model calls, so the same logic drives the in-process
 for BLS requests. One step:
 
 1. ``propose_request`` asks for ``k_eff = min(k, tokens left - 1)`` drafts, so that
-   accepting every draft plus the bonus token never exceeds ``max_tokens``;
+   accepting every draft plus the bonus token never exceeds ``max_tokens``; it sends
+   the proposer only the tokens it has not been sent (a step that drafts nothing
+   sends nothing, and the next request carries what it missed);
 2. ``verify_request`` feeds ``[last, d_1 .. d_k']`` at ``position = len(tokens) - 1``,
    which also cuts the target cache back past any drafts rejected last step;
 3. the rejection sampler returns the accepted drafts plus a recovered or bonus token;
@@ -110,7 +112,7 @@ class SequenceState:
         seed = params.sampling.seed
         self._base_seed = seed if seed is not None else secrets.randbits(63)
         self._step = 0  # step 0 is the prefill
-        self.drafted_last_step = False  # False: a proposer has tokens to catch up on (the prompt, plain steps)
+        self._num_sent_to_proposer = 0  # sequence length the proposer has been sent
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
@@ -134,15 +136,22 @@ class SequenceState:
         return max(0, min(self.params.num_speculative_tokens, left - 1))
 
     def propose_request(self, max_drafts: int | None = None) -> ProposeRequest | None:
-        """This step's drafts to ask for, at most ``max_drafts`` (a length policy's choice) if given."""
+        """This step's drafts to ask for, at most ``max_drafts`` (a length policy's choice) if given.
+
+        Carries the tokens the proposer has not been sent, from ``position`` on, and counts
+        them as sent: the proposer keeps the sequence, so none is sent twice.
+        """
         self._check_running()
         k = self.num_draft_tokens() if max_drafts is None else min(self.num_draft_tokens(), max_drafts)
         if k <= 0:
             return None
         banned = self._num_banned(k)  # draft i becomes output index len(output_ids) + i
+        tokens = self.token_ids
+        position, self._num_sent_to_proposer = self._num_sent_to_proposer, len(tokens)
         return ProposeRequest(
             seq_id=self.seq_id,
-            token_ids=self.token_ids,
+            position=position,
+            token_ids=tokens[position:],
             num_tokens=k,
             sampling=self.params.sampling,
             seed=derive_seed(self._base_seed, self._step, PROPOSE_STREAM),
@@ -190,7 +199,6 @@ class SequenceState:
         if self._step > 0:
             self._record(num_drafts, result.num_accepted)
         self._step += 1
-        self.drafted_last_step = num_drafts > 0
         new_token_ids: list[int] = []
         for token in tokens:
             self.output_ids.append(token)

@@ -46,8 +46,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class ProposeRequest:
+    """Ask for k drafts; like a ``VerifyRequest``, it carries only what the proposer has not been sent.
+
+    The caller (``SequenceState``) keeps how much of the sequence it has sent; the
+    proposer keeps the tokens (and, for a draft model, the KV cache) and discards
+    whatever it held past ``position``, so a rejected draft or a skipped step costs
+    no whole-sequence comparison.
+    """
+
     seq_id: str
-    token_ids: list[int]  # the whole sequence so far (prompt + output)
+    position: int  # sequence index of token_ids[0]; the proposer drops what it held past it
+    token_ids: list[int]  # the tokens the proposer has not been sent yet (prompt, then accepted output)
     num_tokens: int  # k: how many tokens to propose (may be 0)
     sampling: SamplingParams
     seed: int  # seed for this call's draws (derived per step by the engine)
@@ -106,6 +115,21 @@ class SampleCall:
             draft_probs=None if self.draft_probs is None else self.draft_probs.to(device),
             verify=VerifyResult(self.verify.argmax.to(device), None if probs is None else probs.to(device)),
         )
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a served model is, told once at load instead of on every data response.
+
+    The orchestrator checks requests against the limits and the draft against the
+    target (``check_draft_compatible``) before the first step.
+    """
+
+    model: str  # the checkpoint directory's resolved path; "ngram" for prompt lookup; "" for the sampler
+    vocab_size: int | None  # width of p or q; None: no vocabulary (n-gram, sampler)
+    max_model_len: int | None  # tokens a sequence may hold; None: unbounded
+    max_num_seqs: int | None  # sequences held at once; None: unbounded
+    method: str  # "target", "draft_model", "ngram", or the rejection sampler's method
 
 
 @dataclass

@@ -9,9 +9,8 @@ for rejected drafts is discarded by the next call, whose ``position`` cuts it ba
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
 
-from specdec.models import CachedCausalLM, OwnsOneModel
+from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.sampling import greedy_tokens, process_logits
 from specdec.types import VerifyRequest, VerifyResult
 
@@ -26,16 +25,16 @@ def verify_result(logits: torch.Tensor, request: VerifyRequest) -> VerifyResult:
 
 
 class TargetVerifier(OwnsOneModel):
-    """Verifies drafts with any Hugging Face ``AutoModelForCausalLM``.
+    """Verifies the drafts of every request of a call in one forward of the target ``CachedLM``.
 
-    Requests in a batch run one after another over per-sequence ``DynamicCache``s;
-    this generic path defines the contract a batched static-cache engine keeps.
+    The fast engine runs the calls as one ragged batch (a CUDA graph where it fits);
+    the ``hf`` engine runs them one after another. Either way the verifier owns no
+    cache of its own: ``position`` addresses the LM's.
     """
 
-    def __init__(self, model: PreTrainedModel, device: str | torch.device = "cpu", max_model_len: int | None = None):
-        self._lm = CachedCausalLM(model, device, max_model_len)
+    def __init__(self, lm: CachedLM):
+        self.lm = lm
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        return [
-            verify_result(self._lm.forward(r.seq_id, r.position, r.token_ids, r.num_logits), r) for r in requests
-        ]
+        calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
+        return [verify_result(logits, r) for logits, r in zip(self.lm.forward(calls), requests)]

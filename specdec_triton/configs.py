@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from specdec.build import ENGINES
 from specdec.models import DTYPE_CHOICES
 from specdec.proposers import PROPOSERS
 from specdec.proposers.ngram import NgramConfig
@@ -19,9 +20,8 @@ from specdec_triton.plumbing import ParameterError, Parameters
 
 DEFAULT_TARGET_MODEL = "../models/tiny-target"  # relative to the model repository directory
 DEFAULT_DRAFT_MODEL = "../models/tiny-draft"
-# fast: Llama-family checkpoints, every sequence of a dynamic batch in one forward over a
-# static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
-ENGINES = ("fast", "hf")
+# ENGINES (specdec.build) fast: Llama-family checkpoints, every sequence of a dynamic batch in one forward
+# over a static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
 DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
 
 

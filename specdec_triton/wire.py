@@ -17,8 +17,11 @@ BLS round trip and one forward serve them all. A lone sequence may leave out the
 
 A distribution that is absent (greedy ``p``, one-hot ``q``) has no rows; when no
 sequence has one it travels as a ``[0, 0]`` array, so every model always returns the
-same outputs; the one exception is ``CALL_COST_OUTPUTS``, answered only to the
-request that asks for them.
+same outputs.
+
+What a model is and its limits are not data: a request with ``describe`` set gets
+the model's ``ModelDescription`` (``DESCRIBE_OUTPUTS``) and nothing else, once, at
+the orchestrator's start.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from specdec.call_costs import CallCosts, MeasuredOnce
 from specdec.rejection_sampler import METHODS
 from specdec.types import (
+    ModelDescription,
     Proposal,
     ProposeRequest,
     SampleCall,
@@ -48,16 +51,16 @@ REJECTION_SAMPLER = "rejection_sampler"
 
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
-PROPOSE_INPUTS = ("seq_id", "release", "measure_call_costs", "token_ids", "num_token_ids", "num_tokens",
+PROPOSE_INPUTS = ("seq_id", "release", "describe", "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
-PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "max_num_seqs")
-VERIFY_INPUTS = ("seq_id", "release", "measure_call_costs", "position", "token_ids", "num_token_ids", "num_logits",
+PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs")
+VERIFY_INPUTS = ("seq_id", "release", "describe", "position", "token_ids", "num_token_ids", "num_logits",
                  *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS)  # fmt: skip
-VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs", "max_model_len", "vocab_size",
-                  "max_num_seqs")  # fmt: skip
-# answered only to a request with measure_call_costs set (specdec.call_costs)
-CALL_COST_OUTPUTS = ("call_cost_sequences", "call_cost_tokens", "call_cost_seconds")
-SAMPLE_INPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
+VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")
+# answered, and only these, to a request with describe set; -1 encodes None (no limit, no vocabulary)
+DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model_len", "describe_max_num_seqs",
+                    "describe_method")  # fmt: skip
+SAMPLE_INPUTS = ("describe", "draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
                  "has_target_probs", "target_token_ids", "seed", "rejection_sample_method")  # fmt: skip
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", "rejection_sample_method")
 TOKENIZE_INPUTS = ("text_input", "stop_words")
@@ -181,40 +184,42 @@ def is_release(inputs: Mapping[str, np.ndarray]) -> bool:
     return scalar(inputs, "release", bool, False)
 
 
-# --- call costs: the limits probe of the adaptive speculation length -----------------------------
+# --- describe: what a model is and its limits, asked once at load ------------------------------
 
 
-def measure_call_costs_input() -> dict[str, np.ndarray]:
-    """Added to a proposer or verifier request: answer with the measured call costs too."""
-    return {"measure_call_costs": _one(True, np.bool_)}
+def describe_inputs() -> dict[str, np.ndarray]:
+    return {"describe": _one(True, np.bool_)}
 
 
-def wants_call_costs(inputs: Mapping[str, np.ndarray]) -> bool:
-    return scalar(inputs, "measure_call_costs", bool, False)
+def is_describe(inputs: Mapping[str, np.ndarray]) -> bool:
+    return scalar(inputs, "describe", bool, False)
 
 
-def call_cost_outputs(costs: CallCosts) -> dict[str, np.ndarray]:
+def _or_minus_one(value: int | None) -> np.ndarray:
+    return _one(-1 if value is None else value, np.int64)
+
+
+def description_outputs(desc: ModelDescription) -> dict[str, np.ndarray]:
     return {
-        "call_cost_sequences": _i64(costs.sequences),  # [N]
-        "call_cost_tokens": _i64(costs.tokens),  # [T]: rows to score (verify) or drafts (propose) per sequence
-        "call_cost_seconds": np.asarray(costs.seconds, dtype=np.float32).reshape(len(costs.sequences), -1),  # [N, T]
+        "describe_model": bytes_array([desc.model]),  # [1]
+        "describe_vocab_size": _or_minus_one(desc.vocab_size),  # [1]
+        "describe_max_model_len": _or_minus_one(desc.max_model_len),  # [1]
+        "describe_max_num_seqs": _or_minus_one(desc.max_num_seqs),  # [1]
+        "describe_method": bytes_array([desc.method]),  # [1]
     }
 
 
-def add_call_costs(batch: Sequence[Mapping[str, np.ndarray]], outputs: list[dict], costs: MeasuredOnce) -> list[dict]:
-    """``outputs``, with the call costs added to those of the requests that asked for them."""
-    for inputs, out in zip(batch, outputs):
-        if wants_call_costs(inputs):
-            out.update(call_cost_outputs(costs.get()))
-    return outputs
+def description_of(outputs: Mapping[str, np.ndarray]) -> ModelDescription:
+    def limit(name: str) -> int | None:
+        value = int(np.asarray(outputs[name]).reshape(-1)[0])
+        return None if value == -1 else value
 
-
-def call_costs_of(outputs: Mapping[str, np.ndarray]) -> CallCosts:
-    seconds = np.asarray(outputs["call_cost_seconds"], dtype=np.float64)
-    return CallCosts(
-        sequences=tuple(_i64(outputs["call_cost_sequences"]).tolist()),
-        tokens=tuple(_i64(outputs["call_cost_tokens"]).tolist()),
-        seconds=tuple(tuple(row) for row in seconds.tolist()),
+    return ModelDescription(
+        model=text(outputs, "describe_model"),
+        vocab_size=limit("describe_vocab_size"),
+        max_model_len=limit("describe_max_model_len"),
+        max_num_seqs=limit("describe_max_num_seqs"),
+        method=text(outputs, "describe_method"),
     )
 
 
@@ -256,7 +261,8 @@ def _bans_of(inputs: Mapping[str, np.ndarray], count_name: str, count: int) -> l
 def propose_inputs(requests: Sequence[ProposeRequest]) -> dict[str, np.ndarray]:
     return {
         "seq_id": bytes_array([r.seq_id for r in requests]),  # [S]
-        "token_ids": _flat([r.token_ids for r in requests]),  # each prompt + output so far, concatenated
+        "position": _i64([r.position for r in requests]),  # [S]
+        "token_ids": _flat([r.token_ids for r in requests]),  # tokens the proposer has not been sent, concatenated
         "num_token_ids": _i32([len(r.token_ids) for r in requests]),  # [S]
         "num_tokens": _i32([r.num_tokens for r in requests]),  # [S]: k
         **_sampling_inputs([r.sampling for r in requests]),
@@ -272,6 +278,7 @@ def propose_requests_of(inputs: Mapping[str, np.ndarray]) -> list[ProposeRequest
     _required(inputs, "token_ids")
     fields = zip(
         seq_ids,
+        _each(inputs, "position", count, int, 0),
         _split(inputs, "token_ids", "num_token_ids", count),
         _each(inputs, "num_tokens", count, int, 0),
         _sampling_of(inputs, count),
@@ -279,20 +286,19 @@ def propose_requests_of(inputs: Mapping[str, np.ndarray]) -> list[ProposeRequest
         _bans_of(inputs, "num_banned_tokens", count),
     )
     return [
-        ProposeRequest(seq_id, token_ids, num_tokens, sampling, seed, num_banned, banned)
-        for seq_id, token_ids, num_tokens, sampling, seed, (num_banned, banned) in fields
+        ProposeRequest(seq_id, position, token_ids, num_tokens, sampling, seed, num_banned, banned)
+        for seq_id, position, token_ids, num_tokens, sampling, seed, (num_banned, banned) in fields
     ]
 
 
-def proposal_outputs(proposals: Sequence[Proposal], max_num_seqs: int | None) -> dict[str, np.ndarray]:
-    """One proposal per sequence of the request (none for a release); ``max_num_seqs`` None: no limit."""
+def proposal_outputs(proposals: Sequence[Proposal]) -> dict[str, np.ndarray]:
+    """One proposal per sequence of the request (none for a release)."""
     probs, has_probs = _stack_probs([p.probs for p in proposals])
     return {
         "draft_token_ids": _flat([p.token_ids.cpu().tolist() for p in proposals]),  # [sum of k'], k' <= k
         "num_draft_tokens": _i32([len(p.token_ids) for p in proposals]),  # [S]: k' of each sequence
         "draft_probs": probs,  # [sum of k' over has_draft_probs, vocab] q; one-hot q has no rows
         "has_draft_probs": has_probs,  # [S]
-        "max_num_seqs": _one(max_num_seqs or 0, np.int64),  # 0: no limit
     }
 
 
@@ -337,18 +343,13 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
     ]
 
 
-def verify_outputs(
-    results: Sequence[VerifyResult], max_model_len: int | None, vocab_size: int, max_num_seqs: int | None
-) -> dict[str, np.ndarray]:
-    """One result per sequence (none for a release); every response also reports the limits."""
+def verify_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
+    """One result per sequence (none for a release)."""
     probs, has_probs = _stack_probs([r.probs for r in results])
     return {
         "target_token_ids": _flat([r.argmax.cpu().tolist() for r in results]),  # [sum of num_logits] argmax
         "target_probs": probs,  # [sum of num_logits over has_target_probs, vocab] p; greedy has no rows
         "has_target_probs": has_probs,  # [S]
-        "max_model_len": _one(max_model_len or 0, np.int64),  # 0: no limit
-        "vocab_size": _one(vocab_size, np.int64),
-        "max_num_seqs": _one(max_num_seqs or 0, np.int64),  # 0: no limit
     }
 
 
@@ -357,11 +358,6 @@ def verify_results_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[in
     argmax = _split(outputs, "target_token_ids", list(num_logits), len(num_logits))
     probs = _unstack_probs(outputs, "target_probs", list(num_logits))
     return [VerifyResult(argmax=torch.tensor(ids, dtype=torch.long), probs=p) for ids, p in zip(argmax, probs)]
-
-
-def optional_limit(outputs: Mapping[str, np.ndarray], name: str) -> int | None:
-    """A limit reported by a proposer or verifier response; None when it reports 0 (no limit)."""
-    return int(outputs[name].reshape(-1)[0]) or None
 
 
 # --- rejection_sampler -------------------------------------------------------------------------

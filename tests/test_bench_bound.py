@@ -59,4 +59,4 @@ def test_forward_ms_times_the_fast_engine_and_frees_its_slots(tiny_llama, tmp_pa
     lm = FastCausalLM(tmp_path, dtype="float32", max_num_seqs=2, max_model_len=32)
     times = forward_ms({"target_1": (lm, 1), "target_3": (lm, 3)}, context_len=16, repeats=3, warmup=1)
     assert sorted(times) == ["target_1", "target_3"] and all(0 < t < 1000 for t in times.values())
-    assert lm.num_sequences == 0
+    assert lm.num_active_sequences == 0

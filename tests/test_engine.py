@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec.engine import GenerationParams, SequenceState, StepOutput, generate
-from specdec.models import common_prefix_length
+from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import Proposal, SampleResult, SamplingParams
@@ -42,23 +42,23 @@ def run(proposer, verifier, prompt, params, sampler=None) -> tuple[list[int], li
 
 def test_k0_is_plain_autoregressive_decoding(target_model, hf_greedy):
     proposer = Recording(NgramProposer(1, 1))
-    out, steps = run(proposer, TargetVerifier(target_model), PROMPT, GenerationParams(max_tokens=12))
+    out, steps = run(proposer, TargetVerifier(CachedCausalLM(target_model)), PROMPT, GenerationParams(max_tokens=12))
     assert out == hf_greedy(target_model, PROMPT, 12)
     assert proposer.calls == [] and all(len(s.new_token_ids) == 1 for s in steps)
     assert steps[-1].stats.num_steps == 11 and steps[-1].stats.num_draft_tokens == 0
-    out_without_proposer, _ = run(None, TargetVerifier(target_model), PROMPT, GenerationParams(max_tokens=12))
+    out_without_proposer, _ = run(None, TargetVerifier(CachedCausalLM(target_model)), PROMPT, GenerationParams(max_tokens=12))
     assert out_without_proposer == out
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 12])
 def test_k_larger_than_the_remaining_budget_never_overshoots(target_model, hf_greedy, max_tokens):
-    proposer = Recording(DraftModelProposer(target_model))  # draft == target: every draft is accepted
+    proposer = Recording(DraftModelProposer(CachedCausalLM(target_model)))  # draft == target: every draft is accepted
     params = GenerationParams(max_tokens=max_tokens, num_speculative_tokens=10)
-    out, steps = run(proposer, TargetVerifier(target_model), PROMPT, params)
+    out, steps = run(proposer, TargetVerifier(CachedCausalLM(target_model)), PROMPT, params)
     assert out == hf_greedy(target_model, PROMPT, max_tokens)
     assert steps[-1].finish_reason == "length"
     for request in proposer.calls:
-        left = max_tokens - (len(request.token_ids) - len(PROMPT))
+        left = max_tokens - (request.position + len(request.token_ids) - len(PROMPT))
         assert 1 <= request.num_tokens <= left - 1
     # Every draft is accepted, so one speculative step fills whatever budget the prefill left.
     assert len(proposer.calls) == (1 if max_tokens > 2 else 0)
@@ -67,7 +67,7 @@ def test_k_larger_than_the_remaining_budget_never_overshoots(target_model, hf_gr
 def test_empty_proposals_still_emit_one_token_per_step(target_model, hf_greedy):
     proposer = Recording(NgramProposer(prompt_lookup_min=50))  # never matches
     params = GenerationParams(max_tokens=10, num_speculative_tokens=3)
-    out, steps = run(proposer, TargetVerifier(target_model), PROMPT, params)
+    out, steps = run(proposer, TargetVerifier(CachedCausalLM(target_model)), PROMPT, params)
     assert out == hf_greedy(target_model, PROMPT, 10)
     assert len(proposer.calls) == 8  # the last step has room for no draft
     stats = steps[-1].stats
@@ -91,7 +91,7 @@ def test_nothing_after_an_eos_inside_accepted_drafts(target_model, hf_greedy):
     eos = reference[j]
     sampler = Recording(RejectionSampler())
     params = GenerationParams(max_tokens=30, num_speculative_tokens=k, eos_token_ids=(eos,))
-    out, steps = run(DraftModelProposer(target_model), TargetVerifier(target_model), PROMPT, params, sampler)
+    out, steps = run(DraftModelProposer(CachedCausalLM(target_model)), TargetVerifier(CachedCausalLM(target_model)), PROMPT, params, sampler)
     assert out == reference[: j + 1]
     assert steps[-1].finish_reason == "stop" and steps[-1].new_token_ids[-1] == eos
     last_result = sampler.calls[-1].output_token_ids.tolist()
@@ -112,7 +112,7 @@ def test_stop_sequences_end_the_output_and_are_included(target_model, hf_greedy)
     stop = tuple(reference[j : j + 2])
     never = next(t for t in range(target_model.config.vocab_size) if t not in reference)
     params = GenerationParams(max_tokens=30, num_speculative_tokens=4, stop_token_sequences=((never,), stop))
-    out, steps = run(DraftModelProposer(target_model), TargetVerifier(target_model), PROMPT, params)
+    out, steps = run(DraftModelProposer(CachedCausalLM(target_model)), TargetVerifier(CachedCausalLM(target_model)), PROMPT, params)
     assert out == reference[: j + 2]
     assert steps[-1].finished and steps[-1].finish_reason == "stop"
 
@@ -120,11 +120,11 @@ def test_stop_sequences_end_the_output_and_are_included(target_model, hf_greedy)
 @pytest.mark.parametrize("draft", ["none", "equal", "random"])
 def test_min_tokens_bans_eos_like_hf_min_new_tokens(target_model, draft_model, hf_greedy, draft):
     eos = hf_greedy(target_model, PROMPT, 1)[0]  # the target's first greedy token
-    proposer = {"none": None, "equal": DraftModelProposer(target_model), "random": DraftModelProposer(draft_model)}
+    proposer = {"none": None, "equal": DraftModelProposer(CachedCausalLM(target_model)), "random": DraftModelProposer(CachedCausalLM(draft_model))}
     params = GenerationParams(
         max_tokens=20, min_tokens=4, num_speculative_tokens=0 if draft == "none" else 3, eos_token_ids=(eos,)
     )
-    out, _ = run(proposer[draft], TargetVerifier(target_model), PROMPT, params)
+    out, _ = run(proposer[draft], TargetVerifier(CachedCausalLM(target_model)), PROMPT, params)
     assert eos not in out[:4]
     assert out == hf_greedy(target_model, PROMPT, 20, eos_token_id=eos, min_new_tokens=4)
 
@@ -133,14 +133,14 @@ def test_min_tokens_holds_back_stop_sequences(target_model, hf_greedy):
     reference = hf_greedy(target_model, PROMPT, 12)
     stop = tuple(reference[0:2])  # would stop at once without min_tokens
     params = GenerationParams(max_tokens=12, min_tokens=5, stop_token_sequences=(stop,))
-    out, _ = run(None, TargetVerifier(target_model), PROMPT, params)
+    out, _ = run(None, TargetVerifier(CachedCausalLM(target_model)), PROMPT, params)
     assert len(out) >= 6 and out[:2] == list(stop)
 
 
 def test_seeded_sampling_is_reproducible(target_model, draft_model):
     def sample(seed):
         params = GenerationParams(max_tokens=16, num_speculative_tokens=3, sampling=SamplingParams(1.0, 8, 1.0, seed))
-        out, steps = run(DraftModelProposer(draft_model), TargetVerifier(target_model), PROMPT, params)
+        out, steps = run(DraftModelProposer(CachedCausalLM(draft_model)), TargetVerifier(CachedCausalLM(target_model)), PROMPT, params)
         return out, [len(s.new_token_ids) for s in steps]
 
     assert sample(42) == sample(42)
@@ -149,7 +149,7 @@ def test_seeded_sampling_is_reproducible(target_model, draft_model):
 
 def test_stats_count_steps_drafts_and_accepted_positions(target_model):
     params = GenerationParams(max_tokens=13, num_speculative_tokens=3)
-    _, steps = run(DraftModelProposer(target_model), TargetVerifier(target_model), PROMPT, params)
+    _, steps = run(DraftModelProposer(CachedCausalLM(target_model)), TargetVerifier(CachedCausalLM(target_model)), PROMPT, params)
     assert all(s.stats is None for s in steps[:-1])
     stats = steps[-1].stats
     assert (stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 9)
@@ -158,7 +158,7 @@ def test_stats_count_steps_drafts_and_accepted_positions(target_model):
 
 
 def test_release_on_finish_early_close_and_errors(target_model, draft_model):
-    verifier, proposer = TargetVerifier(target_model), DraftModelProposer(draft_model)
+    verifier, proposer = TargetVerifier(CachedCausalLM(target_model)), DraftModelProposer(CachedCausalLM(draft_model))
     params = GenerationParams(max_tokens=8, num_speculative_tokens=2)
     steps = generate(proposer, verifier, RejectionSampler(), PROMPT, params, seq_id="x")
     next(steps)
@@ -190,7 +190,7 @@ def test_a_failing_proposer_still_releases_the_verifier(target_model):
         def release(self, seq_id):
             self.released.append(seq_id)
 
-    verifier, proposer = TargetVerifier(target_model), Broken()
+    verifier, proposer = TargetVerifier(CachedCausalLM(target_model)), Broken()
     with pytest.raises(RuntimeError, match="proposer failed"):
         run(proposer, verifier, PROMPT, GenerationParams(max_tokens=4, num_speculative_tokens=2))
     assert verifier.num_active_sequences == 0 and len(proposer.released) == 1
@@ -217,7 +217,7 @@ def test_prompt_plus_max_tokens_must_fit_the_model(target_model):
     GenerationParams(max_tokens=4).validate(max_model_len=10, prompt_len=6)
     with pytest.raises(ValueError, match="max_model_len=10"):
         GenerationParams(max_tokens=5).validate(max_model_len=10, prompt_len=6)
-    verifier = TargetVerifier(target_model, max_model_len=len(PROMPT) + 3)
+    verifier = TargetVerifier(CachedCausalLM(target_model, max_model_len=len(PROMPT) + 3))
     with pytest.raises(ValueError, match="max_tokens"):
         next(generate(None, verifier, RejectionSampler(), PROMPT, GenerationParams(max_tokens=4)))
 
@@ -231,7 +231,7 @@ def test_prompt_plus_max_tokens_must_fit_the_model(target_model):
     ],
 )
 def test_token_ids_outside_the_vocabulary_are_rejected(target_model, prompt, params, named):
-    verifier = TargetVerifier(target_model)
+    verifier = TargetVerifier(CachedCausalLM(target_model))
     with pytest.raises(ValueError, match=f"{named} must lie in \\[0, 256\\)"):
         next(generate(None, verifier, RejectionSampler(), prompt, params))
     assert verifier.num_active_sequences == 0
@@ -239,7 +239,7 @@ def test_token_ids_outside_the_vocabulary_are_rejected(target_model, prompt, par
 
 def test_speculation_requires_a_proposer(target_model):
     with pytest.raises(ValueError, match="proposer"):
-        next(generate(None, TargetVerifier(target_model), RejectionSampler(), PROMPT,
+        next(generate(None, TargetVerifier(CachedCausalLM(target_model)), RejectionSampler(), PROMPT,
                       GenerationParams(num_speculative_tokens=2)))
 
 
@@ -262,7 +262,7 @@ def test_state_machine_positions_and_token_flow():
     assert state.commit(None, result([20], 0)).new_token_ids == [20]
 
     request = state.propose_request()
-    assert (request.token_ids, request.num_tokens) == ([10, 11, 12, 20], 3)
+    assert (request.position, request.token_ids, request.num_tokens) == (0, [10, 11, 12, 20], 3)
     assert request.seed != state.sample_seed()  # draft and sampler draw from independent streams
     drafts = proposal([21, 22, 23])
     verify = state.verify_request(drafts)
@@ -273,6 +273,7 @@ def test_state_machine_positions_and_token_flow():
     # Drafts past position 5 were rejected: the next verify starts at the last emitted token.
     request = state.propose_request()
     assert request.num_tokens == 3  # 5 of 8 left -> min(3, 5 - 1)
+    assert (request.position, request.token_ids) == (4, [21, 30])  # only what the proposer was not sent
     verify = state.verify_request(proposal([31]))
     assert (verify.position, verify.token_ids, verify.num_logits) == (5, [30, 31], 2)
     assert state.stats.accepted_per_position == [1, 0, 0]
@@ -326,20 +327,14 @@ def test_snapshot_keeps_the_state_of_its_step():
     assert frozen.prompt_ids == state.prompt_ids and not frozen.finished
 
 
-def test_common_prefix_length_against_a_plain_loop():
-    def slow(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-
-    generator = torch.Generator().manual_seed(0)
-
-    def draw(high, size=()):
-        return torch.randint(0, high, size, generator=generator)
-
-    for _ in range(300):
-        a = draw(3, (int(draw(40)),)).tolist()  # a small alphabet: long common runs
-        b = a[: int(draw(len(a) + 1))] + draw(3, (int(draw(5)),)).tolist()
-        assert common_prefix_length(a, b) == slow(a, b) == common_prefix_length(b, a)
-    assert common_prefix_length([], [1]) == 0 and common_prefix_length([1, 2], [1, 2]) == 2
+def test_a_step_that_drafts_nothing_leaves_its_tokens_to_the_next_request():
+    """k = 0 sends nothing, so the next propose request starts where the last one ended."""
+    state = SequenceState("s", [10, 11], GenerationParams(max_tokens=8, num_speculative_tokens=2))
+    state.commit(None, result([20], 0))  # the prefill
+    first = state.propose_request()
+    assert (first.position, first.token_ids) == (0, [10, 11, 20])
+    state.commit(proposal([21, 22]), result([21, 22, 23], 2))
+    assert state.propose_request(max_drafts=0) is None  # a length policy's k = 0: nothing is sent
+    state.commit(None, result([24], 0))
+    request = state.propose_request()
+    assert (request.position, request.token_ids) == (3, [21, 22, 23, 24])

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.fast import FastCausalLM, FastDraftProposer, FastTargetVerifier, ForwardCall
+from specdec.fast import FastCausalLM, ForwardCall
 from specdec.fast.cuda_graphs import StaticShapeRunner, batch_buckets
+from specdec.proposers import DraftModelProposer
 from specdec.types import ProposeRequest, SamplingParams, VerifyRequest
+from specdec.verifier import TargetVerifier
 from test_fast_llama import random_ids, save_checkpoint
 
 ATOL = 1e-4
@@ -64,9 +66,9 @@ def cuda_test(fn):
 def test_cuda_graph_verifier_matches_eager(llama, dtype):
     path, _ = llama
     kwargs = dict(dtype=dtype, device="cuda", max_num_seqs=4, max_model_len=64)
-    graphed = FastTargetVerifier(path, cuda_graphs=True, **kwargs)
-    eager = FastTargetVerifier(path, cuda_graphs=False, **kwargs)
-    assert graphed._lm.graphs is not None and eager._lm.graphs is None
+    graphed = TargetVerifier(FastCausalLM(path, cuda_graphs=True, **kwargs))
+    eager = TargetVerifier(FastCausalLM(path, cuda_graphs=False, **kwargs))
+    assert graphed.lm.graphs is not None and eager.lm.graphs is None
     sampled = SamplingParams(temperature=0.7)
     for step in ragged_steps():
         requests = [VerifyRequest(c.seq_id, c.position, c.token_ids, c.num_logits, sampled) for c in step]
@@ -80,11 +82,11 @@ def test_cuda_graph_verifier_matches_eager(llama, dtype):
 def test_cuda_graph_draft_matches_eager(llama):
     path, _ = llama
     kwargs = dict(dtype="float32", device="cuda", max_num_seqs=2, max_model_len=64)
-    graphed = FastDraftProposer(path, cuda_graphs=True, **kwargs)
-    eager = FastDraftProposer(path, cuda_graphs=False, **kwargs)
+    graphed = DraftModelProposer(FastCausalLM(path, cuda_graphs=True, **kwargs))
+    eager = DraftModelProposer(FastCausalLM(path, cuda_graphs=False, **kwargs))
     ids = {"a": random_ids(9, 35), "b": random_ids(3, 36)}
     for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
-        requests = [ProposeRequest(s, t, 4, sampling, seed=i) for i, (s, t) in enumerate(ids.items())]
+        requests = [ProposeRequest(s, 0, t, 4, sampling, seed=i) for i, (s, t) in enumerate(ids.items())]
         for g, e in zip(graphed.propose(requests), eager.propose(requests)):
             assert torch.equal(g.token_ids, e.token_ids)
             if sampling.greedy:

@@ -1,11 +1,12 @@
-"""FastDraftProposer keeps DraftModelProposer's contract and draw order, batched across sequences."""
+"""DraftModelProposer on the fast engine: the hf engine's drafts and draw order, batched across sequences."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specdec.models import CachedCausalLM
 from specdec.engine import GenerationParams, generate
-from specdec.fast import FastDraftProposer, FastTargetVerifier
+from specdec.fast import FastCausalLM
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import ProposeRequest, SamplingParams
@@ -27,13 +28,13 @@ def target(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("target"), seed=21)
 
 
-def request(seq_id: str, token_ids: list[int], k: int, sampling=GREEDY, seed: int = 0) -> ProposeRequest:
-    return ProposeRequest(seq_id, token_ids, k, sampling, seed)
+def request(seq_id: str, token_ids: list[int], k: int, sampling=GREEDY, seed: int = 0, position=0) -> ProposeRequest:
+    return ProposeRequest(seq_id, position, token_ids[position:], k, sampling, seed)
 
 
 def test_greedy_proposals_equal_hf_greedy_continuation(draft):
     path, hf = draft
-    proposer = FastDraftProposer(path, dtype="float32", max_num_seqs=4, max_model_len=64)
+    proposer = DraftModelProposer(FastCausalLM(path, dtype="float32", max_num_seqs=4, max_model_len=64))
     seqs = {"a": random_ids(6, 21), "b": random_ids(3, 22), "c": random_ids(4, 23)}
     ks = {"a": 4, "b": 2, "c": 0}
     proposals = proposer.propose([request(s, ids, ks[s]) for s, ids in seqs.items()])
@@ -42,10 +43,11 @@ def test_greedy_proposals_equal_hf_greedy_continuation(draft):
         assert proposal.token_ids.tolist() == (hf_greedy(hf, ids, ks[s]) if ks[s] else []), s
     # Next round: a accepted 2 drafts then took another token (rollback), b accepted all, c joins.
     a_drafts, b_drafts = proposals[0].token_ids.tolist(), proposals[1].token_ids.tolist()
+    sent = {s: len(ids) for s, ids in seqs.items()}
     seqs["a"] += a_drafts[:2] + [(a_drafts[2] + 1) % 128]
     seqs["b"] += b_drafts + [5]
     ks = {"a": 3, "b": 5, "c": 3}
-    proposals = proposer.propose([request(s, ids, ks[s]) for s, ids in seqs.items()])
+    proposals = proposer.propose([request(s, ids, ks[s], position=sent[s]) for s, ids in seqs.items()])
     for (s, ids), proposal in zip(seqs.items(), proposals):
         assert proposal.token_ids.tolist() == hf_greedy(hf, ids, ks[s]), s
     assert proposer.num_active_sequences == 3
@@ -58,10 +60,10 @@ def test_sampled_proposals_are_deterministic_per_seed_and_match_generic(draft):
     def run(proposer, seeds):
         return proposer.propose([request(s, t, 5, SAMPLED, seeds[s]) for s, t in ids.items()])
 
-    fast_1 = run(FastDraftProposer(path, dtype="float32", max_num_seqs=2, max_model_len=64), {"a": 1, "b": 2})
-    fast_2 = run(FastDraftProposer(path, dtype="float32", max_num_seqs=2, max_model_len=64), {"a": 1, "b": 2})
-    other = run(FastDraftProposer(path, dtype="float32", max_num_seqs=2, max_model_len=64), {"a": 3, "b": 4})
-    generic = run(DraftModelProposer(hf, max_model_len=64), {"a": 1, "b": 2})
+    fast_1 = run(DraftModelProposer(FastCausalLM(path, dtype="float32", max_num_seqs=2, max_model_len=64)), {"a": 1, "b": 2})
+    fast_2 = run(DraftModelProposer(FastCausalLM(path, dtype="float32", max_num_seqs=2, max_model_len=64)), {"a": 1, "b": 2})
+    other = run(DraftModelProposer(FastCausalLM(path, dtype="float32", max_num_seqs=2, max_model_len=64)), {"a": 3, "b": 4})
+    generic = run(DraftModelProposer(CachedCausalLM(hf, max_model_len=64)), {"a": 1, "b": 2})
     for p1, p2, g, o in zip(fast_1, fast_2, generic, other):
         assert torch.equal(p1.token_ids, p2.token_ids) and torch.equal(p1.probs, p2.probs)
         assert torch.equal(p1.token_ids, g.token_ids)  # same generator, same draw order
@@ -74,15 +76,17 @@ def test_sampled_proposals_are_deterministic_per_seed_and_match_generic(draft):
 
 def test_release_and_length_check(draft):
     path, _ = draft
-    proposer = FastDraftProposer(path, dtype="float32", max_num_seqs=1, max_model_len=8)
+    proposer = DraftModelProposer(FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=8))
     proposer.propose([request("s", [1, 2, 3], 2)])
     proposer.release("s")
-    assert proposer.num_active_sequences == 0
+    assert proposer.num_active_sequences == 0 and proposer.lm.num_active_sequences == 0
     proposer.propose([request("t", [1, 2, 3, 4, 5], 4)])  # 5 tokens + 3 fed drafts fill max_model_len
     with pytest.raises(ValueError, match="exceed max_model_len=8"):
         proposer.propose([request("t", [1, 2, 3, 4, 5], 5)])
-    with pytest.raises(ValueError, match="must not be empty"):
+    with pytest.raises(ValueError, match="token_ids is empty at position 0"):
         proposer.propose([request("u", [], 1)])
+    with pytest.raises(ValueError, match="seq 't': position 6 is past the 5 tokens the proposer holds"):
+        proposer.propose([request("t", [1, 2, 3, 4, 5, 6, 7], 1, position=6)])
     nothing = proposer.propose([request("t", [1, 2], 0)])  # no request drafts: no forward at all
     assert nothing[0].token_ids.shape == (0,) and nothing[0].probs is None
 
@@ -90,8 +94,8 @@ def test_release_and_length_check(draft):
 def test_engine_greedy_with_fast_pair_equals_hf_generate(draft, target):
     draft_path, _ = draft
     target_path, target_hf = target
-    proposer = FastDraftProposer(draft_path, dtype="float32", max_num_seqs=1, max_model_len=64)
-    verifier = FastTargetVerifier(target_path, dtype="float32", max_num_seqs=1, max_model_len=64)
+    proposer = DraftModelProposer(FastCausalLM(draft_path, dtype="float32", max_num_seqs=1, max_model_len=64))
+    verifier = TargetVerifier(FastCausalLM(target_path, dtype="float32", max_num_seqs=1, max_model_len=64))
     prompt = random_ids(6, 26)
     params = GenerationParams(max_tokens=16, num_speculative_tokens=3)
     out = [t for step in generate(proposer, verifier, RejectionSampler(), prompt, params) for t in step.new_token_ids]
@@ -104,9 +108,9 @@ def test_engine_sampled_fast_pair_equals_generic_pair(draft, target):
     params = GenerationParams(max_tokens=16, num_speculative_tokens=3, sampling=SamplingParams(0.9, 0, 1.0, seed=7))
     prompt = random_ids(5, 27)
     pairs = [
-        (FastDraftProposer(draft_path, dtype="float32", max_num_seqs=1, max_model_len=64),
-         FastTargetVerifier(target_path, dtype="float32", max_num_seqs=1, max_model_len=64)),
-        (DraftModelProposer(draft_hf, max_model_len=64), TargetVerifier(target_hf, max_model_len=64)),
+        (DraftModelProposer(FastCausalLM(draft_path, dtype="float32", max_num_seqs=1, max_model_len=64)),
+         TargetVerifier(FastCausalLM(target_path, dtype="float32", max_num_seqs=1, max_model_len=64))),
+        (DraftModelProposer(CachedCausalLM(draft_hf, max_model_len=64)), TargetVerifier(CachedCausalLM(target_hf, max_model_len=64))),
     ]
     fast, generic = (
         [t for step in generate(p, v, RejectionSampler(), prompt, params, seq_id="r") for t in step.new_token_ids]
@@ -120,11 +124,11 @@ def test_min_tokens_bans_reach_the_draft(draft, sampling):
     """The first num_banned_tokens drafts avoid the banned ids (q is 0 there); later ones may use them."""
     path, hf = draft
     ids = random_ids(6, 26)
-    plain = DraftModelProposer(hf, max_model_len=64).propose([request("a", ids, 4, sampling, 3)])[0]
+    plain = DraftModelProposer(CachedCausalLM(hf, max_model_len=64)).propose([request("a", ids, 4, sampling, 3)])[0]
     banned = tuple(dict.fromkeys(plain.token_ids.tolist()[:2]))  # what the draft would propose first
-    for proposer in (FastDraftProposer(path, dtype="float32", max_num_seqs=1, max_model_len=64),
-                     DraftModelProposer(hf, max_model_len=64)):
-        proposal = proposer.propose([ProposeRequest("a", ids, 4, sampling, 3, num_banned_tokens=2,
+    for proposer in (DraftModelProposer(FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=64)),
+                     DraftModelProposer(CachedCausalLM(hf, max_model_len=64))):
+        proposal = proposer.propose([ProposeRequest("a", 0, ids, 4, sampling, 3, num_banned_tokens=2,
                                                     banned_token_ids=banned)])[0]
         assert not set(proposal.token_ids.tolist()[:2]) & set(banned)
         if proposal.probs is not None:

@@ -60,8 +60,8 @@ def test_runner_full_batch_fails_before_touching_any_sequence(tmp_path):
     lm.forward([ForwardCall("a", 0, [1, 2, 3, 4], 1)])
     with pytest.raises(RuntimeError, match="max_num_seqs=2"):
         lm.forward([ForwardCall("a", 2, [5], 1), ForwardCall("b", 0, [1], 1), ForwardCall("c", 0, [1], 1)])
-    assert lm.num_sequences == 1 and lm.cached_length("a") == 4
+    assert lm.num_active_sequences == 1 and lm.cached_length("a") == 4
     lm.release("a")
-    assert lm.num_sequences == 0
+    assert lm.num_active_sequences == 0
     lm.forward([ForwardCall("b", 0, [1], 1), ForwardCall("c", 0, [2], 1)])
-    assert lm.num_sequences == 2
+    assert lm.num_active_sequences == 2

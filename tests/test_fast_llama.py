@@ -187,7 +187,7 @@ def test_request_errors_leave_state_untouched(llama):
         lm.forward([ForwardCall("s", 3, [VOCAB], 1)])
     with pytest.raises(ValueError, match="each seq_id once"):
         lm.forward([ForwardCall("s", 3, [1], 1), ForwardCall("s", 3, [1], 1)])
-    assert lm.cached_length("s") == 3 and lm.num_sequences == 1
+    assert lm.cached_length("s") == 3 and lm.num_active_sequences == 1
 
 
 def test_sliding_window_shorter_than_max_model_len_is_rejected(tmp_path):

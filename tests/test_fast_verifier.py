@@ -1,4 +1,4 @@
-"""FastTargetVerifier keeps the generic TargetVerifier's contract, batched into one forward."""
+"""TargetVerifier on the fast engine: the hf engine's results, every request in one batched forward."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from specdec.fast import FastTargetVerifier
-from specdec.models import load_causal_lm
+from specdec.fast import FastCausalLM
+from specdec.models import CachedCausalLM, load_causal_lm
 from specdec.sampling import process_logits
 from specdec.types import SamplingParams, VerifyRequest
 from specdec.verifier import TargetVerifier
@@ -34,7 +34,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 def test_batched_greedy_decode_equals_hf_generate(target):
     path, hf = target
-    verifier = FastTargetVerifier(path, dtype="float32", max_num_seqs=4, max_model_len=64)
+    verifier = TargetVerifier(FastCausalLM(path, dtype="float32", max_num_seqs=4, max_model_len=64))
     prompts = {"a": random_ids(5, 11), "b": random_ids(9, 12), "c": random_ids(1, 13)}
     seqs = {s: list(p) for s, p in prompts.items()}
     results = verifier.verify([VerifyRequest(s, 0, p, 1, GREEDY) for s, p in prompts.items()])  # prefill
@@ -53,8 +53,8 @@ def test_batched_greedy_decode_equals_hf_generate(target):
 
 def test_results_match_generic_verifier_with_rollback_and_bans(target):
     path, hf = target
-    fast = FastTargetVerifier(path, dtype="float32", max_num_seqs=2, max_model_len=64)
-    generic = TargetVerifier(hf, max_model_len=64)
+    fast = TargetVerifier(FastCausalLM(path, dtype="float32", max_num_seqs=2, max_model_len=64))
+    generic = TargetVerifier(CachedCausalLM(hf, max_model_len=64))
     assert fast.vocab_size == generic.vocab_size and fast.max_model_len == 64
     ids = random_ids(20, 14)
     banned_token = int(hf(torch.tensor([ids[:10]])).logits[0, -1].argmax())  # x's greedy choice at row 0
@@ -81,7 +81,7 @@ def test_results_match_generic_verifier_with_rollback_and_bans(target):
 
 def test_sampled_probs_are_process_logits_of_hf_logits(target):
     path, hf = target
-    verifier = FastTargetVerifier(path, dtype="float32", max_num_seqs=1, max_model_len=64)
+    verifier = TargetVerifier(FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=64))
     ids = random_ids(8, 15)
     result = verifier.verify([VerifyRequest("s", 0, ids, 3, SAMPLED)])[0]
     with torch.no_grad():
@@ -92,7 +92,7 @@ def test_sampled_probs_are_process_logits_of_hf_logits(target):
 
 def test_position_past_cache_is_rejected(target):
     path, _ = target
-    verifier = FastTargetVerifier(path, dtype="float32", max_num_seqs=1, max_model_len=64)
+    verifier = TargetVerifier(FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=64))
     verifier.verify([VerifyRequest("s", 0, [1, 2], 1, GREEDY)])
     with pytest.raises(ValueError, match="position 3 is outside the 2 tokens cached"):
         verifier.verify([VerifyRequest("s", 3, [1], 1, GREEDY)])
@@ -103,7 +103,7 @@ def test_shipped_target_matches_hf():
     if not SHIPPED_TARGET.is_dir():
         pytest.skip(f"shipped target not found at {SHIPPED_TARGET}")
     hf = load_causal_lm(SHIPPED_TARGET, dtype="float32")
-    verifier = FastTargetVerifier(SHIPPED_TARGET, dtype="float32", max_num_seqs=1, max_model_len=64)
+    verifier = TargetVerifier(FastCausalLM(SHIPPED_TARGET, dtype="float32", max_num_seqs=1, max_model_len=64))
     prompt = random_ids(7, 16)
     out = list(prompt)
     result = verifier.verify([VerifyRequest("s", 0, prompt, 1, GREEDY)])[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.models import CachedCausalLM
 from specdec.engine import GenerationParams, generate
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.rejection_sampler import RejectionSampler
@@ -69,7 +70,7 @@ def assert_equal_up_to_ties(model, prompt_ids: list[int], ours: list[int], refer
 
 
 def run_engine(proposer, target, prompt_ids, k, max_tokens, eos_token_ids=()) -> tuple[list[int], RequestStats]:
-    verifier = TargetVerifier(target)
+    verifier = TargetVerifier(CachedCausalLM(target))
     params = GenerationParams(max_tokens=max_tokens, num_speculative_tokens=k, eos_token_ids=eos_token_ids)
     out: list[int] = []
     for step in generate(proposer, verifier, RejectionSampler(), prompt_ids, params):
@@ -79,9 +80,9 @@ def run_engine(proposer, target, prompt_ids, k, max_tokens, eos_token_ids=()) ->
 
 def make_proposer(method: str, target, draft):
     if method == "draft_random":
-        return DraftModelProposer(draft)
+        return DraftModelProposer(CachedCausalLM(draft))
     if method == "draft_equal":
-        return DraftModelProposer(target)
+        return DraftModelProposer(CachedCausalLM(target))
     return NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
 
 
@@ -118,7 +119,7 @@ def test_shipped_pair_matches_target_greedy(method, k, shipped_pair, hf_greedy):
     eos = tokenizer.eos_token_id
     assert eos is not None, "the shipped tokenizer must define an EOS token"
     if method == "draft_model":
-        proposer = DraftModelProposer(shipped_pair.draft)
+        proposer = DraftModelProposer(CachedCausalLM(shipped_pair.draft))
     else:
         proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
     accepted = 0

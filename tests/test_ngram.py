@@ -1,4 +1,4 @@
-"""Prompt-lookup proposer: longest suffix match, earliest occurrence, vLLM's bounds."""
+"""Prompt-lookup proposer: longest suffix match, earliest occurrence, vLLM's bounds, the tokens it keeps."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from specdec.types import ProposeRequest, SamplingParams
 
 
 def propose(proposer: NgramProposer, token_ids: list[int], k: int) -> list[int]:
-    request = ProposeRequest(seq_id="s", token_ids=token_ids, num_tokens=k, sampling=SamplingParams(), seed=0)
+    request = ProposeRequest(seq_id="s", position=0, token_ids=token_ids, num_tokens=k, sampling=SamplingParams(), seed=0)
     (proposal,) = proposer.propose([request])
     assert proposal.probs is None and proposal.token_ids.dtype == torch.long
     return proposal.token_ids.tolist()
@@ -17,11 +17,11 @@ def propose(proposer: NgramProposer, token_ids: list[int], k: int) -> list[int]:
 
 def test_min_tokens_ban_cuts_the_proposal_at_a_banned_draft():
     tokens = [5, 6, 0, 7, 8, 5, 6]  # [5, 6] recurs: the continuation is [0, 7, 8]
-    request = ProposeRequest("s", tokens, 3, SamplingParams(), 0, num_banned_tokens=1, banned_token_ids=(0,))
+    request = ProposeRequest("s", 0, tokens, 3, SamplingParams(), 0, num_banned_tokens=1, banned_token_ids=(0,))
     assert NgramProposer(2, 2).propose([request])[0].token_ids.tolist() == []
-    request = ProposeRequest("s", tokens, 3, SamplingParams(), 0, num_banned_tokens=1, banned_token_ids=(7,))
+    request = ProposeRequest("s", 0, tokens, 3, SamplingParams(), 0, num_banned_tokens=1, banned_token_ids=(7,))
     assert NgramProposer(2, 2).propose([request])[0].token_ids.tolist() == [0, 7, 8]  # 7 is banned at index 0 only
-    request = ProposeRequest("s", tokens, 3, SamplingParams(), 0, num_banned_tokens=2, banned_token_ids=(7,))
+    request = ProposeRequest("s", 0, tokens, 3, SamplingParams(), 0, num_banned_tokens=2, banned_token_ids=(7,))
     assert NgramProposer(2, 2).propose([request])[0].token_ids.tolist() == [0]
 
 
@@ -95,7 +95,42 @@ def test_factory_builds_ngram_and_rejects_unknown_methods():
         make_proposer("eagle")
 
 
-def test_release_is_a_noop():
+def test_position_based_requests_propose_what_the_whole_sequence_does():
+    """Each request brings only new tokens (some steps none at all); drafts equal a fresh proposer's."""
+    proposer = NgramProposer(1, 3)
+    sequence = [1, 2, 3, 4, 1, 2]
+    sent = 0
+    for new in ([3, 9], [], [1, 2, 3], [4, 4], [], [1], [2, 3]):
+        sequence += new
+        if not new and sent:  # a step that drafts nothing sends nothing; the next request catches up
+            continue
+        request = ProposeRequest("s", sent, sequence[sent:], 3, SamplingParams(), 0)
+        drafts = proposer.propose([request])[0].token_ids.tolist()
+        assert drafts == propose(NgramProposer(1, 3), sequence, 3)
+        sent = len(sequence)
+    assert proposer.num_active_sequences == 1
+    # A rejected tail is cut back: position 4 drops what was held past it.
+    cut = ProposeRequest("s", 4, [7, 7], 2, SamplingParams(), 0)
+    assert proposer.propose([cut])[0].token_ids.tolist() == propose(NgramProposer(1, 3), sequence[:4] + [7, 7], 2)
+
+
+def test_a_gap_or_an_empty_sequence_is_refused_by_name():
+    proposer = NgramProposer(1, 2)
+    with pytest.raises(ValueError, match=r"seq 'x': position 2 is past the 0 tokens the proposer holds"):
+        proposer.propose([ProposeRequest("x", 2, [1], 1, SamplingParams(), 0)])
+    with pytest.raises(ValueError, match=r"seq 'x': token_ids is empty at position 0"):
+        proposer.propose([ProposeRequest("x", 0, [], 1, SamplingParams(), 0)])
+    proposer.propose([ProposeRequest("x", 0, [1, 2, 1], 1, SamplingParams(), 0)])
+    with pytest.raises(ValueError, match=r"seq 'x': position 5 is past the 3 tokens"):
+        proposer.propose([ProposeRequest("x", 5, [2], 1, SamplingParams(), 0)])
+
+
+def test_release_frees_the_tokens():
     proposer = NgramProposer(1, 2)
     proposer.release("unknown")
     assert propose(proposer, [1, 2, 1], 1) == [2]
+    assert proposer.num_active_sequences == 1
+    proposer.release("s")
+    assert proposer.num_active_sequences == 0
+    with pytest.raises(ValueError, match="position 3 is past the 0 tokens"):
+        proposer.propose([ProposeRequest("s", 3, [2], 1, SamplingParams(), 0)])

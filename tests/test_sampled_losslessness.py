@@ -16,6 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdec.models import CachedCausalLM
 from specdec.engine import GenerationParams, generate
 from specdec.proposers import DraftModelProposer
 from specdec.rejection_sampler import RejectionSampler
@@ -82,7 +83,7 @@ def accept_every_draft(draft_token_ids, draft_probs, verify: VerifyResult, seed:
 
 def sample_first_tokens(target, draft, sampler, num_samples: int) -> Counter:
     """First NUM_TOKENS outputs of ``num_samples`` generations seeded 0 .. num_samples - 1."""
-    verifier, proposer = TargetVerifier(target), DraftModelProposer(draft)
+    verifier, proposer = TargetVerifier(CachedCausalLM(target)), DraftModelProposer(CachedCausalLM(draft))
     counts: Counter = Counter()
     for seed in range(num_samples):
         params = GenerationParams(

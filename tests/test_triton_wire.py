@@ -9,8 +9,8 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from specdec.call_costs import CallCosts, MeasuredOnce
 from specdec.types import (
+    ModelDescription,
     Proposal,
     ProposeRequest,
     SampleCall,
@@ -29,11 +29,12 @@ SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in fl
 MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
-    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS + wire.CALL_COST_OUTPUTS,
+    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                           configs.DraftProposerConfig),
-    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.VERIFY_OUTPUTS + wire.CALL_COST_OUTPUTS,
+    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.VERIFY_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                            configs.TargetVerifierConfig),
-    wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS, wire.SAMPLE_OUTPUTS, configs.RejectionSamplerConfig),
+    wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS, wire.SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
+                             configs.RejectionSamplerConfig),
     "speculative_decoding": (GENERATE_INPUTS, GENERATE_OUTPUTS, configs.OrchestratorConfig),
     "ensemble": (GENERATE_INPUTS, GENERATE_OUTPUTS, None),
 }
@@ -57,7 +58,9 @@ def test_config_declares_exactly_the_wire_tensors(model):
         assert config.max_batch_size > 0 and config.HasField("dynamic_batching")
         # a request carries any number of sequences: every per-sequence input is ragged
         assert all(t.allow_ragged_batch for t in config.input if list(t.dims) == [-1])
-        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release", "measure_call_costs"]
+        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release", "describe"]
+    if wire.DESCRIBE_OUTPUTS[0] in [t.name for t in config.output]:  # a describe request carries nothing else
+        assert all(t.optional for t in config.input)
     else:
         assert config.max_batch_size == 0
 
@@ -85,21 +88,22 @@ GREEDY = SamplingParams()
 
 def test_propose_round_trip_of_packed_sequences():
     requests = [
-        ProposeRequest("s1", [1, 2, 3], 4, SAMPLING, seed=2**63 + 5),
-        ProposeRequest("s2", [7], 2, GREEDY, seed=1, num_banned_tokens=2, banned_token_ids=(0, 9)),
-        ProposeRequest("s3", [4, 5], 0, GREEDY, seed=3, num_banned_tokens=1, banned_token_ids=(8,)),
+        ProposeRequest("s1", 0, [1, 2, 3], 4, SAMPLING, seed=2**63 + 5),
+        ProposeRequest("s2", 17, [7], 2, GREEDY, seed=1, num_banned_tokens=2, banned_token_ids=(0, 9)),
+        ProposeRequest("s3", 5, [], 0, GREEDY, seed=3, num_banned_tokens=1, banned_token_ids=(8,)),
     ]
-    assert wire.propose_requests_of(wire.propose_inputs(requests)) == requests
+    inputs = wire.propose_inputs(requests)
+    assert inputs["position"].tolist() == [0, 17, 5] and inputs["token_ids"].tolist() == [1, 2, 3, 7]
+    assert wire.propose_requests_of(inputs) == requests
     assert "banned_token_ids" not in wire.propose_inputs(requests[:1])  # no bans, no ban inputs
     q = torch.softmax(torch.randn(2, 7), dim=-1)  # [k, vocab]
     proposals = [Proposal(torch.tensor([3, 4]), q), Proposal(torch.tensor([5]), None), Proposal(torch.tensor([]))]
-    outputs = wire.proposal_outputs(proposals, max_num_seqs=8)
+    outputs = wire.proposal_outputs(proposals)
+    assert set(outputs) == set(wire.PROPOSE_OUTPUTS)
     back = wire.proposals_of(outputs)
     assert [p.token_ids.tolist() for p in back] == [[3, 4], [5], []]
     assert torch.equal(back[0].probs, q) and back[1].probs is None and back[2].probs is None
-    assert wire.optional_limit(outputs, "max_num_seqs") == 8
-    released = wire.proposal_outputs([], max_num_seqs=None)
-    assert wire.proposals_of(released) == [] and wire.optional_limit(released, "max_num_seqs") is None
+    assert wire.proposals_of(wire.proposal_outputs([])) == []
 
 
 def test_a_lone_sequence_may_leave_out_the_counts():
@@ -107,7 +111,9 @@ def test_a_lone_sequence_may_leave_out_the_counts():
     inputs = {"seq_id": np.array([b"s"], dtype=np.object_), "token_ids": np.array([1, 2, 3]),
               "num_tokens": np.array([2], dtype=np.int32)}  # fmt: skip
     (request,) = wire.propose_requests_of(inputs)
-    assert (request.seq_id, request.token_ids, request.num_tokens, request.sampling) == ("s", [1, 2, 3], 2, GREEDY)
+    assert (request.seq_id, request.position, request.token_ids, request.num_tokens, request.sampling) == (
+        "s", 0, [1, 2, 3], 2, GREEDY
+    )
 
 
 @pytest.mark.parametrize(
@@ -118,17 +124,18 @@ def test_a_lone_sequence_may_leave_out_the_counts():
         ({"num_tokens": np.array([2], dtype=np.int32)}, r"'num_tokens' must hold one value per sequence \(2\), got 1"),
         ({"temperature": np.array([0.5, np.nan], dtype=np.float32)}, r"'temperature' must hold finite numbers"),
         ({"seq_id": np.array([], dtype=np.object_)}, r"'seq_id' is required and must name at least one sequence"),
+        ({"position": np.array([3], dtype=np.int64)}, r"'position' must hold one value per sequence \(2\), got 1"),
     ],
 )
 def test_packed_inputs_are_checked(change, message):
-    inputs = wire.propose_inputs([ProposeRequest("a", [1, 2], 1, GREEDY, 0), ProposeRequest("b", [3], 1, GREEDY, 0)])
+    inputs = wire.propose_inputs([ProposeRequest("a", 0, [1, 2], 1, GREEDY, 0), ProposeRequest("b", 4, [3], 1, GREEDY, 0)])
     for name, value in change.items():
         inputs.pop(name) if value is None else inputs.update({name: value})
     with pytest.raises(RequestError, match=message):
         wire.propose_requests_of(inputs)
 
 
-def test_verify_round_trip_with_banned_rows_and_limits():
+def test_verify_round_trip_with_banned_rows():
     requests = [
         VerifyRequest("s", 7, [5, 6], 2, SAMPLING, num_banned_rows=1, banned_token_ids=(0, 9)),
         VerifyRequest("t", 0, [1, 2, 3, 4], 1, GREEDY),
@@ -136,13 +143,12 @@ def test_verify_round_trip_with_banned_rows_and_limits():
     assert wire.verify_requests_of(wire.verify_inputs(requests)) == requests
     p = torch.softmax(torch.randn(2, 7), dim=-1)  # [k + 1, vocab]
     results = [VerifyResult(torch.tensor([1, 2]), p), VerifyResult(torch.tensor([3]), None)]
-    outputs = wire.verify_outputs(results, None, vocab_size=7, max_num_seqs=4)
+    outputs = wire.verify_outputs(results)
+    assert set(outputs) == set(wire.VERIFY_OUTPUTS)
     back = wire.verify_results_of(outputs, [2, 1])
     assert [r.argmax.tolist() for r in back] == [[1, 2], [3]]
     assert torch.equal(back[0].probs, p) and back[1].probs is None
-    assert wire.optional_limit(outputs, "max_model_len") is None and wire.optional_limit(outputs, "max_num_seqs") == 4
-    released = wire.verify_outputs([], max_model_len=128, vocab_size=7, max_num_seqs=None)
-    assert wire.verify_results_of(released, []) == [] and wire.optional_limit(released, "max_model_len") == 128
+    assert wire.verify_results_of(wire.verify_outputs([]), []) == []
     with pytest.raises(RequestError, match=r"'target_probs' must have 3 rows .* got shape \[2, 7\]"):
         wire.verify_results_of({**outputs, "has_target_probs": np.array([True, True])}, [2, 1])
 
@@ -153,19 +159,23 @@ def test_release_inputs():
     assert not wire.is_release({"seq_id": inputs["seq_id"]})
 
 
-def test_call_costs_round_trip():
-    costs = CallCosts((1, 2, 8), (1, 5), ((0.001, 0.002), (0.0015, 0.003), (0.004, 0.0125)))  # exact in float32
-    probe = {**wire.release_inputs([""]), **wire.measure_call_costs_input()}
-    assert wire.wants_call_costs(probe) and not wire.wants_call_costs(wire.release_inputs([""]))
-    outputs = wire.call_cost_outputs(costs)
-    assert set(outputs) == set(wire.CALL_COST_OUTPUTS)
-    assert outputs["call_cost_seconds"].shape == (3, 2)
-    once = MeasuredOnce("verify", lambda: costs, lambda line: None)
-    answered = wire.add_call_costs([probe, wire.release_inputs(["a"])], [{}, {}], once)
-    assert set(answered[0]) == set(wire.CALL_COST_OUTPUTS) and answered[1] == {}  # only to the request that asked
-    back = wire.call_costs_of(outputs)
-    assert back.sequences == costs.sequences and back.tokens == costs.tokens
-    assert np.allclose(back.seconds, costs.seconds, rtol=1e-6)
+@pytest.mark.parametrize(
+    "desc",
+    [
+        ModelDescription("/models/tiny-target", 256, 2048, 8, "target"),
+        ModelDescription("/models/tiny-draft", 256, None, None, "draft_model"),
+        ModelDescription("ngram", None, None, None, "ngram"),
+        ModelDescription("", None, None, None, "probabilistic"),
+    ],
+)
+def test_describe_round_trip(desc):
+    inputs = wire.describe_inputs()
+    assert wire.is_describe(inputs) and not wire.is_describe(wire.release_inputs(["a"]))
+    outputs = wire.description_outputs(desc)
+    assert set(outputs) == set(wire.DESCRIBE_OUTPUTS)
+    assert wire.description_of(outputs) == desc
+    if desc.max_model_len is None:
+        assert outputs["describe_max_model_len"].tolist() == [-1]  # -1 encodes None
 
 
 def test_sample_round_trip_of_packed_sequences():

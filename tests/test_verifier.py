@@ -14,7 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdec.models import load_causal_lm, load_tokenizer, resolve_dtype
+from specdec.models import CachedCausalLM, load_causal_lm, load_tokenizer, resolve_dtype
 from specdec.sampling import process_logits
 from specdec.types import SamplingParams, VerifyRequest
 from specdec.verifier import TargetVerifier
@@ -57,7 +57,7 @@ def any_model(request, target_model):
 
 
 def test_rollback_by_position_matches_a_fresh_run(any_model):
-    verifier = TargetVerifier(any_model)
+    verifier = TargetVerifier(CachedCausalLM(any_model))
     reference = fresh_logits(any_model, TOKENS)  # [24, vocab]
     (prefill,) = verifier.verify([request(0, TOKENS[:10], 1)])
     assert prefill.argmax.tolist() == reference[9:10].argmax(-1).tolist()
@@ -76,7 +76,7 @@ def test_rollback_by_position_matches_a_fresh_run(any_model):
 
 
 def test_greedy_returns_argmax_only_and_applies_banned_rows(target_model):
-    verifier = TargetVerifier(target_model)
+    verifier = TargetVerifier(CachedCausalLM(target_model))
     reference = fresh_logits(target_model, TOKENS[:8])  # [8, vocab]
     top = reference[-3:].argmax(-1)  # [3]
     (plain,) = verifier.verify([request(0, TOKENS[:8], 3)])
@@ -88,7 +88,7 @@ def test_greedy_returns_argmax_only_and_applies_banned_rows(target_model):
 
 
 def test_sampled_returns_processed_probs_with_banned_rows(target_model):
-    verifier = TargetVerifier(target_model)
+    verifier = TargetVerifier(CachedCausalLM(target_model))
     logits = fresh_logits(target_model, TOKENS[:8])[-4:]  # [4, vocab]
     banned = tuple(torch.topk(logits[0], 2).indices.tolist())  # the two likeliest tokens of row 0
     (result,) = verifier.verify([request(0, TOKENS[:8], 4, SAMPLED, num_banned_rows=1, banned_token_ids=banned)])
@@ -100,7 +100,7 @@ def test_sampled_returns_processed_probs_with_banned_rows(target_model):
 
 
 def test_release_frees_each_sequence(target_model):
-    verifier = TargetVerifier(target_model)
+    verifier = TargetVerifier(CachedCausalLM(target_model))
     verifier.verify([request(0, TOKENS[:4], 1, seq_id="a"), request(0, TOKENS[:6], 1, seq_id="b")])
     assert verifier.num_active_sequences == 2
     verifier.release("a")
@@ -113,7 +113,7 @@ def test_release_frees_each_sequence(target_model):
 
 
 def test_position_beyond_the_cache_raises(target_model):
-    verifier = TargetVerifier(target_model)
+    verifier = TargetVerifier(CachedCausalLM(target_model))
     verifier.verify([request(0, TOKENS[:5], 1)])
     with pytest.raises(ValueError, match="position 6 is outside the 5 tokens cached"):
         verifier.verify([request(6, TOKENS[6:8], 1)])
@@ -127,25 +127,25 @@ def test_position_beyond_the_cache_raises(target_model):
 )
 def test_malformed_requests_raise(target_model, position, token_ids, num_logits, match):
     with pytest.raises(ValueError, match=match):
-        TargetVerifier(target_model).verify([request(position, token_ids, num_logits)])
+        TargetVerifier(CachedCausalLM(target_model)).verify([request(position, token_ids, num_logits)])
 
 
 def test_max_model_len_is_enforced(target_model):
-    verifier = TargetVerifier(target_model, max_model_len=12)
+    verifier = TargetVerifier(CachedCausalLM(target_model, max_model_len=12))
     assert verifier.max_model_len == 12
     verifier.verify([request(0, TOKENS[:12], 1)])
     with pytest.raises(ValueError, match="max_model_len=12"):
         verifier.verify([request(10, TOKENS[10:13], 1)])
-    assert TargetVerifier(target_model).max_model_len == target_model.config.max_position_embeddings
+    assert TargetVerifier(CachedCausalLM(target_model)).max_model_len == target_model.config.max_position_embeddings
     with pytest.raises(ValueError, match="max_model_len"):
-        TargetVerifier(target_model, max_model_len=0)
+        TargetVerifier(CachedCausalLM(target_model, max_model_len=0))
     limit = target_model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"exceeds the model's max_position_embeddings={limit}"):
-        TargetVerifier(target_model, max_model_len=limit + 1)
+        TargetVerifier(CachedCausalLM(target_model, max_model_len=limit + 1))
 
 
 def test_vocab_size_is_the_logits_width(target_model):
-    assert TargetVerifier(target_model).vocab_size == target_model.config.vocab_size
+    assert TargetVerifier(CachedCausalLM(target_model)).vocab_size == target_model.config.vocab_size
 
 
 @pytest.mark.parametrize(

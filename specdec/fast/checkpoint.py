@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from specdec.cached_lm import check_model_dir
 from specdec.models import check_within_positions
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -104,7 +105,7 @@ class LlamaArchConfig:
 
 
 def read_config(path: str | os.PathLike) -> LlamaArchConfig:
-    config_path = os.path.join(_check_dir(path), "config.json")
+    config_path = os.path.join(check_model_dir(path), "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in model path {os.fspath(path)!r}")
     with open(config_path) as f:
@@ -113,7 +114,7 @@ def read_config(path: str | os.PathLike) -> LlamaArchConfig:
 
 def safetensors_files(path: str | os.PathLike) -> list[str]:
     """The checkpoint's weight files: ``model.safetensors`` or the shards its index names."""
-    path = _check_dir(path)
+    path = check_model_dir(path)
     single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, SHARD_INDEX)
     if os.path.isfile(single):
         return [single]
@@ -171,11 +172,3 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[st
                     b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)
                 ])  # fmt: skip
     return state
-
-
-def _check_dir(path: str | os.PathLike) -> str:
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
-    return path
-

@@ -1,7 +1,7 @@
 """One Llama-family model, its static KV cache and (on CUDA) its captured graphs: the fast engine core.
 
-``FastCausalLM`` serves the same per-sequence contract as the generic
-``specdec.models.CachedCausalLM`` -- each call names a ``seq_id``, the ``position`` of
+``FastCausalLM`` keeps the ``specdec.cached_lm.CachedLM`` contract, as the generic
+``specdec.models.CachedCausalLM`` does -- each call names a ``seq_id``, the ``position`` of
 its first token and how many trailing logits it wants; a position below the cached
 length rolls the cache back to it -- but runs a whole list of calls as one ragged,
 right-padded batch. The target verifier and the draft proposer each own one.
@@ -9,10 +9,10 @@ right-padded batch. The target verifier and the draft proposer each own one.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
+from specdec.cached_lm import ForwardCall, check_forward_calls
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, StaticShapeRunner
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.llama import load_fast_llama
@@ -49,14 +49,6 @@ def padding_bounded_passes(lengths: list[int]) -> list[list[int]]:
     return passes
 
 
-@dataclass(frozen=True)
-class ForwardCall:
-    seq_id: str
-    position: int  # sequence index of token_ids[0]; the slot is cut back to this length first
-    token_ids: list[int]
-    num_logits: int  # logits wanted for the last num_logits tokens
-
-
 class FastCausalLM:
     def __init__(
         self,
@@ -71,6 +63,7 @@ class FastCausalLM:
         triton_attention: bool = False,
     ):
         self.device = torch.device(device)
+        self.max_num_seqs = max_num_seqs
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={str(self.device)!r}")
@@ -92,7 +85,7 @@ class FastCausalLM:
         return self.model.vocab_size
 
     @property
-    def num_sequences(self) -> int:
+    def num_active_sequences(self) -> int:
         return self.cache.num_active
 
     def cached_length(self, seq_id: str) -> int:
@@ -109,8 +102,8 @@ class FastCausalLM:
         """
         if not calls:
             return []
-        self._check(calls)
         fresh = [c.seq_id for c in calls if c.seq_id not in self.cache]
+        check_forward_calls(self, calls, len(fresh))
         for call in calls:
             if call.seq_id in self.cache:
                 self.cache.set_length(call.seq_id, call.position)  # rollback: only a length moves
@@ -153,33 +146,3 @@ class FastCausalLM:
                 self.cache.kv, kv_len=kv_len, logit_rows=rows,
             )  # [R, vocab]
         return list(logits.float().split([c.num_logits for c in calls]))
-
-    def _check(self, calls: list[ForwardCall]) -> None:
-        seq_ids = [c.seq_id for c in calls]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a batch may hold each seq_id once, got {seq_ids}")
-        vocab = self.vocab_size
-        for call in calls:
-            n, cached = len(call.token_ids), self.cache.length(call.seq_id)
-            if n == 0:
-                raise ValueError(f"seq {call.seq_id!r}: token_ids must not be empty")
-            if not 1 <= call.num_logits <= n:
-                raise ValueError(f"seq {call.seq_id!r}: num_logits must be in [1, {n}], got {call.num_logits}")
-            if not 0 <= call.position <= cached:
-                raise ValueError(
-                    f"seq {call.seq_id!r}: position {call.position} is outside the {cached} tokens cached; "
-                    f"a call may only continue or cut back the cache"
-                )
-            if call.position + n > self.max_model_len:
-                raise ValueError(
-                    f"seq {call.seq_id!r}: {call.position + n} tokens exceed max_model_len={self.max_model_len}"
-                )
-            if not all(0 <= t < vocab for t in call.token_ids):
-                raise ValueError(f"seq {call.seq_id!r}: token ids must be in [0, {vocab})")
-        fresh = sum(1 for s in seq_ids if s not in self.cache)
-        if fresh > self.cache.num_free:
-            raise RuntimeError(
-                f"KV cache is full: {fresh} new sequences but only {self.cache.num_free} of "
-                f"max_num_seqs={self.cache.max_num_seqs} slots are free; "
-                f"release finished sequences or raise max_num_seqs"
-            )

@@ -1,9 +1,9 @@
 """Proposer strategies, one per file, behind the ``Proposer`` protocol."""
 from __future__ import annotations
 
-from specdec.proposers.base import Proposer
-from specdec.proposers.draft_model import DraftModelProposer, check_vocab_compatible
-from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.base import Proposer, check_propose_requests
+from specdec.proposers.draft_model import DraftModelProposer, check_draft_compatible
+from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
 
 PROPOSERS = {"draft_model": DraftModelProposer, "ngram": NgramProposer}
 
@@ -15,4 +15,13 @@ def make_proposer(method: str, **kwargs) -> Proposer:
     return PROPOSERS[method](**kwargs)
 
 
-__all__ = ["PROPOSERS", "DraftModelProposer", "NgramProposer", "Proposer", "check_vocab_compatible", "make_proposer"]
+__all__ = [
+    "NGRAM_DESCRIPTION",
+    "PROPOSERS",
+    "DraftModelProposer",
+    "NgramProposer",
+    "Proposer",
+    "check_draft_compatible",
+    "check_propose_requests",
+    "make_proposer",
+]

@@ -3,9 +3,15 @@
 Modelled on transformers' ``CandidateGenerator``: two methods, one implementation
 per file (``draft_model.py``, ``ngram.py``). Proposals only affect speed, never the
 output distribution: the rejection sampler corrects whatever is proposed.
+
+A proposer is stateful: each ``ProposeRequest`` carries only the tokens it has not
+been sent, at ``position``, and it keeps the sequence until ``release``. So the
+caller never resends a whole sequence, and a step that drafts nothing (and sends
+nothing) is caught up by the next request, whose tokens start where the last ended.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from specdec.types import Proposal, ProposeRequest
@@ -20,3 +26,27 @@ class Proposer(Protocol):
     def release(self, seq_id: str) -> None:
         """Forget any state kept for ``seq_id``; a no-op for unknown ids."""
         ...
+
+
+def check_propose_requests(requests: list[ProposeRequest], num_held: Callable[[str], int]) -> None:
+    """Refuse, before any state moves, a request the proposer cannot place in its sequence.
+
+    ``num_held(seq_id)``: how many tokens of the sequence the proposer was sent. A
+    request may continue them or cut them back, never leave a gap: the proposer would
+    draft from a sequence with tokens missing.
+    """
+    seq_ids = [r.seq_id for r in requests]
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"a propose call may hold each seq_id once, got {seq_ids}")
+    for r in requests:
+        held = num_held(r.seq_id)
+        if not 0 <= r.position <= held:
+            raise ValueError(
+                f"seq {r.seq_id!r}: position {r.position} is past the {held} tokens the proposer holds; "
+                f"a request may only continue or cut back the sequence it was sent"
+            )
+        if r.position == 0 and not r.token_ids:
+            raise ValueError(
+                f"seq {r.seq_id!r}: token_ids is empty at position 0 (the proposer holds {held} tokens); "
+                f"there is no sequence to draft from"
+            )

@@ -2,57 +2,150 @@
 
 Leviathan et al. 2023 and Chen et al. 2023: the draft samples ``d_i ~ q(. | x, d_<i)``
 with the request's own temperature / top-k / top-p, and returns ``q`` so the
-rejection sampler can accept ``d_i`` with probability ``min(1, p / q)``. The draft
-keeps its own KV cache per sequence; each call reuses the longest common prefix of
-what it cached and the request's tokens, so accepted drafts are never recomputed.
+rejection sampler can accept ``d_i`` with probability ``min(1, p / q)``. Every request
+of a call drafts together: one ragged forward feeds each sequence the tokens its
+cache lacks, then ``k - 1`` single-token forwards extend every sequence still
+drafting. On the fast engine each is one batched pass; on the ``hf`` engine the
+``CachedLM`` loops over the sequences inside its forward.
+
+The proposer owns the draft's cache alone. It keeps each sequence's tokens followed
+by the drafts it fed itself; the tokens a request brings past ``position`` that equal
+those drafts (the accepted ones) are already cached and are not fed again, and the
+cache is cut back at the first that differs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from transformers import PreTrainedModel
 
-from specdec.models import CachedCausalLM, OwnsOneModel, common_prefix_length, model_vocab_size
+from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
+from specdec.proposers.base import check_propose_requests
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
-from specdec.types import Proposal, ProposeRequest
+from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 
-def check_vocab_compatible(draft_model: PreTrainedModel, target_model: PreTrainedModel) -> None:
-    """Rejection sampling compares ``p`` and ``q`` token by token: both need the same vocabulary."""
-    draft_vocab, target_vocab = model_vocab_size(draft_model), model_vocab_size(target_model)
-    if draft_vocab != target_vocab:
-        raise ValueError(
-            f"draft model vocab size {draft_vocab} != target model vocab size {target_vocab}; "
-            f"the draft must share the target's tokenizer and output layer width"
-        )
+def check_draft_compatible(draft: ModelDescription, target: ModelDescription) -> None:
+    """Rejection sampling compares ``p`` and ``q`` token by token: a draft model needs the target's vocabulary.
+
+    An n-gram draft copies the sequence's own tokens and has no vocabulary: it always passes.
+    """
+    if draft.vocab_size is None or draft.vocab_size == target.vocab_size:
+        return
+    raise ValueError(
+        f"draft model {draft.model!r} has vocab size {draft.vocab_size} but target model {target.model!r} "
+        f"has vocab size {target.vocab_size}; the draft must share the target's tokenizer and output layer width"
+    )
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int]  # the tokens sent, then the drafts the proposer fed itself
+    sent: int = 0  # how many of `tokens` the caller sent; a request's position may not pass it
+    cached: int = 0  # how many of `tokens` the draft's KV cache holds
+
+
+def _matching_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class DraftModelProposer(OwnsOneModel):
-    def __init__(self, model: PreTrainedModel, device: str | torch.device = "cpu", max_model_len: int | None = None):
-        self._lm = CachedCausalLM(model, device, max_model_len)
+    def __init__(self, lm: CachedLM):
+        self.lm = lm
+        self._seqs: dict[str, _Sequence] = {}
+
+    @property
+    def num_active_sequences(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+        self.lm.release(seq_id)
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        return [self._propose_one(request) for request in requests]
+        check_propose_requests(requests, lambda s: self._seqs[s].sent if s in self._seqs else 0)
+        self._check_length(requests)
+        for r in requests:
+            self._take(r)
+        drafting = [r for r in requests if r.num_tokens > 0]
+        try:
+            drafts, q_rows = self._draft(drafting)
+        except BaseException:
+            for r in drafting:  # a half-extended cache costs only a re-prefill, never a wrong token
+                self._drop_cache(r.seq_id)
+            raise
+        by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
+        proposals = []
+        for r in requests:
+            i = by_seq.get(r.seq_id)
+            ids = drafts[i] if i is not None else []
+            probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab] q
+            proposals.append(Proposal(torch.tensor(ids, dtype=torch.long, device=self.lm.device), probs))  # [k]
+        return proposals
 
-    def _propose_one(self, request: ProposeRequest) -> Proposal:
-        k, tokens, seq_id = request.num_tokens, request.token_ids, request.seq_id
-        if k <= 0:
-            return Proposal(token_ids=torch.empty(0, dtype=torch.long, device=self._lm.device))
-        # Feed at least the last token: its logits give the first draft.
-        start = min(common_prefix_length(self._lm.cached_token_ids(seq_id), tokens), len(tokens) - 1)
-        logits = self._lm.forward(seq_id, start, tokens[start:], num_logits=1)  # [1, vocab]
-        greedy = request.sampling.greedy
-        generator = None if greedy else make_generator(request.seed, self._lm.device)
-        drafts: list[torch.Tensor] = []  # k x [1]
-        q_rows: list[torch.Tensor] = []  # k x [1, vocab]
-        for i in range(k):
-            if i:
-                logits = self._lm.forward(seq_id, len(tokens) + i - 1, [int(drafts[-1])], num_logits=1)
-            banned = (int(i < request.num_banned_tokens), request.banned_token_ids)  # min_tokens
-            if greedy:
-                drafts.append(greedy_tokens(logits, *banned))
-            else:
-                q = process_logits(logits, request.sampling, *banned)  # [1, vocab]
-                drafts.append(sample_from_probs(q, generator))
-                q_rows.append(q)
-        token_ids = torch.cat(drafts)  # [k]
-        return Proposal(token_ids=token_ids, probs=torch.cat(q_rows) if q_rows else None)  # probs: [k, vocab]
+    def _take(self, request: ProposeRequest) -> None:
+        """Append the request's tokens at its position; keep the cache up to the first token it changes."""
+        seq = self._seqs.setdefault(request.seq_id, _Sequence([]))
+        kept = request.position + _matching_prefix(seq.tokens[request.position :], request.token_ids)
+        seq.cached = min(seq.cached, kept)
+        del seq.tokens[request.position :]
+        seq.tokens.extend(request.token_ids)
+        seq.sent = len(seq.tokens)
+
+    def _drop_cache(self, seq_id: str) -> None:
+        """Keep the tokens sent (the caller will not send them again); the next call re-prefills them."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            del seq.tokens[seq.sent :]
+            seq.cached = 0
+        self.lm.release(seq_id)
+
+    def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        seqs = [self._seqs[r.seq_id] for r in requests]
+        calls = []
+        for r, seq in zip(requests, seqs):
+            # Feed at least the last token: its logits give the first draft.
+            start = min(seq.cached, self.lm.cached_length(r.seq_id), len(seq.tokens) - 1)
+            calls.append(ForwardCall(r.seq_id, start, seq.tokens[start:], num_logits=1))
+        logits = self.lm.forward(calls)  # len(requests) x [1, vocab]
+        for seq in seqs:
+            seq.cached = len(seq.tokens)
+        generators = [None if r.sampling.greedy else make_generator(r.seed, self.lm.device) for r in requests]
+        drafts: list[list[int]] = [[] for _ in requests]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in requests]  # per request, k x [1, vocab]
+        live = list(range(len(requests)))
+        for step in range(max((r.num_tokens for r in requests), default=0)):
+            if step:
+                live = [i for i in live if requests[i].num_tokens > step]
+                calls = [ForwardCall(requests[i].seq_id, len(seqs[i].tokens), [drafts[i][-1]], 1) for i in live]
+                for i, row in zip(live, self.lm.forward(calls)):
+                    logits[i] = row
+                    seqs[i].tokens.append(drafts[i][-1])
+                    seqs[i].cached += 1
+            tokens = []  # len(live) x [1]
+            for i in live:
+                banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)  # min_tokens
+                if generators[i] is None:
+                    tokens.append(greedy_tokens(logits[i], *banned))
+                else:
+                    q = process_logits(logits[i], requests[i].sampling, *banned)  # [1, vocab]
+                    tokens.append(sample_from_probs(q, generators[i]))
+                    q_rows[i].append(q)
+            for i, token in zip(live, torch.cat(tokens).tolist()):  # one device sync per step
+                drafts[i].append(token)
+        return drafts, q_rows
+
+    def _check_length(self, requests: list[ProposeRequest]) -> None:
+        """k drafts feed k - 1 of them back: the sequence and those must fit ``max_model_len``."""
+        limit = self.lm.max_model_len
+        for r in requests:
+            length = r.position + len(r.token_ids)
+            if limit is not None and r.num_tokens > 0 and length + r.num_tokens - 1 > limit:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed max_model_len={limit}"
+                )

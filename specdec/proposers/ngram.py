@@ -5,6 +5,9 @@ longest suffix of the sequence, of length n in ``[prompt_lookup_min,
 prompt_lookup_max]``, that also occurs earlier in the sequence, and propose up to k
 tokens that followed its earliest occurrence. No model runs, so ``q`` is one-hot at
 the proposed tokens (``Proposal.probs`` is None). With no match it proposes nothing.
+
+It keeps each sequence's tokens, appending what each request brings at its
+``position``, so a request carries only the new tokens; ``release`` frees them.
 """
 from __future__ import annotations
 
@@ -13,9 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.types import Proposal, ProposeRequest
+from specdec.proposers.base import check_propose_requests
+from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither bound is given
+# no model, no vocabulary, no limit on what it holds
+NGRAM_DESCRIPTION = ModelDescription(model="ngram", vocab_size=None, max_model_len=None, max_num_seqs=None,
+                                     method="ngram")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,19 +76,28 @@ def find_ngram_continuation(
 
 
 class NgramProposer:
-    """Stateless prompt-lookup proposer; ``release`` has nothing to free."""
+    """Prompt lookup over the tokens each sequence has been sent, kept until ``release``."""
 
     def __init__(self, prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None):
         self.config = NgramConfig.from_optional(prompt_lookup_min, prompt_lookup_max)
+        self._tokens: dict[str, list[int]] = {}  # each sequence's tokens, prompt then output
+
+    @property
+    def num_active_sequences(self) -> int:
+        return len(self._tokens)
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        check_propose_requests(requests, lambda seq_id: len(self._tokens.get(seq_id, ())))
         return [self._propose_one(request) for request in requests]
 
     def release(self, seq_id: str) -> None:
-        return None
+        self._tokens.pop(seq_id, None)
 
     def _propose_one(self, request: ProposeRequest) -> Proposal:
-        tokens = np.asarray(request.token_ids, dtype=np.int64)  # [seq_len]
+        held = self._tokens.setdefault(request.seq_id, [])
+        del held[request.position :]
+        held.extend(request.token_ids)
+        tokens = np.asarray(held, dtype=np.int64)  # [seq_len]
         drafts = find_ngram_continuation(
             tokens, request.num_tokens, self.config.prompt_lookup_min, self.config.prompt_lookup_max
         )

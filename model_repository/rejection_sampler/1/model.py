@@ -3,11 +3,13 @@
 A request carries one sequence or several packed ones (``wire``). Callable on its own:
 draft_probs absent means one-hot q at the drafts; target_probs absent means a greedy
 target given by target_token_ids; seed absent draws a fresh one. Every response names
-the configured method; a request with no sequences asks for just that.
+the configured method; a request with no sequences asks for just that. A request with
+``describe`` set gets the sampler's ``ModelDescription`` (its method; no checkpoint).
 """
 import secrets
 
 from specdec.rejection_sampler import RejectionSampler
+from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import RejectionSamplerConfig
 from specdec_triton.plumbing import ModelLogger, ParameterError, Parameters, answer, instance_device
@@ -21,12 +23,15 @@ class TritonPythonModel:
         if config.use_triton_kernel and self.device == "cpu":
             raise ParameterError(f"{args['model_name']}: parameter 'use_triton_kernel' needs a KIND_GPU instance")
         self.sampler = RejectionSampler(config.method, config.synthetic_acceptance_rate, config.use_triton_kernel)
+        self.description = ModelDescription("", None, None, None, config.method)  # no checkpoint, no limits
         self.logger.info(f"{config} on {self.device}")
 
     def execute(self, requests):
         return answer(requests, wire.SAMPLE_INPUTS, self._sample)
 
     def _sample(self, inputs):
+        if wire.is_describe(inputs):
+            return wire.description_outputs(self.description)
         results = []
         for call in wire.sample_calls_of(inputs):  # one or more sequences
             call = call.to(self.device)

@@ -1,0 +1,39 @@
+"""Build the ``CachedLM`` a served model runs on, from its config's ``engine``.
+
+One factory, so the draft proposer and the target verifier load their checkpoints
+the same way and each adapter only names the engine.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdec.cached_lm import CachedLM, check_model_dir
+from specdec.fast.runner import FastCausalLM
+from specdec.models import CachedCausalLM
+
+ENGINES = ("fast", "hf")  # fast: Llama family, batched, static slot cache; hf: any AutoModelForCausalLM
+
+
+def build_lm(
+    path: str | os.PathLike,
+    engine: str = "fast",
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+) -> CachedLM:
+    """The checkpoint at ``path`` on ``engine``; ``max_model_len`` None: the model's ``max_position_embeddings``.
+
+    The fast engine preallocates ``max_num_seqs`` cache slots, so it needs a number;
+    the ``hf`` engine grows a cache per sequence and takes None as unbounded.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    check_model_dir(path)
+    if engine == "hf":
+        return CachedCausalLM.from_path(path, dtype, device, max_num_seqs, max_model_len)
+    if max_num_seqs is None:
+        raise ValueError("the fast engine preallocates its cache: max_num_seqs must be given")
+    return FastCausalLM(path, dtype, device, max_num_seqs, max_model_len)

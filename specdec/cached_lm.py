@@ -1,0 +1,124 @@
+"""The one contract every engine keeps: a causal LM that owns one KV cache per sequence.
+
+Each call names a ``seq_id``, the ``position`` of its first token and how many trailing
+logits it wants; the cache is cut back to ``position`` first, so rolling back rejected
+drafts moves a length and recomputes nothing (gpt-fast's ``input_pos``). The target
+verifier and the draft proposer are written once against :class:`CachedLM`; the
+``hf`` engine (:class:`specdec.models.CachedCausalLM`, any ``AutoModelForCausalLM``,
+one sequence at a time) and the ``fast`` engine (:class:`specdec.fast.FastCausalLM`,
+Llama family, ragged batches over a static slot cache) both implement it, and
+:func:`specdec.build.build_lm` picks one from a config's ``engine``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specdec.types import ModelDescription
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    seq_id: str
+    position: int  # sequence index of token_ids[0]; the cache is cut back to this length first
+    token_ids: list[int]
+    num_logits: int  # logits wanted for the last num_logits tokens
+
+
+@runtime_checkable
+class CachedLM(Protocol):
+    vocab_size: int  # width of the logits
+    max_model_len: int | None  # tokens a sequence may hold; None: unbounded
+    max_num_seqs: int | None  # sequences held at once; None: unbounded
+    device: torch.device
+
+    @property
+    def num_active_sequences(self) -> int: ...
+
+    def forward(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
+        """One float32 ``[num_logits, vocab]`` tensor per call, in order; each seq_id at most once."""
+        ...
+
+    def cached_length(self, seq_id: str) -> int:
+        """Tokens the cache holds for ``seq_id``; 0 for an unknown one."""
+        ...
+
+    def release(self, seq_id: str) -> None:
+        """Free the sequence's cache; a no-op for an unknown id."""
+        ...
+
+
+def check_forward_calls(lm: CachedLM, calls: list[ForwardCall], num_fresh: int) -> None:
+    """Refuse a batch before any cache moves: the one place both engines check their input.
+
+    ``num_fresh``: how many of the calls' sequences the engine holds no cache for yet.
+    """
+    seq_ids = [c.seq_id for c in calls]
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"a batch may hold each seq_id once, got {seq_ids}")
+    for call in calls:
+        n, cached = len(call.token_ids), lm.cached_length(call.seq_id)
+        if n == 0:
+            raise ValueError(f"seq {call.seq_id!r}: token_ids must not be empty")
+        if not 1 <= call.num_logits <= n:
+            raise ValueError(f"seq {call.seq_id!r}: num_logits must be in [1, {n}], got {call.num_logits}")
+        if not 0 <= call.position <= cached:
+            raise ValueError(
+                f"seq {call.seq_id!r}: position {call.position} is outside the {cached} tokens cached; "
+                f"a call may only continue or cut back the cache"
+            )
+        if lm.max_model_len is not None and call.position + n > lm.max_model_len:
+            raise ValueError(
+                f"seq {call.seq_id!r}: {call.position + n} tokens exceed max_model_len={lm.max_model_len}"
+            )
+        if not all(0 <= t < lm.vocab_size for t in call.token_ids):
+            raise ValueError(f"seq {call.seq_id!r}: token ids must be in [0, {lm.vocab_size})")
+    if lm.max_num_seqs is None:
+        return
+    free = lm.max_num_seqs - lm.num_active_sequences
+    if num_fresh > free:
+        raise RuntimeError(
+            f"KV cache is full: {num_fresh} new sequences but only {free} of max_num_seqs={lm.max_num_seqs} "
+            f"slots are free; release finished sequences or raise max_num_seqs"
+        )
+
+
+def check_model_dir(path: str | os.PathLike) -> str:
+    """Models load from local directories only; a missing one is named before any loader runs."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
+    return path
+
+
+def describe_lm(lm: CachedLM, path: str | os.PathLike, method: str) -> ModelDescription:
+    """What a served model tells the orchestrator at load: which checkpoint, and its limits."""
+    return ModelDescription(os.path.realpath(path), lm.vocab_size, lm.max_model_len, lm.max_num_seqs, method)
+
+
+class OwnsOneModel:
+    """What a verifier or draft proposer reports about the one :class:`CachedLM` it owns (``self.lm``)."""
+
+    lm: CachedLM
+
+    @property
+    def num_active_sequences(self) -> int:
+        return self.lm.num_active_sequences
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.lm.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int | None:
+        return self.lm.max_num_seqs
+
+    def release(self, seq_id: str) -> None:
+        self.lm.release(seq_id)
