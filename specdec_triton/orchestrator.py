@@ -150,10 +150,10 @@ class Orchestrator:
         """Streams each step's new text while the scheduler runs the sequence; returns the final outputs."""
         detokenizer = IncrementalDetokenizer(self._codec.tokenizer.backend_tokenizer) if request.stream else None
         async for step in self.scheduler.submit(state, is_cancelled).steps():
-            if detokenizer is None:
+            if detokenizer is None or step.output.finished:  # the last step's text goes in the final response
                 continue
             piece = detokenizer.push(step.output.new_token_ids)
-            if piece and not step.output.finished:
+            if piece:
                 send(self._outputs(state, step, piece), False)
         text = self._codec.decode(state.output_ids)
         if request.stream:

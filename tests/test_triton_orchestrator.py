@@ -34,6 +34,9 @@ MAX_MODEL_LEN = 96
 PROMPTS = ["the quick brown fox", "Grüße aus München", "東京は", "def f(x):\n    return"]
 
 
+class FakeMetric:
+    def __init__(self):
+        self.value = 0
         self.updates = 0  # calls that would each be a round trip to the server
 
     def increment(self, amount):
@@ -56,10 +59,6 @@ class FakeFamily:
     def Metric(self, labels):
         return FakeFamily.metrics.setdefault((self.name, tuple(sorted(labels.items()))), FakeMetric())
 
-
-class LocalStages:
-    def __init__(self, codec, proposer, verifier, sampler):
-        self.codec, self.proposer, self.verifier, self.sampler = codec, proposer, verifier, sampler
 
 class LocalStages:
     def __init__(self, codec, proposer, verifier, sampler):
