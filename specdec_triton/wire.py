@@ -63,7 +63,7 @@ DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model
 SAMPLE_INPUTS = ("describe", "draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
                  "has_target_probs", "target_token_ids", "seed", "rejection_sample_method")  # fmt: skip
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", "rejection_sample_method")
-TOKENIZE_INPUTS = ("text_input", "stop_words")
+TOKENIZE_INPUTS = ("text_input", "stop_words", "describe")
 TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
 DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
 DETOKENIZE_OUTPUTS = ("text_output",)

@@ -27,7 +27,7 @@ REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in float32, the wire type
 
 MODELS = {  # model -> (inputs, outputs, config class or None)
-    wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS, configs.TokenizerConfig),
+    wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TokenizerConfig),
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                           configs.DraftProposerConfig),

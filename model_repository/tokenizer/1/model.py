@@ -25,7 +25,7 @@ class TritonPythonModel:
         self.logger.info(f"tokenizer from {config.tokenizer_dir}, eos ids {self.codec.eos_token_ids}")
 
     def execute(self, requests):
-        return answer(requests, ("describe", *wire.TOKENIZE_INPUTS), self._tokenize)
+        return answer(requests, wire.TOKENIZE_INPUTS, self._tokenize)
 
     def _tokenize(self, inputs):
         if wire.is_describe(inputs):
