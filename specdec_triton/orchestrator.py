@@ -80,7 +80,7 @@ class Orchestrator:
         self.counters = counters
         self.active = active
         self.log = log
-        self.num_active_requests = 0  # admitted (tokenized) and not yet answered
+        self.num_active_requests = 0  # tokenized and not yet answered: running or waiting for a slot
         self.descriptions: Descriptions | None = None
         self.scheduler: StepScheduler | None = None
         self._codec: TextCodec | None = None
@@ -162,6 +162,7 @@ class Orchestrator:
         return self._final_outputs(state, prefix + text)
 
     def _record_step(self, report: StepReport) -> None:
+        self._show_running()
         if self.counters is None:
             return
         self.counters.record_step_shape(report.num_sequences, report.k)
@@ -172,8 +173,12 @@ class Orchestrator:
 
     def _count_request(self, change: int) -> None:
         self.num_active_requests += change
+        self._show_running()
+
+    def _show_running(self) -> None:
+        """The gauge shows the sequences that hold a slot, as on the stateful models; waiting ones do not."""
         if self.active is not None:
-            self.active.set(self.num_active_requests)
+            self.active.set(self.scheduler.num_running if self.scheduler is not None else 0)
 
     @staticmethod
     def _outputs(state: SequenceState, step: ScheduledStep, text: str) -> dict:
