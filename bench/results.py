@@ -20,6 +20,7 @@ and for the bound either ``mean_accepted_length`` with ``num_drafts`` and
 from __future__ import annotations
 
 import math
+import statistics
 
 from bench.bound import efficiency, speedup_bound
 
@@ -56,6 +57,19 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
+def _paired_median(row: dict, base: dict) -> float | None:
+    """The median over rounds of this row's tokens/s over its baseline's in the same round.
+
+    Rounds run every configuration in turn, so a round's two figures were measured
+    minutes apart at most: their ratio is free of the drift between rounds, and the
+    median of three or more such ratios is the speed figure to trust on a noisy machine.
+    """
+    mine, theirs = row.get("tokens_per_s_rounds"), base.get("tokens_per_s_rounds")
+    if not mine or not theirs or len(mine) != len(theirs) or not all(theirs):
+        return None
+    return statistics.median(a / b for a, b in zip(mine, theirs))
+
+
 def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
     """Add ``x_k0``, ``x_hf_plain``, and at concurrency 1 ``speedup_bound`` and ``efficiency``.
 
@@ -72,6 +86,8 @@ def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
         base = index.get((row.get("baseline"), row["concurrency"]))
         if (x := _ratio(tokens_per_s, base.get("tokens_per_s_aggregate") if base else None)) is not None:
             row["x_k0"] = x
+        if base is not None and (paired := _paired_median(row, base)) is not None:
+            row["x_k0_median"] = paired
         if hf_plain is not None and (x := _ratio(tokens_per_s, hf_plain.get("tokens_per_s_aggregate"))) is not None:
             row["x_hf_plain"] = x
         k = row.get("k")

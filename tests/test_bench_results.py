@@ -76,3 +76,17 @@ def test_match_reference_compares_outputs_prompt_by_prompt():
     outputs[("ngram k=2", 4)] = ["a", "b", "x", "d", "a", "b", "c", "d"]
     match_reference(rows, outputs, "hf plain")
     assert rows[1]["identical_outputs"] == 7 / 8
+
+
+def test_x_k0_median_pairs_each_round_with_its_baseline():
+    rows = [
+        {"config": "k0", "concurrency": 1, "tokens_per_s_aggregate": 100.0, "tokens_per_s_rounds": [100, 50, 80]},
+        {"config": "k2", "concurrency": 1, "baseline": "k0", "tokens_per_s_aggregate": 120.0,
+         "tokens_per_s_rounds": [110, 70, 160]},
+    ]
+    annotate(rows, {})
+    assert rows[1]["x_k0_median"] == pytest.approx(1.4)  # ratios 1.1, 1.4, 2.0: drift between rounds cancels
+    rows[1]["tokens_per_s_rounds"] = [110, 70]
+    del rows[1]["x_k0_median"]
+    annotate(rows, {})
+    assert "x_k0_median" not in rows[1]  # rounds that do not pair give no median
