@@ -37,12 +37,14 @@ class TritonServer:
         log_path: Path,
         env: dict[str, str] | None = None,  # added to this process's environment
         startup_timeout_s: float = 600.0,
+        cwd: Path | None = None,  # the stubs import packages from the working directory before the venv's
     ):
         self.serve_script = Path(serve_script)
         self.repository = Path(repository)
         self.log_path = Path(log_path)
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
+        self.cwd = cwd
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.process: subprocess.Popen | None = None
 
@@ -79,6 +81,7 @@ class TritonServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                cwd=self.cwd,
                 start_new_session=True,  # own process group: the stubs are stopped with the server
             )
 

@@ -58,7 +58,7 @@ def main() -> None:
         checkout = checkout.resolve()
         env = {"VENV": str(checkout / ".venv"), "OMP_NUM_THREADS": "1"}
         servers.append(TritonServer(checkout / "scripts" / "serve.sh", checkout / "model_repository",
-                                    log_dir / f"server-{i}.log", env))  # fmt: skip
+                                    log_dir / f"server-{i}.log", env, cwd=checkout))  # fmt: skip
     figures: dict[tuple[int, str, int], list[dict]] = {}
     try:
         for server in servers:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ from specdec.engine import SequenceState, StepOutput
 from specdec.rejection_sampler import match_greedy
 from specdec.speculation_length import SpeculationLength
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
+
+
+_log = logging.getLogger(__name__)  # DEBUG: one line per step with its shape
 
 
 class Stages(Protocol):
@@ -192,8 +196,14 @@ class StepScheduler:
                 output, len(sequence.state.output_ids), stats.num_draft_tokens, stats.num_accepted_tokens))
             if output.finished:
                 finished.append(sequence)
+        report = StepReport(k, tuple(steps), calls)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("step: %d sequences (%d waiting), k=%d, drafted %d, accepted %d, emitted %d; calls %s",
+                       report.num_sequences, len(self._waiting), k, sum(s.num_draft_tokens for s in steps),
+                       sum(s.num_accepted for s in steps), sum(s.num_new_tokens for s in steps),
+                       {stage: f"{n} seqs {1e3 * t:.2f} ms" for stage, (n, t) in calls.items()})  # fmt: skip
         if self.on_step is not None:
-            self.on_step(StepReport(k, tuple(steps), calls))
+            self.on_step(report)
         if finished or failed:
             self._running = [s for s in self._running if s not in finished and s not in failed]
             await self._end(finished, None)

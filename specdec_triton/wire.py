@@ -8,12 +8,10 @@ target_verifier) ``plumbing.bls(batched=True)`` and ``plumbing.answer_batch`` ad
 strip the one batch item per request.
 
 A request to draft_proposer, target_verifier or rejection_sampler carries one or more
-sequences, packed: a per-sequence value is an ``[S]`` array, a per-sequence list is
-one flat array plus ``num_<name>`` (its length for each sequence), and distributions
-are rows stacked across the sequences that have one, flagged by ``has_<name>``. The
-orchestrator sends the steps of all sequences ready at once as one request, so one
-BLS round trip and one forward serve them all. A lone sequence may leave out the
-``num_*`` and ``has_*`` inputs (the form a client calling a model on its own writes).
+sequences, packed (:mod:`specdec_triton.packing`). The step scheduler sends every
+sequence of a step as one request, so one BLS round trip and one forward serve them
+all. A lone sequence may leave out the ``num_*`` and ``has_*`` inputs (the form a
+client calling a model on its own writes).
 
 A distribution that is absent (greedy ``p``, one-hot ``q``) has no rows; when no
 sequence has one it travels as a ``[0, 0]`` array, so every model always returns the
@@ -41,6 +39,9 @@ from specdec.types import (
     VerifyRequest,
     VerifyResult,
 )
+from specdec_triton.packing import (
+    each, flat, i32, i64, one, required, split, stack_probs, unstack_probs,
+)  # fmt: skip
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 TOKENIZER = "tokenizer"
@@ -68,109 +69,11 @@ TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
 DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
 DETOKENIZE_OUTPUTS = ("text_output",)
 
-_NO_PROBS = np.zeros((0, 0), dtype=np.float32)
-
-
-def _i64(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64).reshape(-1)
-
-
-def _i32(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32).reshape(-1)
-
-
-def _one(value, dtype) -> np.ndarray:
-    return np.array([value], dtype=dtype)
-
-
-def _required(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    if name not in inputs:
-        raise RequestError(f"input '{name}' is required")
-    return inputs[name]
-
-
-# --- packing: per-sequence values, flat lists and stacked distributions -------------------------
-
-
-def _each(inputs: Mapping[str, np.ndarray], name: str, count: int, kind: type, default) -> list:
-    """One value per sequence from an ``[S]`` input; ``default`` for each when it is absent."""
-    if name not in inputs:
-        return [default] * count
-    values = np.asarray(inputs[name]).reshape(-1)
-    if values.size != count:
-        raise RequestError(f"input '{name}' must hold one value per sequence ({count}), got {values.size}")
-    if kind is float and not np.all(np.isfinite(values)):
-        raise RequestError(f"input '{name}' must hold finite numbers, got {values.tolist()}")
-    return [kind(v) for v in values.tolist()]
-
-
-def _flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
-    return _i64([value for values in lists for value in values])
-
-
-def _split(inputs: Mapping[str, np.ndarray], name: str, lengths: list[int] | str, count: int) -> list[list[int]]:
-    """A flat input cut into the sequences' lists; ``lengths`` a str: the input that holds them."""
-    flat = _i64(inputs.get(name, np.zeros(0, np.int64))).tolist()
-    if isinstance(lengths, str):
-        count_name = lengths
-        if count_name not in inputs:
-            if count != 1:
-                raise RequestError(f"input '{count_name}' is required when a request carries {count} sequences")
-            return [flat]
-        lengths = _each(inputs, count_name, count, int, 0)
-        if any(n < 0 for n in lengths):
-            raise RequestError(f"input '{count_name}' must not be negative, got {lengths}")
-    if sum(lengths) != len(flat):
-        raise RequestError(
-            f"input '{name}' holds {len(flat)} values but its sequences' lengths add up to {sum(lengths)}"
-        )
-    out, start = [], 0
-    for n in lengths:
-        out.append(flat[start : start + n])
-        start += n
-    return out
-
-
-def _stack_probs(probs: Sequence[torch.Tensor | None]) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of the sequences that have a distribution, stacked, and the ``has_*`` flag of each."""
-    has = np.array([p is not None for p in probs], dtype=np.bool_)
-    present = [p.detach().float().cpu() for p in probs if p is not None]
-    if not present:
-        return _NO_PROBS, has
-    return (present[0] if len(present) == 1 else torch.cat(present)).numpy(), has  # one alone: no copy
-
-
-def _unstack_probs(
-    inputs: Mapping[str, np.ndarray], name: str, rows: list[int]
-) -> list[torch.Tensor | None]:
-    """Each sequence's ``[rows, vocab]`` slice of ``name``, or None when it has none (``has_<name>``)."""
-    array = inputs.get(name)
-    if array is None or array.size == 0:
-        return [None] * len(rows)
-    tensor = torch.from_numpy(np.ascontiguousarray(array, np.float32))
-    flag_name = f"has_{name}"
-    if flag_name not in inputs:
-        if len(rows) == 1:  # a lone sequence: its distribution, whatever its shape (the model checks it)
-            return [tensor]
-        has = [True] * len(rows)
-    else:
-        has = _each(inputs, flag_name, len(rows), bool, False)
-    wanted = sum(n for n, h in zip(rows, has) if h)
-    if tensor.dim() != 2 or tensor.shape[0] != wanted:
-        raise RequestError(f"input '{name}' must have {wanted} rows (one per position of the flagged sequences), "
-                           f"got shape {list(tensor.shape)}")  # fmt: skip
-    out, start = [], 0
-    for n, h in zip(rows, has):
-        out.append(tensor[start : start + n] if h else None)
-        start += n if h else 0
-    return out
-
-
 # --- per-sequence state: seq_id and release ----------------------------------------------------
 
 
 def release_inputs(seq_ids: Sequence[str]) -> dict[str, np.ndarray]:
-    return {"seq_id": bytes_array(list(seq_ids)), "release": _one(True, np.bool_)}
+    return {"seq_id": bytes_array(list(seq_ids)), "release": one(True, np.bool_)}
 
 
 def seq_ids_of(inputs: Mapping[str, np.ndarray]) -> list[str]:
@@ -188,7 +91,7 @@ def is_release(inputs: Mapping[str, np.ndarray]) -> bool:
 
 
 def describe_inputs() -> dict[str, np.ndarray]:
-    return {"describe": _one(True, np.bool_)}
+    return {"describe": one(True, np.bool_)}
 
 
 def is_describe(inputs: Mapping[str, np.ndarray]) -> bool:
@@ -196,7 +99,7 @@ def is_describe(inputs: Mapping[str, np.ndarray]) -> bool:
 
 
 def _or_minus_one(value: int | None) -> np.ndarray:
-    return _one(-1 if value is None else value, np.int64)
+    return one(-1 if value is None else value, np.int64)
 
 
 def description_outputs(desc: ModelDescription) -> dict[str, np.ndarray]:
@@ -226,15 +129,15 @@ def description_of(outputs: Mapping[str, np.ndarray]) -> ModelDescription:
 def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
     return {
         "temperature": np.array([s.temperature for s in sampling], dtype=np.float32),
-        "top_k": _i32([s.top_k for s in sampling]),
+        "top_k": i32([s.top_k for s in sampling]),
         "top_p": np.array([s.top_p for s in sampling], dtype=np.float32),
     }
 
 
 def _sampling_of(inputs: Mapping[str, np.ndarray], count: int) -> list[SamplingParams]:
-    temperature = _each(inputs, "temperature", count, float, 0.0)
-    top_k = _each(inputs, "top_k", count, int, 0)
-    top_p = _each(inputs, "top_p", count, float, 1.0)
+    temperature = each(inputs, "temperature", count, float, 0.0)
+    top_k = each(inputs, "top_k", count, int, 0)
+    top_p = each(inputs, "top_p", count, float, 1.0)
     return [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
 
 
@@ -243,15 +146,15 @@ def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[i
     if not any(counts):
         return {}
     banned = [ids if n else () for n, ids in zip(counts, banned)]
-    lengths = _i32([len(ids) for ids in banned])
-    return {count_name: _i32(counts), "banned_token_ids": _flat(banned), "num_banned_token_ids": lengths}
+    lengths = i32([len(ids) for ids in banned])
+    return {count_name: i32(counts), "banned_token_ids": flat(banned), "num_banned_token_ids": lengths}
 
 
 def _bans_of(inputs: Mapping[str, np.ndarray], count_name: str, count: int) -> list[tuple[int, tuple[int, ...]]]:
-    counts = _each(inputs, count_name, count, int, 0)
+    counts = each(inputs, count_name, count, int, 0)
     if "banned_token_ids" not in inputs:
         return [(n, ()) for n in counts]
-    banned = _split(inputs, "banned_token_ids", "num_banned_token_ids", count)
+    banned = split(inputs, "banned_token_ids", "num_banned_token_ids", count)
     return [(n, tuple(ids)) for n, ids in zip(counts, banned)]
 
 
@@ -261,10 +164,10 @@ def _bans_of(inputs: Mapping[str, np.ndarray], count_name: str, count: int) -> l
 def propose_inputs(requests: Sequence[ProposeRequest]) -> dict[str, np.ndarray]:
     return {
         "seq_id": bytes_array([r.seq_id for r in requests]),  # [S]
-        "position": _i64([r.position for r in requests]),  # [S]
-        "token_ids": _flat([r.token_ids for r in requests]),  # tokens the proposer has not been sent, concatenated
-        "num_token_ids": _i32([len(r.token_ids) for r in requests]),  # [S]
-        "num_tokens": _i32([r.num_tokens for r in requests]),  # [S]: k
+        "position": i64([r.position for r in requests]),  # [S]
+        "token_ids": flat([r.token_ids for r in requests]),  # tokens the proposer has not been sent, concatenated
+        "num_token_ids": i32([len(r.token_ids) for r in requests]),  # [S]
+        "num_tokens": i32([r.num_tokens for r in requests]),  # [S]: k
         **_sampling_inputs([r.sampling for r in requests]),
         "seed": np.array([r.seed for r in requests], dtype=np.uint64),
         **_ban_inputs("num_banned_tokens", [r.num_banned_tokens for r in requests],
@@ -275,14 +178,14 @@ def propose_inputs(requests: Sequence[ProposeRequest]) -> dict[str, np.ndarray]:
 def propose_requests_of(inputs: Mapping[str, np.ndarray]) -> list[ProposeRequest]:
     seq_ids = seq_ids_of(inputs)
     count = len(seq_ids)
-    _required(inputs, "token_ids")
+    required(inputs, "token_ids")
     fields = zip(
         seq_ids,
-        _each(inputs, "position", count, int, 0),
-        _split(inputs, "token_ids", "num_token_ids", count),
-        _each(inputs, "num_tokens", count, int, 0),
+        each(inputs, "position", count, int, 0),
+        split(inputs, "token_ids", "num_token_ids", count),
+        each(inputs, "num_tokens", count, int, 0),
         _sampling_of(inputs, count),
-        _each(inputs, "seed", count, int, 0),
+        each(inputs, "seed", count, int, 0),
         _bans_of(inputs, "num_banned_tokens", count),
     )
     return [
@@ -293,10 +196,10 @@ def propose_requests_of(inputs: Mapping[str, np.ndarray]) -> list[ProposeRequest
 
 def proposal_outputs(proposals: Sequence[Proposal]) -> dict[str, np.ndarray]:
     """One proposal per sequence of the request (none for a release)."""
-    probs, has_probs = _stack_probs([p.probs for p in proposals])
+    probs, has_probs = stack_probs([p.probs for p in proposals])
     return {
-        "draft_token_ids": _flat([p.token_ids.cpu().tolist() for p in proposals]),  # [sum of k'], k' <= k
-        "num_draft_tokens": _i32([len(p.token_ids) for p in proposals]),  # [S]: k' of each sequence
+        "draft_token_ids": flat([p.token_ids.cpu().tolist() for p in proposals]),  # [sum of k'], k' <= k
+        "num_draft_tokens": i32([len(p.token_ids) for p in proposals]),  # [S]: k' of each sequence
         "draft_probs": probs,  # [sum of k' over has_draft_probs, vocab] q; one-hot q has no rows
         "has_draft_probs": has_probs,  # [S]
     }
@@ -304,8 +207,8 @@ def proposal_outputs(proposals: Sequence[Proposal]) -> dict[str, np.ndarray]:
 
 def proposals_of(outputs: Mapping[str, np.ndarray]) -> list[Proposal]:
     count = np.asarray(outputs["num_draft_tokens"]).size
-    token_ids = _split(outputs, "draft_token_ids", "num_draft_tokens", count)
-    probs = _unstack_probs(outputs, "draft_probs", [len(ids) for ids in token_ids])
+    token_ids = split(outputs, "draft_token_ids", "num_draft_tokens", count)
+    probs = unstack_probs(outputs, "draft_probs", [len(ids) for ids in token_ids])
     return [Proposal(token_ids=torch.tensor(ids, dtype=torch.long), probs=q) for ids, q in zip(token_ids, probs)]
 
 
@@ -315,10 +218,10 @@ def proposals_of(outputs: Mapping[str, np.ndarray]) -> list[Proposal]:
 def verify_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
     return {
         "seq_id": bytes_array([r.seq_id for r in requests]),  # [S]
-        "position": _i64([r.position for r in requests]),  # [S]
-        "token_ids": _flat([r.token_ids for r in requests]),  # tokens not yet in the target's cache, concatenated
-        "num_token_ids": _i32([len(r.token_ids) for r in requests]),  # [S]
-        "num_logits": _i32([r.num_logits for r in requests]),  # [S]: k + 1
+        "position": i64([r.position for r in requests]),  # [S]
+        "token_ids": flat([r.token_ids for r in requests]),  # tokens not yet in the target's cache, concatenated
+        "num_token_ids": i32([len(r.token_ids) for r in requests]),  # [S]
+        "num_logits": i32([r.num_logits for r in requests]),  # [S]: k + 1
         **_sampling_inputs([r.sampling for r in requests]),
         **_ban_inputs("num_banned_rows", [r.num_banned_rows for r in requests],
                       [r.banned_token_ids for r in requests]),  # fmt: skip
@@ -328,12 +231,12 @@ def verify_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
 def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
     seq_ids = seq_ids_of(inputs)
     count = len(seq_ids)
-    _required(inputs, "token_ids")
+    required(inputs, "token_ids")
     fields = zip(
         seq_ids,
-        _each(inputs, "position", count, int, 0),
-        _split(inputs, "token_ids", "num_token_ids", count),
-        _each(inputs, "num_logits", count, int, 1),
+        each(inputs, "position", count, int, 0),
+        split(inputs, "token_ids", "num_token_ids", count),
+        each(inputs, "num_logits", count, int, 1),
         _sampling_of(inputs, count),
         _bans_of(inputs, "num_banned_rows", count),
     )
@@ -345,9 +248,9 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
 
 def verify_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
     """One result per sequence (none for a release)."""
-    probs, has_probs = _stack_probs([r.probs for r in results])
+    probs, has_probs = stack_probs([r.probs for r in results])
     return {
-        "target_token_ids": _flat([r.argmax.cpu().tolist() for r in results]),  # [sum of num_logits] argmax
+        "target_token_ids": flat([r.argmax.cpu().tolist() for r in results]),  # [sum of num_logits] argmax
         "target_probs": probs,  # [sum of num_logits over has_target_probs, vocab] p; greedy has no rows
         "has_target_probs": has_probs,  # [S]
     }
@@ -355,8 +258,8 @@ def verify_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
 
 def verify_results_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[int]) -> list[VerifyResult]:
     """The results of a request whose sequences asked for ``num_logits`` rows each."""
-    argmax = _split(outputs, "target_token_ids", list(num_logits), len(num_logits))
-    probs = _unstack_probs(outputs, "target_probs", list(num_logits))
+    argmax = split(outputs, "target_token_ids", list(num_logits), len(num_logits))
+    probs = unstack_probs(outputs, "target_probs", list(num_logits))
     return [VerifyResult(argmax=torch.tensor(ids, dtype=torch.long), probs=p) for ids, p in zip(argmax, probs)]
 
 
@@ -368,12 +271,12 @@ def sample_inputs(calls: Sequence[SampleCall]) -> dict[str, np.ndarray]:
     methods = {call.method for call in calls}
     if len(methods) > 1:
         raise ValueError(f"one rejection_sampler request takes one method, got {sorted(map(str, methods))}")
-    draft_probs, has_draft_probs = _stack_probs([call.draft_probs for call in calls])
-    target_probs, has_target_probs = _stack_probs([call.verify.probs for call in calls])
+    draft_probs, has_draft_probs = stack_probs([call.draft_probs for call in calls])
+    target_probs, has_target_probs = stack_probs([call.verify.probs for call in calls])
     inputs = {
-        "draft_token_ids": _flat([call.draft_token_ids.cpu().tolist() for call in calls]),  # [sum of k]
-        "num_draft_tokens": _i32([len(call.draft_token_ids) for call in calls]),  # [S]
-        "target_token_ids": _flat([call.verify.argmax.cpu().tolist() for call in calls]),  # [sum of k + 1]
+        "draft_token_ids": flat([call.draft_token_ids.cpu().tolist() for call in calls]),  # [sum of k]
+        "num_draft_tokens": i32([len(call.draft_token_ids) for call in calls]),  # [S]
+        "target_token_ids": flat([call.verify.argmax.cpu().tolist() for call in calls]),  # [sum of k + 1]
         "seed": np.array([call.seed for call in calls], dtype=np.uint64),
     }
     if has_draft_probs.any():
@@ -387,13 +290,13 @@ def sample_inputs(calls: Sequence[SampleCall]) -> dict[str, np.ndarray]:
 
 
 def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
-    _required(inputs, "draft_token_ids")
+    required(inputs, "draft_token_ids")
     count = np.asarray(inputs["num_draft_tokens"]).size if "num_draft_tokens" in inputs else 1
-    drafts = _split(inputs, "draft_token_ids", "num_draft_tokens", count)
+    drafts = split(inputs, "draft_token_ids", "num_draft_tokens", count)
     rows = [len(d) + 1 for d in drafts]
-    target_probs = _unstack_probs(inputs, "target_probs", rows)
+    target_probs = unstack_probs(inputs, "target_probs", rows)
     if "target_token_ids" in inputs:
-        argmax = [torch.tensor(ids, dtype=torch.long) for ids in _split(inputs, "target_token_ids", rows, count)]
+        argmax = [torch.tensor(ids, dtype=torch.long) for ids in split(inputs, "target_token_ids", rows, count)]
     elif all(p is not None for p in target_probs):
         argmax = [p.argmax(dim=-1) for p in target_probs]  # [k + 1] each
     else:
@@ -401,8 +304,8 @@ def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
     method = text(inputs, "rejection_sample_method")
     if method is not None and method not in METHODS:
         raise RequestError(f"input 'rejection_sample_method' must be one of {METHODS}, got {method!r}")
-    fields = zip(drafts, _unstack_probs(inputs, "draft_probs", [len(d) for d in drafts]), argmax, target_probs,
-                 _each(inputs, "seed", count, int, None))  # fmt: skip
+    fields = zip(drafts, unstack_probs(inputs, "draft_probs", [len(d) for d in drafts]), argmax, target_probs,
+                 each(inputs, "seed", count, int, None))  # fmt: skip
     return [
         SampleCall(torch.tensor(d, dtype=torch.long), q, VerifyResult(argmax=a, probs=p), seed, method)
         for d, q, a, p, seed in fields
@@ -412,24 +315,15 @@ def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
 def sample_result_outputs(results: Sequence[SampleResult], configured_method: str) -> dict[str, np.ndarray]:
     """Every response also names the sampler's configured method (what a request without an override gets)."""
     return {
-        "output_token_ids": _flat([r.output_token_ids.cpu().tolist() for r in results]),  # [sum of accepted + 1]
-        "num_accepted": _i32([r.num_accepted for r in results]),  # [S]
+        "output_token_ids": flat([r.output_token_ids.cpu().tolist() for r in results]),  # [sum of accepted + 1]
+        "num_accepted": i32([r.num_accepted for r in results]),  # [S]
         "rejection_sample_method": bytes_array([configured_method]),  # [1]
     }
 
 
-def sampler_probe_inputs() -> dict[str, np.ndarray]:
-    """A rejection_sampler request with no sequences: it samples nothing and reports the configured method."""
-    return {"draft_token_ids": np.zeros(0, dtype=np.int64), "num_draft_tokens": np.zeros(0, dtype=np.int32)}
-
-
-def sampler_method_of(outputs: Mapping[str, np.ndarray]) -> str:
-    return text(outputs, "rejection_sample_method")
-
-
 def sample_results_of(outputs: Mapping[str, np.ndarray]) -> list[SampleResult]:
-    accepted = _i32(outputs["num_accepted"]).tolist()
-    tokens = _split(outputs, "output_token_ids", [n + 1 for n in accepted], len(accepted))
+    accepted = i32(outputs["num_accepted"]).tolist()
+    tokens = split(outputs, "output_token_ids", [n + 1 for n in accepted], len(accepted))
     return [SampleResult(torch.tensor(ids, dtype=torch.long), n) for ids, n in zip(tokens, accepted)]
 
 
@@ -437,13 +331,13 @@ def sample_results_of(outputs: Mapping[str, np.ndarray]) -> list[SampleResult]:
 
 
 def detokenize_inputs(token_id_lists: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
-    return {"token_ids": _flat(token_id_lists), "num_token_ids": _i32([len(ids) for ids in token_id_lists])}
+    return {"token_ids": flat(token_id_lists), "num_token_ids": i32([len(ids) for ids in token_id_lists])}
 
 
 def token_id_lists_of(inputs: Mapping[str, np.ndarray]) -> list[list[int]]:
     count = np.asarray(inputs["num_token_ids"]).size if "num_token_ids" in inputs else 1
-    _required(inputs, "token_ids")
-    lists = _split(inputs, "token_ids", "num_token_ids", count)
+    required(inputs, "token_ids")
+    lists = split(inputs, "token_ids", "num_token_ids", count)
     for ids in lists:
         if any(t < 0 for t in ids):
             raise RequestError(f"input 'token_ids' must be >= 0, got {[t for t in ids if t < 0][:8]}")
@@ -459,13 +353,13 @@ def texts_of(outputs: Mapping[str, np.ndarray]) -> list[str]:
 
 def stop_words_arrays(sequences: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
     return {
-        "stop_words_ids": _i64([t for seq in sequences for t in seq]),  # [sum of lengths]
+        "stop_words_ids": i64([t for seq in sequences for t in seq]),  # [sum of lengths]
         "stop_words_lens": np.array([len(seq) for seq in sequences], dtype=np.int32),  # [num stop words]
     }
 
 
 def stop_sequences_of(outputs: Mapping[str, np.ndarray]) -> tuple[tuple[int, ...], ...]:
-    flat = _i64(outputs["stop_words_ids"]).tolist()
+    flat = i64(outputs["stop_words_ids"]).tolist()
     sequences, start = [], 0
     for length in outputs["stop_words_lens"].reshape(-1).tolist():
         sequences.append(tuple(flat[start : start + length]))

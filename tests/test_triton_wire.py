@@ -196,15 +196,16 @@ def test_sample_round_trip_of_packed_sequences():
     outputs = wire.sample_result_outputs(results, "strict")
     back_results = wire.sample_results_of(outputs)
     assert [(r.output_token_ids.tolist(), r.num_accepted) for r in back_results] == [([4, 5], 1), ([7], 0)]
-    assert wire.sampler_method_of(outputs) == "strict"
+    assert outputs["rejection_sample_method"][0] == b"strict"
     with pytest.raises(ValueError, match="one rejection_sampler request takes one method"):
         wire.sample_inputs([calls[0], SampleCall(torch.tensor([1]), None, calls[1].verify, 0, "strict")])
 
 
-def test_a_sampler_probe_carries_no_sequences():
-    assert wire.sample_calls_of(wire.sampler_probe_inputs()) == []
+def test_a_sampler_request_without_sequences_samples_nothing():
+    empty = {"draft_token_ids": np.zeros(0, np.int64), "num_draft_tokens": np.zeros(0, np.int32)}
+    assert wire.sample_calls_of(empty) == []
     outputs = wire.sample_result_outputs([], "synthetic")
-    assert wire.sample_results_of(outputs) == [] and wire.sampler_method_of(outputs) == "synthetic"
+    assert wire.sample_results_of(outputs) == [] and outputs["rejection_sample_method"][0] == b"synthetic"
 
 
 def test_a_lone_sample_call_defaults_and_errors():

@@ -6,6 +6,8 @@ calls (tokenizer, draft_proposer, target_verifier, rejection_sampler, detokenize
 """
 import asyncio
 import json
+import logging
+import os
 
 import triton_python_backend_utils as pb_utils
 
@@ -27,6 +29,9 @@ class TritonPythonModel:
     def initialize(self, args):
         name = args["model_name"]
         self.logger = ModelLogger(name)
+        # SPECDEC_LOG_LEVEL=DEBUG: the step scheduler logs every step's shape to the server's output
+        logging.basicConfig(level=os.environ.get("SPECDEC_LOG_LEVEL", "WARNING").upper(),
+                            format="[specdec] %(name)s %(levelname)s %(message)s")  # fmt: skip
         if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
             raise ParameterError(f"{name}: needs model_transaction_policy {{ decoupled: true }}")
         config = OrchestratorConfig.from_parameters(Parameters.from_args(args))
