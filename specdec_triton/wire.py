@@ -126,7 +126,18 @@ def description_of(outputs: Mapping[str, np.ndarray]) -> ModelDescription:
     )
 
 
+def _is_default(sampling: SamplingParams) -> bool:
+    return (sampling.temperature, sampling.top_k, sampling.top_p) == (0.0, 0, 1.0)
+
+
 def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
+    """The sampling settings, left out when every sequence decodes greedily with no top-k / top-p.
+
+    Absent inputs read as those defaults, and every tensor a BLS request carries costs
+    time on the step's critical path.
+    """
+    if all(_is_default(s) for s in sampling):
+        return {}
     return {
         "temperature": np.array([s.temperature for s in sampling], dtype=np.float32),
         "top_k": i32([s.top_k for s in sampling]),
@@ -169,7 +180,8 @@ def propose_inputs(requests: Sequence[ProposeRequest]) -> dict[str, np.ndarray]:
         "num_token_ids": i32([len(r.token_ids) for r in requests]),  # [S]
         "num_tokens": i32([r.num_tokens for r in requests]),  # [S]: k
         **_sampling_inputs([r.sampling for r in requests]),
-        "seed": np.array([r.seed for r in requests], dtype=np.uint64),
+        # greedy drafts draw nothing, so a request of greedy sequences leaves the seeds out
+        **({} if all(r.sampling.greedy for r in requests) else {"seed": np.array([r.seed for r in requests], np.uint64)}),
         **_ban_inputs("num_banned_tokens", [r.num_banned_tokens for r in requests],
                       [r.banned_token_ids for r in requests]),  # fmt: skip
     }

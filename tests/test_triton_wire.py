@@ -106,6 +106,18 @@ def test_propose_round_trip_of_packed_sequences():
     assert wire.proposals_of(wire.proposal_outputs([])) == []
 
 
+def test_greedy_requests_leave_out_the_sampling_inputs_and_seeds():
+    greedy = [ProposeRequest("a", 0, [1, 2], 2, GREEDY, seed=0), ProposeRequest("b", 3, [4], 1, GREEDY, seed=0)]
+    inputs = wire.propose_inputs(greedy)
+    assert not {"temperature", "top_k", "top_p", "seed"} & set(inputs)
+    assert wire.propose_requests_of(inputs) == greedy
+    mixed = [greedy[0], ProposeRequest("c", 0, [5], 1, SAMPLING, seed=9)]
+    assert wire.propose_requests_of(wire.propose_inputs(mixed)) == mixed
+    verify = [VerifyRequest("a", 0, [1], 1, GREEDY)]
+    assert not {"temperature", "top_k", "top_p"} & set(wire.verify_inputs(verify))
+    assert wire.verify_requests_of(wire.verify_inputs(verify)) == verify
+
+
 def test_a_lone_sequence_may_leave_out_the_counts():
     """A client calling a model on its own sends one sequence the short way: no num_* inputs."""
     inputs = {"seq_id": np.array([b"s"], dtype=np.object_), "token_ids": np.array([1, 2, 3]),
