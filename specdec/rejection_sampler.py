@@ -249,6 +249,22 @@ def _validate_shapes(
         raise ValueError(f"draft_probs must have shape [{k}, {vocab}], got {tuple(draft_probs.shape)}")
     if k and (int(draft_token_ids.min()) < 0 or (vocab is not None and int(draft_token_ids.max()) >= vocab)):
         raise ValueError(f"draft_token_ids must lie in [0, {vocab or 'vocab'}), got {draft_token_ids.tolist()}")
+    for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
+        if probs is not None and probs.numel():
+            _validate_distribution(name, probs)
+
+
+def _validate_distribution(name: str, probs: torch.Tensor) -> None:  # probs: [rows, vocab]
+    """Each row must be a distribution: finite, non-negative, with positive mass.
+
+    A NaN or all-zero row would otherwise draw token 0 (often EOS) and end the output
+    with no error: output that is silently wrong.
+    """
+    bad = ~torch.isfinite(probs).all(dim=-1) | (probs < 0).any(dim=-1) | ~(probs.sum(dim=-1) > 0)  # [rows]
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"{name} rows {rows[:8]} are not distributions: each row must be finite, "
+                         f"non-negative and have positive mass")  # fmt: skip
 
 
 class RejectionSampler:

@@ -20,11 +20,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 PLACEHOLDER_TOKEN_ID = -1  # pads ragged token lists in batched tensors
+# Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): logits / T overflows to inf
+# long before T reaches 0, and such a distribution is the argmax anyway.
+GREEDY_TEMPERATURE_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a token is drawn from the logits; ``temperature == 0`` means greedy."""
+    """How a token is drawn from the logits; a temperature under ``GREEDY_TEMPERATURE_BELOW`` means greedy."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 disables top-k
@@ -33,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_BELOW or self.top_k == 1
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -123,6 +123,8 @@ def test_a_gap_or_an_empty_sequence_is_refused_by_name():
     proposer.propose([ProposeRequest("x", 0, [1, 2, 1], 1, SamplingParams(), 0)])
     with pytest.raises(ValueError, match=r"seq 'x': position 5 is past the 3 tokens"):
         proposer.propose([ProposeRequest("x", 5, [2], 1, SamplingParams(), 0)])
+    with pytest.raises(ValueError, match=r"seq 'x': num_tokens must be >= 0, got -1"):
+        proposer.propose([ProposeRequest("x", 3, [2], -1, SamplingParams(), 0)])
 
 
 def test_release_frees_the_tokens():

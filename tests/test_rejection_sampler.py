@@ -273,3 +273,21 @@ def test_sampler_class_reduces_greedy_requests_to_strict_and_honours_method_over
 def test_triton_kernel_unavailable_is_a_clear_error():
     with pytest.raises(RuntimeError, match="use_triton_kernel"):
         RejectionSampler(use_triton_kernel=True)
+
+
+@pytest.mark.parametrize(
+    "corrupt, name",
+    [
+        (lambda p, q: p.__setitem__((1, 3), float("nan")), "target_probs rows \\[1\\]"),
+        (lambda p, q: p.__setitem__((0, 2), -0.5), "target_probs rows \\[0\\]"),
+        (lambda p, q: p[2].zero_(), "target_probs rows \\[2\\]"),
+        (lambda p, q: q.__setitem__((0, 0), float("inf")), "draft_probs rows \\[0\\]"),
+    ],
+)
+def test_probabilities_that_are_not_distributions_are_refused(corrupt, name):
+    """A NaN, negative or massless row would draw token 0 (often EOS) and end the output without an error."""
+    p = torch.softmax(torch.randn(3, 8), dim=-1)  # [k + 1, vocab]
+    q = torch.softmax(torch.randn(2, 8), dim=-1)  # [k, vocab]
+    corrupt(p, q)
+    with pytest.raises(ValueError, match=name + " are not distributions"):
+        RejectionSampler()(torch.tensor([1, 2]), q, VerifyResult(p.argmax(-1), p), seed=0)

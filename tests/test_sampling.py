@@ -103,3 +103,14 @@ def test_derive_seed_is_deterministic_distinct_and_in_range():
     assert len(seeds) == 4 * 50 * 3
     assert all(0 <= s < 2**63 for s in seeds)  # what torch.Generator.manual_seed accepts
     assert derive_seed(123, 4, 1) == derive_seed(123, 4, 1)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(temperature):
+    """logits / T overflows long before T reaches 0; such a request is greedy, not a NaN distribution."""
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    logits = torch.randn(2, 11)
+    probs = process_logits(logits, params)
+    assert torch.isfinite(probs).all() and torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert not SamplingParams(temperature=1e-3).greedy

@@ -39,6 +39,8 @@ def check_propose_requests(requests: list[ProposeRequest], num_held: Callable[[s
     if len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"a propose call may hold each seq_id once, got {seq_ids}")
     for r in requests:
+        if r.num_tokens < 0:
+            raise ValueError(f"seq {r.seq_id!r}: num_tokens must be >= 0, got {r.num_tokens}")
         held = num_held(r.seq_id)
         if not 0 <= r.position <= held:
             raise ValueError(
