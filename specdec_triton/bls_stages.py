@@ -42,11 +42,14 @@ class BlsStages:
         return descriptions
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(requests), wire.PROPOSE_OUTPUTS, batched=True)
+        # greedy drafts have no q: ask for the ids alone, so no empty distribution travels back
+        names = wire.GREEDY_PROPOSE_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.PROPOSE_OUTPUTS
+        out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(requests), names, batched=True)
         return wire.proposals_of(out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        out = await bls(wire.TARGET_VERIFIER, wire.verify_inputs(requests), wire.VERIFY_OUTPUTS, batched=True)
+        names = wire.GREEDY_VERIFY_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.VERIFY_OUTPUTS
+        out = await bls(wire.TARGET_VERIFIER, wire.verify_inputs(requests), names, batched=True)
         return wire.verify_results_of(out, [r.num_logits for r in requests])
 
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:

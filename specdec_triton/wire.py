@@ -55,9 +55,11 @@ BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
 PROPOSE_INPUTS = ("seq_id", "release", "describe", "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs")
+GREEDY_PROPOSE_OUTPUTS = PROPOSE_OUTPUTS[:2]  # what a request of greedy sequences needs back: no q
 VERIFY_INPUTS = ("seq_id", "release", "describe", "position", "token_ids", "num_token_ids", "num_logits",
                  *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")
+GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
 # answered, and only these, to a request with describe set; -1 encodes None (no limit, no vocabulary)
 DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model_len", "describe_max_num_seqs",
                     "describe_method")  # fmt: skip

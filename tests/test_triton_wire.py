@@ -113,6 +113,13 @@ def test_greedy_requests_leave_out_the_sampling_inputs_and_seeds():
     assert wire.propose_requests_of(inputs) == greedy
     mixed = [greedy[0], ProposeRequest("c", 0, [5], 1, SAMPLING, seed=9)]
     assert wire.propose_requests_of(wire.propose_inputs(mixed)) == mixed
+    outputs = wire.proposal_outputs([Proposal(torch.tensor([3, 4])), Proposal(torch.tensor([5]))])
+    asked = {name: outputs[name] for name in wire.GREEDY_PROPOSE_OUTPUTS}  # what BlsStages asks of greedy calls
+    assert [p.token_ids.tolist() for p in wire.proposals_of(asked)] == [[3, 4], [5]]
+    results = wire.verify_outputs([VerifyResult(torch.tensor([1, 2])), VerifyResult(torch.tensor([3]))])
+    asked = {name: results[name] for name in wire.GREEDY_VERIFY_OUTPUTS}
+    back = wire.verify_results_of(asked, [2, 1])
+    assert [r.argmax.tolist() for r in back] == [[1, 2], [3]] and back[0].probs is None
     verify = [VerifyRequest("a", 0, [1], 1, GREEDY)]
     assert not {"temperature", "top_k", "top_p"} & set(wire.verify_inputs(verify))
     assert wire.verify_requests_of(wire.verify_inputs(verify)) == verify
