@@ -94,8 +94,16 @@ class ScheduledSequence:
 
     def __init__(self, state: SequenceState, is_cancelled: Callable[[], bool]):
         self.state = state
-        self.is_cancelled = is_cancelled
+        self._client_cancelled = is_cancelled
+        self._abandoned = False
         self._queue: asyncio.Queue = asyncio.Queue()  # ScheduledStep | BaseException | _RELEASED
+
+    def abandon(self) -> None:
+        """The reader will read no more (its client went away, its send failed): stop at the next step."""
+        self._abandoned = True
+
+    def is_cancelled(self) -> bool:
+        return self._abandoned or self._client_cancelled()
 
     async def steps(self) -> AsyncIterator[ScheduledStep]:
         """Every step's output in order; ends once the sequence is released, or raises why it failed.

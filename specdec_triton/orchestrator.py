@@ -149,12 +149,17 @@ class Orchestrator:
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
         """Streams each step's new text while the scheduler runs the sequence; returns the final outputs."""
         detokenizer = IncrementalDetokenizer(self._codec.tokenizer.backend_tokenizer) if request.stream else None
-        async for step in self.scheduler.submit(state, is_cancelled).steps():
-            if detokenizer is None or step.output.finished:  # the last step's text goes in the final response
-                continue
-            piece = detokenizer.push(step.output.new_token_ids)
-            if piece:
-                send(self._outputs(state, step, piece), False)
+        sequence = self.scheduler.submit(state, is_cancelled)
+        try:
+            async for step in sequence.steps():
+                if detokenizer is None or step.output.finished:  # the last step's text goes in the final response
+                    continue
+                piece = detokenizer.push(step.output.new_token_ids)
+                if piece:
+                    send(self._outputs(state, step, piece), False)
+        except BaseException:
+            sequence.abandon()  # a failed send or decode: the scheduler frees the slot at its next step
+            raise
         text = self._codec.decode(state.output_ids)
         if request.stream:
             return self._final_outputs(state, detokenizer.finish(text))

@@ -261,3 +261,21 @@ def test_a_sequence_submitted_later_joins_the_running_loop():
     assert [t for s in steps_second for t in s.output.new_token_ids] == greedy_reference([2], 4)
     assert [t for s in steps_first for t in s.output.new_token_ids] == greedy_reference([1], 20)
     assert any(r.num_sequences == 2 for r in reports)
+
+
+def test_an_abandoned_sequence_stops_at_the_next_step_and_is_released():
+    stages = ScriptedStages()
+    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None)
+    state = make_state(stages, "s0", [1, 2], max_tokens=40)
+
+    async def main():
+        sequence = scheduler.submit(state)
+        steps = sequence.steps()
+        await steps.__anext__()
+        sequence.abandon()  # e.g. the client's stream broke while sending
+        with pytest.raises(SequenceCancelled):
+            async for _ in steps:
+                pass
+
+    asyncio.run(main())
+    assert stages.released == ["s0"] and len(state.output_ids) < 40

@@ -451,3 +451,15 @@ def test_counter_updates_are_summed_and_applied_once_per_interval():
     asyncio.run(ends_with_a_flush_pending())
     assert steps.value == 6
     asyncio.run(the_next_loop())
+
+
+def test_a_failing_send_frees_the_sequence(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models)
+
+    def send(outputs, final):
+        raise ConnectionError("client went away")
+
+    with pytest.raises(ConnectionError):
+        asyncio.run(orchestrator.generate(request("the quick", stream=True, max_tokens=60), send, lambda: False))
+    assert len(stages.released) == 1 and stages.verifier.num_active_sequences == 0
+    assert sum(n for stage, n in stages.sent if stage == "verify") < 30  # stopped long before 60 tokens
