@@ -4,16 +4,17 @@ A byte-level BPE token can end in the middle of a multi-byte UTF-8 character, so
 decoding the tokens emitted so far may end in U+FFFD that the next token turns into
 a real character. Decoding only the new tokens on their own would freeze that
 replacement character (and lose the bytes it stood for) into the stream. Instead,
-as in vLLM's and text-generation-inference's incremental decoders, every step
-decodes the whole output so far, emits only the part past what was already sent,
-and holds back a trailing U+FFFD until either the next token completes it or the
-output ends.
+as in vLLM's and text-generation-inference's incremental decoders, each step decodes
+a short window of recent tokens, emits only the part past what was already sent, and
+holds back a trailing U+FFFD until either the next token completes it or the output
+ends.
 
 This is exact when decoding is *prefix-stable*: the decoded text of a token
 sequence, minus any trailing U+FFFD, is a prefix of the decoded text of every
 extension of it. Byte-level BPE decoders are, as long as clean-up passes that look
-ahead (``clean_up_tokenization_spaces``) are off; :class:`TextStream` checks it
-and fails loudly rather than emit text that the full decode would not contain.
+ahead (``clean_up_tokenization_spaces``) are off; :class:`IncrementalDetokenizer`
+checks it at the end and fails loudly rather than emit text that the full decode
+would not contain.
 """
 from __future__ import annotations
 
@@ -25,30 +26,11 @@ def stable_text(text: str, final: bool) -> str:
     return text if final else text.rstrip(REPLACEMENT_CHAR)
 
 
-class TextStream:
-    """Turns successive full decodes of a growing output into the new text of each step."""
-
-    def __init__(self) -> None:
-        self.emitted = ""  # everything returned so far, concatenated
-
-    def push(self, text: str, final: bool = False) -> str:
-        """``text`` decodes every output token so far; returns what the stream has not sent yet."""
-        stable = stable_text(text, final)
-        if not stable.startswith(self.emitted):
-            raise ValueError(
-                "decoding is not prefix-stable: the output decoded so far no longer starts with the "
-                f"text already streamed ({self.emitted[-20:]!r} ...); disable clean_up_tokenization_spaces"
-            )
-        new = stable[len(self.emitted) :]
-        self.emitted = stable
-        return new
-
-
 class IncrementalDetokenizer:
     """The new text of each step's new tokens, in time proportional to those tokens, not to the output.
 
-    ``TextStream`` needs the whole output decoded at every step: O(n^2) over a request.
-    This one feeds each new token to ``tokenizers``' ``DecodeStream``, which decodes a
+    Decoding the whole output at every step would cost O(n^2) over a request. This
+    feeds each new token to ``tokenizers``' ``DecodeStream``, which decodes a
     short window of recent tokens (the offset technique of vLLM's and TGI's incremental
     decoders) and holds back a trailing incomplete UTF-8 character, so each step costs
     what its own tokens cost. ``finish`` compares the pieces against one full decode of

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from byte_tokenizer import byte_level_tokenizer
 
-from specdec.detokenize import REPLACEMENT_CHAR, TextStream, stable_text
+from specdec.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, stable_text
 
 TEXTS = ["Grüße aus München", "東京は日本の首都です", "emoji 🚀🔥✨ end", "plain ascii only", "mixed: ça 中 🚀!"]
 
@@ -19,12 +19,10 @@ def decode(tokenizer, ids):
 
 
 def stream_pieces(tokenizer, ids, step: int) -> list[str]:
-    """Stream ``ids`` ``step`` tokens at a time, decoding everything so far at each step."""
-    stream, pieces = TextStream(), []
-    for end in range(step, len(ids) + step, step):
-        end = min(end, len(ids))
-        pieces.append(stream.push(decode(tokenizer, ids[:end]), final=end == len(ids)))
-    return pieces
+    """Stream ``ids`` ``step`` tokens at a time; the last piece is what ``finish`` adds."""
+    stream = IncrementalDetokenizer(tokenizer.backend_tokenizer)
+    pieces = [stream.push(ids[start : start + step]) for start in range(0, len(ids), step)]
+    return pieces + [stream.finish(decode(tokenizer, ids))]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -51,7 +49,12 @@ def test_invalid_bytes_are_held_back_then_emitted(tokenizer):
     pieces = stream_pieces(tokenizer, ids, 1)
     assert "".join(pieces) == decode(tokenizer, ids) == "ab" + REPLACEMENT_CHAR + "cd"
     trailing = stream_pieces(tokenizer, tokenizer("ab").input_ids + invalid, 1)
-    assert trailing[-1] == REPLACEMENT_CHAR  # flushed by the final push
+    assert trailing[-1] == REPLACEMENT_CHAR  # only the final decode has it
+
+
+def test_special_tokens_are_skipped_as_in_the_full_decode(tokenizer):
+    ids = tokenizer("ab").input_ids + [tokenizer.eos_token_id] + tokenizer("cd").input_ids
+    assert "".join(stream_pieces(tokenizer, ids, 1)) == decode(tokenizer, ids) == "abcd"
 
 
 def test_stable_text_holds_back_only_a_trailing_replacement_char():
@@ -60,8 +63,8 @@ def test_stable_text_holds_back_only_a_trailing_replacement_char():
     assert stable_text("a\ufffdb", final=False) == "a\ufffdb"
 
 
-def test_a_decoder_that_rewrites_earlier_text_is_refused():
-    stream = TextStream()
-    stream.push("hello ")
+def test_a_decoder_that_rewrites_earlier_text_is_refused(tokenizer):
+    stream = IncrementalDetokenizer(tokenizer.backend_tokenizer)
+    stream.push(tokenizer("hello ").input_ids)
     with pytest.raises(ValueError, match="not prefix-stable"):
-        stream.push("hello.")  # e.g. clean_up_tokenization_spaces turning " ." into "."
+        stream.finish("hello.")  # e.g. clean_up_tokenization_spaces turning " ." into "."
