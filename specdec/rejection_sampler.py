@@ -92,7 +92,7 @@ def effective_method(method: str, greedy_target: bool) -> str:
 
 
 def rejection_sample_batch(
-    draft_token_ids: torch.Tensor,  # [batch, k] int64, ids in [0, vocab)
+    draft_token_ids: torch.Tensor,  # [batch, k] int64, ids in [0, vocab), PLACEHOLDER_TOKEN_ID past a row's drafts
     draft_probs: torch.Tensor | None,  # [batch, k, vocab] q; None -> one-hot q at the drafts
     target_probs: torch.Tensor | None,  # [batch, k + 1, vocab] p; None -> greedy target
     target_argmax: torch.Tensor | None,  # [batch, k + 1] int64; used when target_probs is None
@@ -103,7 +103,9 @@ def rejection_sample_batch(
     """Vectorized rejection sampling of many independent requests with the same ``k``.
 
     Returns the emitted tokens (``num_accepted + 1`` per row, then placeholders) and the
-    number of accepted drafts per row.
+    number of accepted drafts per row. A row with fewer drafts pads them with
+    ``PLACEHOLDER_TOKEN_ID``: a placeholder is never accepted, and where a row's drafts
+    end its next token is the bonus, drawn from ``p`` (there is no draft to recover from).
     """
     batch, k = draft_token_ids.shape
     method = effective_method(method, target_probs is None)
@@ -114,6 +116,8 @@ def rejection_sample_batch(
     else:
         target_tokens = target_argmax.long()
     draft = draft_token_ids.long()
+    is_draft = draft != PLACEHOLDER_TOKEN_ID  # [batch, k]
+    safe_draft = draft.clamp_min(0)  # [batch, k]: a placeholder reads id 0, then counts as rejected
 
     if method == "strict":
         accepted = draft == target_tokens[:, :k]  # [batch, k]
@@ -121,11 +125,12 @@ def rejection_sample_batch(
         rate = torch.tensor(synthetic_acceptance_rate, dtype=torch.float32, device=draft.device)
         accepted = randoms.uniforms < rate  # [batch, k]
     else:
-        q = _draft_probs_or_one_hot(draft_probs, draft, p.shape[-1])  # [batch, k, vocab]
-        p_draft = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [batch, k] p(x)
-        q_draft = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [batch, k] q(x)
+        q = _draft_probs_or_one_hot(draft_probs, safe_draft, p.shape[-1])  # [batch, k, vocab]
+        p_draft = p[:, :k].gather(-1, safe_draft.unsqueeze(-1)).squeeze(-1)  # [batch, k] p(x)
+        q_draft = q.gather(-1, safe_draft.unsqueeze(-1)).squeeze(-1)  # [batch, k] q(x)
         # u < p(x) / q(x) without dividing; q(x) = 0 accepts exactly when p(x) > 0.
         accepted = randoms.uniforms * q_draft < p_draft  # [batch, k]
+    accepted = accepted & is_draft
 
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [batch]
     # Target token at the first non-accepted position, or the bonus at position k.
@@ -137,7 +142,8 @@ def rejection_sample_batch(
             residual_keys.amax(dim=-1) > 0, residual_keys.argmax(dim=-1), target_tokens[:, :k]
         )  # [batch, k]
         row = num_accepted.clamp(max=k - 1).unsqueeze(1)  # [batch, 1]
-        final = torch.where(num_accepted < k, recovered.gather(1, row).squeeze(1), final)
+        rejected_a_draft = (num_accepted < k) & is_draft.gather(1, row).squeeze(1)  # [batch]; else: the bonus
+        final = torch.where(rejected_a_draft, recovered.gather(1, row).squeeze(1), final)
 
     positions = torch.arange(k + 1, device=draft.device)  # [k + 1]
     placeholder = torch.full((batch, 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=draft.device)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec.rejection_sampler import METHODS, RejectionSampler, draw_randoms, rejection_sample_batch
-from specdec.types import VerifyResult
+from specdec.types import PLACEHOLDER_TOKEN_ID, VerifyResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BATCH = 8
@@ -78,6 +78,15 @@ def run_cases(device: str) -> dict[str, str]:
     inputs = (drafts, 2 * p[:, :-1], p, argmax, "probabilistic", randoms)
     report["zero-residual-fallback"] = compare(rejection_sample_triton(*inputs), rejection_sample_batch(*inputs))
 
+    # Ragged rows: drafts padded with PLACEHOLDER_TOKEN_ID (-1), which the kernel must not read as an id.
+    for method, operands in itertools.product(METHODS, OPERANDS):
+        drafts, q, p, argmax, _, randoms, rate = case_inputs(7, method, 4, 300, operands, device)
+        drafts[1:, 2:] = PLACEHOLDER_TOKEN_ID
+        drafts[2, 0:] = PLACEHOLDER_TOKEN_ID
+        inputs = (drafts, q, p, argmax, method, randoms, rate)
+        report[f"placeholder-drafts-{method}-{operands}"] = compare(
+            rejection_sample_triton(*inputs), rejection_sample_batch(*inputs))
+
     drafts, q, p, argmax, _, _, _ = case_inputs(1, "probabilistic", 4, 300, "p_q", device)
     for method in METHODS:
         torch_sampler = RejectionSampler(method, synthetic_acceptance_rate=0.5)
@@ -108,7 +117,12 @@ def interpreted_report() -> dict[str, str]:
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case_id", [*CASES, "zero-residual-fallback", *(f"sampler-class-{m}" for m in METHODS)])
+PLACEHOLDER_CASES = [f"placeholder-drafts-{m}-{o}" for m, o in itertools.product(METHODS, OPERANDS)]
+
+
+@pytest.mark.parametrize(
+    "case_id", [*CASES, "zero-residual-fallback", *PLACEHOLDER_CASES, *(f"sampler-class-{m}" for m in METHODS)]
+)
 def test_interpreted_kernel_matches_torch(interpreted_report, case_id):
     assert interpreted_report[case_id] == ""
 

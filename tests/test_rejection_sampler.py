@@ -291,3 +291,30 @@ def test_probabilities_that_are_not_distributions_are_refused(corrupt, name):
     corrupt(p, q)
     with pytest.raises(ValueError, match=name + " are not distributions"):
         RejectionSampler()(torch.tensor([1, 2]), q, VerifyResult(p.argmax(-1), p), seed=0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("one_hot_q", [False, True])
+def test_a_row_padded_with_placeholders_samples_as_its_real_drafts_alone(method, one_hot_q):
+    """vLLM's ragged-batch convention: -1 pads a row's drafts; it is never accepted, and the bonus follows.
+
+    The padded row must give what the same row gives with only its real drafts, under the
+    same random draws: the padding changes nothing.
+    """
+    generator = torch.Generator().manual_seed(3)
+    vocab, k, real = 50, 4, 2
+    p = torch.softmax(torch.randn(1, k + 1, vocab, generator=generator), dim=-1)  # [1, k + 1, vocab]
+    q = torch.softmax(torch.randn(1, k, vocab, generator=generator), dim=-1)  # [1, k, vocab]
+    drafts = p[:, :k].argmax(-1)  # [1, k]: likely accepted, so the walk reaches the padding
+    drafts[:, real:] = PLACEHOLDER_TOKEN_ID
+    for seed in range(20):
+        randoms = draw_randoms(1, k, vocab, torch.Generator().manual_seed(seed), categorical=True)
+        short = type(randoms)(randoms.uniforms[:, :real], randoms.inv_exponentials[:, : real + 1])
+        args = (None if one_hot_q else q, p, p.argmax(-1), method)
+        padded_out, padded_n = rejection_sample_batch(drafts, args[0], args[1], args[2], method, randoms, 0.5)
+        short_q = None if one_hot_q else q[:, :real]
+        short_out, short_n = rejection_sample_batch(drafts[:, :real], short_q, p[:, : real + 1],
+                                                    p[:, : real + 1].argmax(-1), method, short, 0.5)  # fmt: skip
+        assert int(padded_n) == int(short_n) <= real
+        assert padded_out[0, : int(padded_n) + 1].tolist() == short_out[0, : int(short_n) + 1].tolist()
+        assert PLACEHOLDER_TOKEN_ID not in padded_out[0, : int(padded_n) + 1].tolist()

@@ -138,6 +138,8 @@ def _rejection_kernel(
     tl.store(output_ptr + req * (k + 1) + k, _PLACEHOLDER)  # bonus slot; overwritten below if reached
     for i in range(0, k):
         draft_id = tl.load(draft_ptr + req * k + i)
+        is_draft = draft_id != _PLACEHOLDER  # a padded position: never accepted, and never read at id -1
+        safe_id = tl.where(is_draft, draft_id, 0)
         row = req * (k + 1) + i  # position i in the [batch * (k + 1)] rows of p
         if METHOD == _SYNTHETIC:
             ok = tl.load(uniforms_ptr + req * k + i) < rate
@@ -146,13 +148,13 @@ def _rejection_kernel(
                 p_ptr + row * vocab, inv_exp_ptr + row * vocab, argmax_ptr + row, vocab, HAS_P, BLOCK
             )
         else:
-            p_draft = tl.load(p_ptr + row * vocab + draft_id)
+            p_draft = tl.load(p_ptr + row * vocab + safe_id)
             if HAS_Q:
-                q_draft = tl.load(q_ptr + (req * k + i) * vocab + draft_id)
+                q_draft = tl.load(q_ptr + (req * k + i) * vocab + safe_id)
             else:
                 q_draft = 1.0
             ok = tl.load(uniforms_ptr + req * k + i) * q_draft < p_draft
-        accepting = accepting & ok.to(tl.int32)
+        accepting = accepting & (ok & is_draft).to(tl.int32)
         num_accepted += accepting
         tl.store(output_ptr + row, tl.where(accepting == 1, draft_id, _PLACEHOLDER))
 
@@ -163,10 +165,11 @@ def _rejection_kernel(
     if METHOD == _PROBABILISTIC:
         if num_accepted < k:
             draft_id = tl.load(draft_ptr + req * k + num_accepted)
-            residual_key, recovered = _race_argmax(
-                p_ptr + last * vocab, q_ptr + (req * k + num_accepted) * vocab, inv_exp_ptr + last * vocab,
-                draft_id, vocab, True, HAS_Q, BLOCK,
-            )
-            final = tl.where(residual_key > 0, recovered.to(tl.int64), final)
+            if draft_id != _PLACEHOLDER:  # a rejected draft; where a row's drafts end: the bonus, as drawn
+                residual_key, recovered = _race_argmax(
+                    p_ptr + last * vocab, q_ptr + (req * k + num_accepted) * vocab, inv_exp_ptr + last * vocab,
+                    draft_id, vocab, True, HAS_Q, BLOCK,
+                )
+                final = tl.where(residual_key > 0, recovered.to(tl.int64), final)
     tl.store(output_ptr + last, final)
     tl.store(num_accepted_ptr + req, num_accepted.to(tl.int64))
