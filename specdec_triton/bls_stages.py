@@ -12,8 +12,9 @@ _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread poo
 
 
 class BlsStages:
-    def __init__(self, logger: ModelLogger):
+    def __init__(self, logger: ModelLogger, secret: str):
         self.logger = logger
+        self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized:
         inputs = {"text_input": bytes_array([text])}
@@ -44,12 +45,12 @@ class BlsStages:
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         # greedy drafts have no q: ask for the ids alone, so no empty distribution travels back
         names = wire.GREEDY_PROPOSE_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.PROPOSE_OUTPUTS
-        out = await bls(wire.DRAFT_PROPOSER, wire.propose_inputs(requests), names, batched=True)
+        out = await bls(wire.DRAFT_PROPOSER, {**wire.propose_inputs(requests), **self._secret}, names, batched=True)
         return wire.proposals_of(out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         names = wire.GREEDY_VERIFY_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.VERIFY_OUTPUTS
-        out = await bls(wire.TARGET_VERIFIER, wire.verify_inputs(requests), names, batched=True)
+        out = await bls(wire.TARGET_VERIFIER, {**wire.verify_inputs(requests), **self._secret}, names, batched=True)
         return wire.verify_results_of(out, [r.num_logits for r in requests])
 
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
@@ -58,7 +59,7 @@ class BlsStages:
 
     async def release(self, seq_ids: list[str]) -> None:
         """Frees the sequences in both models that hold state, one call each; a failure is logged and raised."""
-        inputs = wire.release_inputs(seq_ids)
+        inputs = {**wire.release_inputs(seq_ids), **self._secret}
         results = await asyncio.gather(
             bls(wire.DRAFT_PROPOSER, inputs, wire.PROPOSE_OUTPUTS, batched=True),
             bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),

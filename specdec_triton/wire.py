@@ -42,6 +42,7 @@ from specdec.types import (
 from specdec_triton.packing import (
     each, flat, i32, i64, one, required, split, stack_probs, unstack_probs,
 )  # fmt: skip
+from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 TOKENIZER = "tokenizer"
@@ -52,11 +53,11 @@ REJECTION_SAMPLER = "rejection_sampler"
 
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
-PROPOSE_INPUTS = ("seq_id", "release", "describe", "position", "token_ids", "num_token_ids", "num_tokens",
+PROPOSE_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs")
 GREEDY_PROPOSE_OUTPUTS = PROPOSE_OUTPUTS[:2]  # what a request of greedy sequences needs back: no q
-VERIFY_INPUTS = ("seq_id", "release", "describe", "position", "token_ids", "num_token_ids", "num_logits",
+VERIFY_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
                  *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
@@ -72,6 +73,20 @@ DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
 DETOKENIZE_OUTPUTS = ("text_output",)
 
 # --- per-sequence state: seq_id and release ----------------------------------------------------
+
+
+def secret_input(secret: str) -> dict[str, np.ndarray]:
+    """What the orchestrator adds to each request to a stateful model (``specdec_triton.internal``)."""
+    return {SECRET_INPUT: bytes_array([secret])}
+
+
+def check_caller(inputs: Mapping[str, np.ndarray], secret: str, model: str) -> None:
+    """Refuse a request to a stateful model that does not carry this server's secret."""
+    if not is_authorized(text(inputs, SECRET_INPUT), secret):
+        raise RequestError(
+            f"{model} is internal to speculative_decoding: send requests to ensemble or speculative_decoding "
+            f"(a direct {model} request needs input '{SECRET_INPUT}', this server's per-boot secret)"
+        )
 
 
 def release_inputs(seq_ids: Sequence[str]) -> dict[str, np.ndarray]:

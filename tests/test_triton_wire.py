@@ -58,7 +58,7 @@ def test_config_declares_exactly_the_wire_tensors(model):
         assert config.max_batch_size > 0 and config.HasField("dynamic_batching")
         # a request carries any number of sequences: every per-sequence input is ragged
         assert all(t.allow_ragged_batch for t in config.input if list(t.dims) == [-1])
-        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release", "describe"]
+        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release", "describe", "caller_secret"]
     if wire.DESCRIBE_OUTPUTS[0] in [t.name for t in config.output]:  # a describe request carries nothing else
         assert all(t.optional for t in config.input)
     else:

@@ -14,6 +14,7 @@ from specdec.cached_lm import describe_lm
 from specdec.proposers import NGRAM_DESCRIPTION, DraftModelProposer, NgramProposer
 from specdec_triton import wire
 from specdec_triton.configs import DraftProposerConfig
+from specdec_triton.internal import boot_secret
 from specdec_triton.metrics import ActiveSequences
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
 
@@ -29,9 +30,13 @@ class TritonPythonModel:
             lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs)
             self.proposer, self.description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.active = ActiveSequences(args["model_name"])
+        self.name, self.secret = args["model_name"], boot_secret()  # only the orchestrator may call
         self.logger.info(f"{config} on {device}: {self.description}")
         for warning in config.unread_settings():
             self.logger.warning(warning)
+
+    def finalize(self):
+        self.logger.info("unloaded")
 
     def execute(self, requests):
         responses = answer_batch(requests, wire.PROPOSE_INPUTS, self._propose)
@@ -40,6 +45,9 @@ class TritonPythonModel:
 
     def _propose(self, batch):
         """Releases first, then every sequence of every propose request in one ``propose`` call."""
+        for inputs in batch:
+            if not wire.is_describe(inputs):
+                wire.check_caller(inputs, self.secret, self.name)
         for inputs in batch:
             if wire.is_release(inputs):
                 for seq_id in wire.seq_ids_of(inputs):

@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from specdec_triton.bls_stages import BlsStages
 from specdec_triton.configs import OrchestratorConfig
+from specdec_triton.internal import boot_secret
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.orchestrator import Orchestrator
 from specdec_triton.plumbing import (
@@ -37,7 +38,7 @@ class TritonPythonModel:
         config = OrchestratorConfig.from_parameters(Parameters.from_args(args))
         counters = SpecDecodeCounters(name, config.num_speculative_tokens)
         self.orchestrator = Orchestrator(
-            BlsStages(self.logger), config, counters, ActiveSequences(name), log=self.logger.info
+            BlsStages(self.logger, boot_secret()), config, counters, ActiveSequences(name), log=self.logger.info
         )
         self.logger.info(str(config))
 

@@ -13,6 +13,7 @@ from specdec.cached_lm import describe_lm
 from specdec.verifier import TargetVerifier
 from specdec_triton import wire
 from specdec_triton.configs import TargetVerifierConfig
+from specdec_triton.internal import boot_secret
 from specdec_triton.metrics import ActiveSequences
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
 
@@ -24,7 +25,11 @@ class TritonPythonModel:
         lm = build_lm(config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len)
         self.verifier, self.description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
         self.active = ActiveSequences(args["model_name"])
+        self.name, self.secret = args["model_name"], boot_secret()  # only the orchestrator may call
         self.logger.info(f"{config} on {device}: {self.description}")
+
+    def finalize(self):
+        self.logger.info("unloaded")
 
     def execute(self, requests):
         responses = answer_batch(requests, wire.VERIFY_INPUTS, self._verify)
@@ -33,6 +38,9 @@ class TritonPythonModel:
 
     def _verify(self, batch):
         """Releases first, then every sequence of every verify request in one ``verify`` call."""
+        for inputs in batch:
+            if not wire.is_describe(inputs):
+                wire.check_caller(inputs, self.secret, self.name)
         for inputs in batch:
             if wire.is_release(inputs):
                 for seq_id in wire.seq_ids_of(inputs):

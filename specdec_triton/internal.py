@@ -1,0 +1,68 @@
+"""Who may call the stateful models: the orchestrator of the same server, proven by a per-boot secret.
+
+``draft_proposer`` and ``target_verifier`` hold every live sequence's state, and Triton
+2.51 serves every model of a repository to any client that reaches its ports: one
+direct call naming fresh seq_ids could take every KV slot, and one naming a live
+sequence could overwrite or free it. So these two models answer a propose, verify or
+release request only when it carries ``caller_secret``, a random token that only the
+processes of this server can read:
+
+* the first model of a server to load creates ``specdec-<tritonserver pid>.secret`` in
+  ``SPECDEC_SECRET_DIR`` (default: the system temporary directory), readable by its
+  owner only, holding 32 random bytes in hex; the others, the orchestrator among them,
+  read it (every Python stub is a child of the ``tritonserver`` process, so all find
+  the same file, and a restarted server makes a new one);
+* the orchestrator sends it with every BLS call; a request without it, or with another
+  value, is refused with an error that names the model as internal.
+
+A describe request needs no secret: it only reports the model's limits. The stateless
+models (tokenizer, detokenizer, rejection_sampler) stay callable on their own. This is
+a guard against clients of the public ports, not against code running as the server's
+user, which can read the file, as it can read the model weights.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import tempfile
+import time
+from pathlib import Path
+
+SECRET_INPUT = "caller_secret"
+_READ_TIMEOUT_S = 10.0  # another stub creates the file and writes it at the same moment
+
+
+def secret_path(server_pid: int | None = None) -> Path:
+    """Where the server with ``server_pid`` (default: this stub's parent) keeps its secret."""
+    directory = Path(os.environ.get("SPECDEC_SECRET_DIR") or tempfile.gettempdir())
+    return directory / f"specdec-{server_pid if server_pid is not None else os.getppid()}.secret"
+
+
+def boot_secret(path: Path | None = None) -> str:
+    """This server's secret: created by the first caller (atomically, mode 0600), read by the rest."""
+    path = path or secret_path()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return _read(path)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return _read(path)
+
+
+def _read(path: Path) -> str:
+    deadline = time.monotonic() + _READ_TIMEOUT_S
+    while True:
+        value = path.read_text().strip()
+        if value or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)  # created, not written yet
+    if not value:
+        raise RuntimeError(f"the server's secret file {path} is empty; remove it and restart the server")
+    return value
+
+
+def is_authorized(given: str | None, secret: str) -> bool:
+    """Constant-time comparison, so timing does not reveal how much of a guess was right."""
+    return given is not None and hmac.compare_digest(given.encode(), secret.encode())

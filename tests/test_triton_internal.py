@@ -1,0 +1,45 @@
+"""The per-boot secret that keeps the stateful models to the orchestrator (specdec_triton.internal)."""
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from specdec_triton import wire
+from specdec_triton.internal import boot_secret, is_authorized, secret_path
+from specdec_triton.plumbing import RequestError
+
+
+def test_the_first_model_creates_the_secret_and_the_others_read_it(tmp_path):
+    path = tmp_path / "specdec-123.secret"
+    first = boot_secret(path)
+    assert len(first) == 64 and boot_secret(path) == first
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # its owner only
+    assert boot_secret(tmp_path / "specdec-124.secret") != first  # another server, another secret
+
+
+def test_the_path_is_per_server_and_can_be_moved(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_SECRET_DIR", str(tmp_path))
+    assert secret_path(77) == tmp_path / "specdec-77.secret"
+    assert secret_path() == tmp_path / f"specdec-{os.getppid()}.secret"  # a stub's parent: tritonserver
+
+
+def test_an_empty_secret_file_is_an_error_not_an_open_door(tmp_path, monkeypatch):
+    monkeypatch.setattr("specdec_triton.internal._READ_TIMEOUT_S", 0.05)
+    path = tmp_path / "specdec-1.secret"
+    path.write_text("")
+    with pytest.raises(RuntimeError, match="is empty"):
+        boot_secret(path)
+
+
+def test_requests_without_the_secret_are_refused_naming_the_model():
+    secret = "ab" * 32
+    assert is_authorized(secret, secret) and not is_authorized(None, secret) and not is_authorized("x", secret)
+    inputs = wire.verify_inputs([]) | {"seq_id": np.array([b"s"], dtype=np.object_)}
+    with pytest.raises(RequestError, match="target_verifier is internal to speculative_decoding.*'caller_secret'"):
+        wire.check_caller(inputs, secret, "target_verifier")
+    with pytest.raises(RequestError, match="is internal"):
+        wire.check_caller({**inputs, **wire.secret_input("cd" * 32)}, secret, "target_verifier")
+    wire.check_caller({**inputs, **wire.secret_input(secret)}, secret, "target_verifier")
