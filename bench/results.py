@@ -39,6 +39,7 @@ def fixed_name(method: str, k: int) -> str:
 
 
 DEFAULT_NAME = "default"
+DEFAULT_SERVER = "shipped"  # the server of the repository's own configuration, against its own k = 0
 
 
 def step_time_keys(ks: list[int]) -> list[tuple[str, int]]:

@@ -59,7 +59,9 @@ from bench.phase import (
     warm_up,
 )
 from bench.repository import get_parameters, make_variant
-from bench.results import DEFAULT_NAME, HF_PLAIN, annotate, fixed_name, k0_name, match_reference, step_time_keys
+from bench.results import (
+    DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, annotate, fixed_name, k0_name, match_reference, step_time_keys,
+)  # fmt: skip
 from bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.stats import latency_summary
@@ -192,8 +194,13 @@ def shipped_configuration(repository: Path) -> dict:
             "orchestrator_parameters": get_parameters((repository / ORCHESTRATOR / "config.pbtxt").read_text())}
 
 
-def server_edits(args, method: str, shipped_k: int) -> dict[str, dict[str, str]]:
-    """The repository as shipped but for the method, the checkpoints and a k large enough for ``--ks``."""
+def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, dict[str, str]]:
+    """The repository as shipped but for the method, the checkpoints and a k large enough for ``--ks``.
+
+    ``fixed``: every request drafts the k it sends, whatever the batch size (the shipped
+    batch-size table and ``speculative_disable_by_batch_size`` cleared), so each ``k=K``
+    row measures that k; the ``default`` row has a server of its own, as shipped.
+    """
     edits = {
         PROPOSER_MODEL: {"method": method},
         TARGET_MODEL: {"target_model": str(args.target.resolve())},
@@ -201,8 +208,11 @@ def server_edits(args, method: str, shipped_k: int) -> dict[str, dict[str, str]]
         TOKENIZER_MODEL: {"tokenizer_dir": str(args.target.resolve())},
         DETOKENIZER_MODEL: {"tokenizer_dir": str(args.target.resolve())},
     }
-    if max(args.ks) > shipped_k:  # a request may ask for at most the configured k
-        edits[ORCHESTRATOR] = {"num_speculative_tokens": str(max(args.ks))}
+    edits[ORCHESTRATOR] = {}
+    if fixed:
+        edits[ORCHESTRATOR].update(num_speculative_tokens_per_batch_size="", speculative_disable_by_batch_size="0")
+    if fixed and max(args.ks) > shipped_k:  # a request may ask for at most the configured k
+        edits[ORCHESTRATOR]["num_speculative_tokens"] = str(max(args.ks))
     if method == "draft_model":
         edits[PROPOSER_MODEL]["draft_model"] = str(args.draft.resolve())
     if args.synthetic_acceptance_rate is not None:
@@ -212,20 +222,21 @@ def server_edits(args, method: str, shipped_k: int) -> dict[str, dict[str, str]]
 
 
 def server_rows(
-    args, method: str, shipped: dict, prompts, workdir: Path, outputs: Outputs, progress: Progress
+    args, server_name: str, method: str, shipped: dict, prompts, workdir: Path, outputs: Outputs, progress: Progress
 ) -> list[dict]:
-    """One server running ``method``: k = 0, each k of ``args.ks``, and ``default`` if it is the shipped method."""
-    repository = make_variant(args.repository, workdir / f"repo-{method}",
-                              server_edits(args, method, shipped["num_speculative_tokens"]))  # fmt: skip
+    """One server: ``method`` at k = 0 and each fixed k of ``args.ks``, or (``server_name`` "default")
+    the shipped configuration against k = 0 on the same server."""
+    fixed = server_name != DEFAULT_SERVER
+    edits = server_edits(args, method, shipped["num_speculative_tokens"], fixed)
+    repository = make_variant(args.repository, workdir / f"repo-{server_name}", edits)
     # (name, kind, k sent per request; None: none sent, the server's default)
-    configs = [(k0_name(method), "k0", 0), *[(fixed_name(method, k), "fixed", k) for k in args.ks]]
-    if method == shipped["method"]:
-        configs.append((DEFAULT_NAME, "default", None))
+    configs = [(k0_name(server_name), "k0", 0)]
+    configs += [(fixed_name(method, k), "fixed", k) for k in args.ks] if fixed else [(DEFAULT_NAME, "default", None)]
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     phases: dict[tuple[str, int], PhaseMeasurement] = {}  # (config, concurrency), in the order first run
     rounds: dict[tuple[str, int], list[float]] = {}
-    with TritonServer(SERVE_SCRIPT, repository, args.log_dir / f"server-{method}.log", env) as server:
-        progress.write(f"{method}: tritonserver ready on {server.grpc_url} (log {server.log_path})")
+    with TritonServer(SERVE_SCRIPT, repository, args.log_dir / f"server-{server_name}.log", env) as server:
+        progress.write(f"{server_name}: tritonserver ready on {server.grpc_url} (log {server.log_path})")
         warm_up(server, [Job(prompts[0], args.max_tokens, k, args.ignore_eos) for k in (0, max(args.ks))],
                 burst=max(args.concurrency))  # fmt: skip
         for round_ in range(args.rounds):
@@ -244,8 +255,8 @@ def server_rows(
         kind, k = kinds[name]
         row = phase_row(measured)
         outputs[(name, concurrency)] = [r.text for r in measured.results]
-        row.update(config=name, kind=kind, concurrency=concurrency, k=k, method=method, server=method,
-                   proposer=None if k == 0 else method, baseline=k0_name(method), rounds=args.rounds,
+        row.update(config=name, kind=kind, concurrency=concurrency, k=k, method=method, server=server_name,
+                   proposer=None if k == 0 else method, baseline=k0_name(server_name), rounds=args.rounds,
                    tokens_per_s_rounds=rounds[(name, concurrency)])  # fmt: skip
         if k is not None:  # the server counts positions up to its configured k; this phase drafts at most k
             row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
@@ -281,7 +292,7 @@ def main() -> None:
         print(f"[bench] {line}")
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
-    num_configs = len(args.methods) * (1 + len(args.ks)) + (shipped["method"] in args.methods)
+    num_configs = len(args.methods) * (1 + len(args.ks)) + 2 * (shipped["method"] in args.methods)
     progress = Progress(len(prompts) * (num_hf + args.rounds * len(args.concurrency) * num_configs))
     rows: list[dict] = []
     outputs: Outputs = {}
@@ -291,7 +302,10 @@ def main() -> None:
         del target, draft  # the servers load their own copies
         with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
             for method in args.methods:
-                rows += server_rows(args, method, shipped, prompts, Path(tmp), outputs, progress)
+                rows += server_rows(args, method, method, shipped, prompts, Path(tmp), outputs, progress)
+            if shipped["method"] in args.methods:
+                rows += server_rows(args, DEFAULT_SERVER, shipped["method"], shipped, prompts, Path(tmp), outputs,
+                                    progress)  # fmt: skip
     finally:
         progress.close()
     annotate(rows, step_times)
