@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 
-from bench.workload import Prompt, held_out_texts, is_held_out, select_prompts
+from bench.workload import held_out_texts, is_held_out, select_prompts
 
 
 def test_is_held_out_matches_the_training_split():

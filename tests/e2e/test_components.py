@@ -11,9 +11,11 @@ pytestmark = pytest.mark.server
 VOCAB = 6
 
 
-def infer(server, model: str, **inputs) -> dict[str, np.ndarray]:
+def infer(server, model: str, batched: bool = False, **inputs) -> dict[str, np.ndarray]:
+    """One request; ``batched``: a dynamically batched model, so every input gets a batch dimension of one."""
     tensors = []
     for name, array in inputs.items():
+        array = array[None] if batched else array
         datatype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)

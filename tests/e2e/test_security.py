@@ -9,8 +9,8 @@ import threading
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 from client.generate import generate_grpc
+from test_components import infer
 from test_concurrency import PROMPTS, wait_until_idle
 from tritonclient.utils import InferenceServerException
 
@@ -22,17 +22,7 @@ MAX_TOKENS = 32
 
 
 def call(server, model: str, **inputs: np.ndarray) -> dict[str, np.ndarray]:
-    """One request to a dynamically batched model: every input gets the batch dimension of one item."""
-    tensors = []
-    for name, array in inputs.items():
-        array = array[None]
-        datatype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        result = client.infer(model, tensors)
-    return {out.name: result.as_numpy(out.name) for out in result.get_response().outputs}
+    return infer(server, model, batched=True, **inputs)
 
 
 def ids(*names: str) -> np.ndarray:
