@@ -12,7 +12,7 @@ and the orchestrator's turnaround.
 
     python scripts/profile_load.py --concurrency 8 --k 4
     python scripts/profile_load.py --concurrency 1 --k 0 --method ngram
-    python scripts/profile_load.py --param speculative_decoding.micro_batches=1
+    python scripts/profile_load.py --param speculative_decoding.num_speculative_tokens_per_batch_size=1:2
 
 The server's log goes to a temporary directory, or to ``$SPECDEC_PROFILE_LOG`` when set
 (to read what the server logged during the load afterwards).
@@ -46,8 +46,7 @@ from specdec_triton.metrics import STAGES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ORCHESTRATOR = "speculative_decoding"
-STAGE_MODELS = {"propose": wire.DRAFT_PROPOSER, "verify": wire.TARGET_VERIFIER,
-                "sample": wire.REJECTION_SAMPLER, "detokenize": wire.DETOKENIZER}  # fmt: skip
+STAGE_MODELS = {"propose": wire.DRAFT_PROPOSER, "verify": wire.TARGET_VERIFIER, "sample": wire.REJECTION_SAMPLER}
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every model process")
     p.add_argument("--param", action="append", default=[], metavar="MODEL.KEY=VALUE",
                    help="set a config.pbtxt parameter of the served copy (repeatable), "
-                        "e.g. speculative_decoding.micro_batches=1")  # fmt: skip
+                        "e.g. speculative_decoding.num_speculative_tokens_per_batch_size=1:2")  # fmt: skip
     args = p.parse_args()
     try:
         args.edits = parameter_edits(args.param)
