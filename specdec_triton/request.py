@@ -57,7 +57,7 @@ class GenerateRequest:
     text_input: str
     max_tokens: int | None  # None -> the model's default_max_tokens
     stream: bool
-    sampling: SamplingParams  # greedy unless temperature > 0
+    sampling: SamplingParams  # greedy unless temperature >= 1e-5 (GREEDY_TEMPERATURE_BELOW)
     stop_words: tuple[str, ...]
     end_id: int | None  # replaces the tokenizer's EOS ids when given
     min_tokens: int
