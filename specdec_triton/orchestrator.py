@@ -99,6 +99,12 @@ class Orchestrator:
             check_draft_compatible(descriptions.draft, descriptions.target)
         except ValueError as err:
             raise ServingError(f"draft_proposer does not fit target_verifier: {err}") from None
+        tokenizer, target = descriptions.tokenizer, descriptions.target
+        if tokenizer.vocab_size is not None and tokenizer.vocab_size > target.vocab_size:
+            raise ServingError(
+                f"tokenizer {tokenizer.model!r} has {tokenizer.vocab_size} tokens but target model {target.model!r} "
+                f"has logits for {target.vocab_size}: point tokenizer_dir at the target's tokenizer"
+            )
         self._codec = TextCodec(descriptions.tokenizer.model)
         self.descriptions = descriptions
         self.scheduler = StepScheduler(

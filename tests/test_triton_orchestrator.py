@@ -67,6 +67,7 @@ class LocalStages:
         self.fail_verify_after: int | None = None  # fail every verify call reaching this position
         self.max_num_seqs: int | None = None
         self.draft_vocab_size: int | None = None  # what the draft describes, if not its own
+        self.tokenizer_vocab_size: int | None = None  # what the tokenizer describes, if not its own
         self.describe_failures = 0  # describe calls still to fail
         self.peak_sequences = 0
         self.sent: list[tuple[str, int]] = []  # (stage, sequences) of each propose / verify / sample call, in order
@@ -90,7 +91,8 @@ class LocalStages:
         else:
             draft = ModelDescription("/models/draft", self.draft_vocab_size or vocab, None, None, "draft_model")
         return Descriptions(
-            tokenizer=ModelDescription(self.codec.tokenizer_dir, len(self.codec.tokenizer), None, None, "tokenizer"),
+            tokenizer=ModelDescription(self.codec.tokenizer_dir, self.tokenizer_vocab_size or len(self.codec.tokenizer),
+                                       None, None, "tokenizer"),
             draft=draft,
             target=ModelDescription("/models/target", vocab, MAX_MODEL_LEN, self.max_num_seqs, "target"),
             sampler=ModelDescription("rejection_sampler", None, None, None, self.sampler.method),
@@ -343,6 +345,14 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both_models(codec, mo
     orchestrator, stages = make_orchestrator(codec, models)
     stages.draft_vocab_size = stages.verifier.vocab_size + 5
     with pytest.raises(ServingError, match=r"/models/draft.*/models/target|/models/target.*/models/draft"):
+        run(orchestrator, request("the fox"))
+    assert stages.sent == []
+
+
+def test_a_tokenizer_larger_than_the_targets_vocabulary_is_refused_naming_both(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models)
+    stages.tokenizer_vocab_size = stages.verifier.vocab_size + 1
+    with pytest.raises(ServingError, match=r"tokenizer .* has \d+ tokens but target model '/models/target'"):
         run(orchestrator, request("the fox"))
     assert stages.sent == []
 
