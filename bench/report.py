@@ -34,6 +34,7 @@ COLUMNS = (
     ("x k = 0", "x_k0", "{:.2f}x"),
     ("x k = 0, median of rounds", "x_k0_median", "{:.2f}x"),
     ("x HF plain", "x_hf_plain", "{:.2f}x"),
+    ("x HF plain, median of rounds", "x_hf_plain_median", "{:.2f}x"),
     ("ITL p50 ms", "itl_ms_p50", "{:.1f}"),
     ("tokens per verify step", "tokens_per_step", "{:.2f}"),
     ("acceptance", "acceptance_rate", "{:.2f}"),

@@ -89,6 +89,9 @@ def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
             row["x_k0"] = x
         if base is not None and (paired := _paired_median(row, base)) is not None:
             row["x_k0_median"] = paired
+        hf_rounds = {"tokens_per_s_rounds": row.get("hf_plain_tokens_per_s_rounds")}
+        if (paired := _paired_median(row, hf_rounds)) is not None:
+            row["x_hf_plain_median"] = paired  # against HF plain measured beside this server, round by round
         if hf_plain is not None and (x := _ratio(tokens_per_s, hf_plain.get("tokens_per_s_aggregate"))) is not None:
             row["x_hf_plain"] = x
         k = row.get("k")

@@ -36,6 +36,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -187,6 +188,14 @@ def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress:
     return rows
 
 
+def hf_plain_tokens_per_s(args, prompts, target, tokenizer) -> float:
+    """In-process HF plain decoding of every prompt in turn: output tokens over wall time."""
+    config = generation_config(args.max_tokens, tokenizer.eos_token_id, args.ignore_eos)
+    started = time.perf_counter()
+    tokens = sum(timing.num_tokens for timing, _ in run_hf(target, prompts, config, "plain"))
+    return tokens / (time.perf_counter() - started)
+
+
 def shipped_configuration(repository: Path) -> dict:
     """What requests that send no ``num_speculative_tokens`` get from the repository as committed."""
     return {"method": server_parameter(repository, PROPOSER_MODEL, "method", "draft_model"),
@@ -222,10 +231,16 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
 
 
 def server_rows(
-    args, server_name: str, method: str, shipped: dict, prompts, workdir: Path, outputs: Outputs, progress: Progress
+    args, server_name: str, method: str, shipped: dict, prompts, workdir: Path, outputs: Outputs, progress: Progress,
+    hf_plain: Callable[[], float] | None = None,
 ) -> list[dict]:
     """One server: ``method`` at k = 0 and each fixed k of ``args.ks``, or (``server_name`` "default")
-    the shipped configuration against k = 0 on the same server."""
+    the shipped configuration against k = 0 on the same server.
+
+    ``hf_plain`` (tokens/s of in-process HF plain decoding over the prompts) is measured
+    once per round, right after the round's one-stream phases while the server idles, so
+    that each one-stream row has a paired HF figure from the same minutes.
+    """
     fixed = server_name != DEFAULT_SERVER
     edits = server_edits(args, method, shipped["num_speculative_tokens"], fixed)
     repository = make_variant(args.repository, workdir / f"repo-{server_name}", edits)
@@ -235,6 +250,7 @@ def server_rows(
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     phases: dict[tuple[str, int], PhaseMeasurement] = {}  # (config, concurrency), in the order first run
     rounds: dict[tuple[str, int], list[float]] = {}
+    hf_rounds: list[float] = []  # HF plain tokens/s, one per round
     with TritonServer(SERVE_SCRIPT, repository, args.log_dir / f"server-{server_name}.log", env) as server:
         progress.write(f"{server_name}: tritonserver ready on {server.grpc_url} (log {server.log_path})")
         warm_up(server, [Job(prompts[0], args.max_tokens, k, args.ignore_eos) for k in (0, max(args.ks))],
@@ -249,6 +265,9 @@ def server_rows(
                     key = (name, concurrency)
                     phases[key] = measured if key not in phases else phases[key] + measured
                     rounds.setdefault(key, []).append(measured.tokens_per_s)
+                if concurrency == 1 and hf_plain is not None:
+                    progress.phase(f"hf plain beside {server_name} (round {round_ + 1}/{args.rounds})")
+                    hf_rounds.append(hf_plain())
     kinds = {name: (kind, k) for name, kind, k in configs}
     rows = []
     for (name, concurrency), measured in phases.items():
@@ -258,6 +277,8 @@ def server_rows(
         row.update(config=name, kind=kind, concurrency=concurrency, k=k, method=method, server=server_name,
                    proposer=None if k == 0 else method, baseline=k0_name(server_name), rounds=args.rounds,
                    tokens_per_s_rounds=rounds[(name, concurrency)])  # fmt: skip
+        if concurrency == 1 and hf_rounds:
+            row["hf_plain_tokens_per_s_rounds"] = hf_rounds
         if k is not None:  # the server counts positions up to its configured k; this phase drafts at most k
             row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
         if concurrency > 1:  # component models overlap in time: not a per-step overhead any more
@@ -299,13 +320,14 @@ def main() -> None:
     try:
         if args.hf:
             rows += hf_rows(args, prompts, target, draft, tokenizer, outputs, progress)
-        del target, draft  # the servers load their own copies
+        del draft  # the servers load their own copies; the target stays for the paired HF plain rounds
+        hf_plain = (lambda: hf_plain_tokens_per_s(args, prompts, target, tokenizer)) if args.hf else None
         with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
             for method in args.methods:
-                rows += server_rows(args, method, method, shipped, prompts, Path(tmp), outputs, progress)
+                rows += server_rows(args, method, method, shipped, prompts, Path(tmp), outputs, progress, hf_plain)
             if shipped["method"] in args.methods:
                 rows += server_rows(args, DEFAULT_SERVER, shipped["method"], shipped, prompts, Path(tmp), outputs,
-                                    progress)  # fmt: skip
+                                    progress, hf_plain)  # fmt: skip
     finally:
         progress.close()
     annotate(rows, step_times)

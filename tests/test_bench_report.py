@@ -28,9 +28,9 @@ def test_markdown_table_formats_rows_and_dashes_missing_values():
     table = markdown_table(rows).splitlines()
     assert len(table) == 4 and table[0].count("|") == len(COLUMNS) + 1
     assert table[0] == ("| configuration | concurrency | tokens/s | x k = 0 | x k = 0, median of rounds | x HF plain "
-                        "| ITL p50 ms | tokens per verify step | acceptance |")
-    assert table[2] == "| k=0 (draft_model server) | 1 | 101.3 | 1.00x | - | 0.90x | 9.9 | 1.00 | - |"
-    assert table[3] == "| draft_model k=2 | 4 | - | 1.73x | - | - | - | - | 0.81 |"
+                        "| x HF plain, median of rounds | ITL p50 ms | tokens per verify step | acceptance |")
+    assert table[2] == "| k=0 (draft_model server) | 1 | 101.3 | 1.00x | - | 0.90x | - | 9.9 | 1.00 | - |"
+    assert table[3] == "| draft_model k=2 | 4 | - | 1.73x | - | - | - | - | - | 0.81 |"
     detail = markdown_table(rows, DETAIL_COLUMNS).splitlines()
     cells = [c.strip() for c in detail[3].strip("|").split("|")]
     assert cells[DETAIL_COLUMNS.index(("per-position accept", "per_position_acceptance", None))] == "0.90 0.75"

@@ -90,3 +90,10 @@ def test_x_k0_median_pairs_each_round_with_its_baseline():
     del rows[1]["x_k0_median"]
     annotate(rows, {})
     assert "x_k0_median" not in rows[1]  # rounds that do not pair give no median
+
+
+def test_x_hf_plain_median_pairs_each_round_with_hf_plain_measured_beside_the_server():
+    rows = [{"config": "k2", "concurrency": 1, "tokens_per_s_aggregate": 150.0, "tokens_per_s_rounds": [150, 120, 180],
+             "hf_plain_tokens_per_s_rounds": [200, 100, 150]}]
+    annotate(rows, {})
+    assert rows[0]["x_hf_plain_median"] == pytest.approx(1.2)  # ratios 0.75, 1.2, 1.2
