@@ -18,7 +18,6 @@ The first step is the prefill: the whole prompt at position 0, no drafts.
 """
 from __future__ import annotations
 
-import copy
 import secrets
 import uuid
 from collections.abc import Callable, Iterator
@@ -121,12 +120,12 @@ class SequenceState:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def snapshot(self) -> SequenceState:
-        """A copy that later steps do not change: its output, stats and finish state stay as they are now."""
-        frozen = copy.copy(self)  # the prompt and params are never mutated, so they are shared
-        frozen.output_ids = list(self.output_ids)
-        frozen.stats = copy.deepcopy(self.stats)
-        return frozen
+    def _tokens_from(self, position: int) -> list[int]:
+        """``token_ids[position:]`` without copying the whole sequence: a step sends only its new tokens."""
+        past_prompt = position - len(self.prompt_ids)
+        if past_prompt >= 0:
+            return self.output_ids[past_prompt:]
+        return self.prompt_ids[position:] + self.output_ids
 
     def num_draft_tokens(self) -> int:
         """k_eff for this step: drafts + one recovered/bonus token fit in the tokens left."""
@@ -146,12 +145,12 @@ class SequenceState:
         if k <= 0:
             return None
         banned = self._num_banned(k)  # draft i becomes output index len(output_ids) + i
-        tokens = self.token_ids
-        position, self._num_sent_to_proposer = self._num_sent_to_proposer, len(tokens)
+        position = self._num_sent_to_proposer
+        self._num_sent_to_proposer = len(self.prompt_ids) + len(self.output_ids)
         return ProposeRequest(
             seq_id=self.seq_id,
             position=position,
-            token_ids=tokens[position:],
+            token_ids=self._tokens_from(position),
             num_tokens=k,
             sampling=self.params.sampling,
             seed=derive_seed(self._base_seed, self._step, PROPOSE_STREAM),

@@ -19,8 +19,10 @@ choice depends on the batch size, and that is the one input the serving rule rea
   while more sequences than this run.
 
 :func:`choose_k` is the model behind such a table: given what a step's calls cost at a
-batch size (:class:`StepCosts`, measured by ``scripts/benchmark.py``) and the
-acceptance rate, the ``k`` that earns the most tokens per second.
+batch size (:class:`StepCosts`: lines fitted to measured call times) and the acceptance
+rate, the ``k`` that earns the most tokens per second. The shipped table was read off
+``scripts/benchmark.py``'s fixed-k rows directly, which measure the same trade-off
+end to end.
 """
 from __future__ import annotations
 

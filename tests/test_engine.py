@@ -317,16 +317,6 @@ def test_state_machine_seeds_and_min_tokens_bans():
     assert a.commit(None, result([0], 0)).finish_reason == "stop"
 
 
-def test_snapshot_keeps_the_state_of_its_step():
-    state = SequenceState("s", [1, 2], GenerationParams(max_tokens=6, num_speculative_tokens=2))
-    state.commit(None, result([7], 0))
-    frozen = state.snapshot()
-    state.commit(None, result([8], 0))
-    assert frozen.output_ids == [7] and state.output_ids == [7, 8]
-    assert frozen.stats.num_steps != state.stats.num_steps
-    assert frozen.prompt_ids == state.prompt_ids and not frozen.finished
-
-
 def test_a_step_that_drafts_nothing_leaves_its_tokens_to_the_next_request():
     """k = 0 sends nothing, so the next propose request starts where the last one ended."""
     state = SequenceState("s", [10, 11], GenerationParams(max_tokens=8, num_speculative_tokens=2))
@@ -338,3 +328,12 @@ def test_a_step_that_drafts_nothing_leaves_its_tokens_to_the_next_request():
     state.commit(None, result([24], 0))
     request = state.propose_request()
     assert (request.position, request.token_ids) == (3, [21, 22, 23, 24])
+
+
+def test_propose_requests_carry_exactly_the_tokens_not_sent_across_the_prompt_boundary():
+    state = SequenceState("s", [10, 11, 12], GenerationParams(max_tokens=8, num_speculative_tokens=2))
+    state._num_sent_to_proposer = 2  # a proposer that holds part of the prompt only
+    state.commit(None, result([20], 0))
+    assert state.propose_request().token_ids == [12, 20]
+    state.commit(None, result([21], 0))
+    assert state.propose_request().token_ids == [21]

@@ -341,18 +341,18 @@ def test_a_failing_stage_still_releases(codec, models):
     assert len(stages.released) == 1 and orchestrator.num_active_requests == 0
 
 
-def test_a_draft_with_another_vocabulary_is_refused_naming_both_models(codec, models):
+@pytest.mark.parametrize(
+    "misfit, message",
+    [
+        ("draft_vocab_size", r"/models/draft.*/models/target|/models/target.*/models/draft"),
+        ("tokenizer_vocab_size", r"tokenizer .* has \d+ tokens but target model '/models/target'"),
+    ],
+)
+def test_models_that_do_not_fit_the_target_are_refused_naming_both(codec, models, misfit, message):
+    """A draft with another vocabulary, or a tokenizer with more tokens than the target has logits."""
     orchestrator, stages = make_orchestrator(codec, models)
-    stages.draft_vocab_size = stages.verifier.vocab_size + 5
-    with pytest.raises(ServingError, match=r"/models/draft.*/models/target|/models/target.*/models/draft"):
-        run(orchestrator, request("the fox"))
-    assert stages.sent == []
-
-
-def test_a_tokenizer_larger_than_the_targets_vocabulary_is_refused_naming_both(codec, models):
-    orchestrator, stages = make_orchestrator(codec, models)
-    stages.tokenizer_vocab_size = stages.verifier.vocab_size + 1
-    with pytest.raises(ServingError, match=r"tokenizer .* has \d+ tokens but target model '/models/target'"):
+    setattr(stages, misfit, stages.verifier.vocab_size + 5)
+    with pytest.raises(ServingError, match=message):
         run(orchestrator, request("the fox"))
     assert stages.sent == []
 
