@@ -98,6 +98,10 @@ class ScheduledSequence:
         self._abandoned = False
         self._queue: asyncio.Queue = asyncio.Queue()  # ScheduledStep | BaseException | _RELEASED
 
+    def deliver(self, item) -> None:
+        """From the scheduler: a ``ScheduledStep``, the exception that ended the sequence, or the end."""
+        self._queue.put_nowait(item)
+
     def abandon(self) -> None:
         """The reader will read no more (its client went away, its send failed): stop at the next step."""
         self._abandoned = True
@@ -164,7 +168,8 @@ class StepScheduler:
         except BaseException as err:  # a bug here must not leave clients waiting forever
             everyone = [*self._running, *self._waiting]
             self._running, self._waiting = [], collections.deque()
-            await self._end(everyone, RuntimeError(f"step scheduler failed: {err!r}"))
+            fault = RuntimeError(f"step scheduler failed: {err!r}")
+            await self._end({sequence: fault for sequence in everyone})
             if not isinstance(err, Exception):
                 raise
 
@@ -174,9 +179,8 @@ class StepScheduler:
         if cancelled:
             self._running = [s for s in self._running if s not in cancelled]
             self._waiting = collections.deque(s for s in self._waiting if s not in cancelled)
-            for sequence in cancelled:
-                done = len(sequence.state.output_ids)
-                await self._end([sequence], SequenceCancelled(f"request cancelled after {done} output tokens"))
+            await self._end({s: SequenceCancelled(f"request cancelled after {len(s.state.output_ids)} output tokens")
+                             for s in cancelled})  # fmt: skip
         while self._waiting and (self.max_num_seqs is None or len(self._running) < self.max_num_seqs):
             self._running.append(self._waiting.popleft())
 
@@ -200,7 +204,7 @@ class StepScheduler:
             steps.append(SequenceStep(len(proposals[sequence].token_ids), results[sequence].num_accepted,
                                       len(output.new_token_ids)))  # fmt: skip
             stats = sequence.state.stats
-            sequence._queue.put_nowait(ScheduledStep(
+            sequence.deliver(ScheduledStep(
                 output, len(sequence.state.output_ids), stats.num_draft_tokens, stats.num_accepted_tokens))
             if output.finished:
                 finished.append(sequence)
@@ -214,9 +218,7 @@ class StepScheduler:
             self.on_step(report)
         if finished or failed:
             self._running = [s for s in self._running if s not in finished and s not in failed]
-            await self._end(finished, None)
-            for sequence, err in failed.items():
-                await self._end([sequence], err)
+            await self._end({**{s: None for s in finished}, **failed})
 
     async def _propose(self, batch, k: int, calls: dict, failed: dict) -> dict[ScheduledSequence, Proposal]:
         """One propose call for the sequences that draft; an empty proposal for the others."""
@@ -278,18 +280,19 @@ class StepScheduler:
                 outcomes.append(err)
         return outcomes
 
-    async def _end(self, sequences: list[ScheduledSequence], error: BaseException | None) -> None:
-        """Release the sequences in every stage (one call), then end their step queues."""
-        if not sequences:
+    async def _end(self, ended: dict[ScheduledSequence, BaseException | None]) -> None:
+        """Release the sequences in every stage (one call), then end each step queue, with its error if any."""
+        if not ended:
             return
+        release_error = None
         try:
-            await self.stages.release([s.state.seq_id for s in sequences])
+            await self.stages.release([s.state.seq_id for s in ended])
         except Exception as err:  # the client hears of it: the server may still hold the sequence
-            error = error or RuntimeError(f"releasing the sequence failed: {err}")
-        for sequence in sequences:
-            if error is not None:
-                sequence._queue.put_nowait(error)
-            sequence._queue.put_nowait(_RELEASED)
+            release_error = RuntimeError(f"releasing the sequence failed: {err}")
+        for sequence, error in ended.items():
+            if (error or release_error) is not None:
+                sequence.deliver(error or release_error)
+            sequence.deliver(_RELEASED)
 
 
 def _one_each(stage: str, asked: list, answered: list) -> list:
