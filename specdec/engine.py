@@ -270,6 +270,7 @@ def generate(
     if proposer is None and params.num_speculative_tokens > 0:
         raise ValueError("proposer is required when num_speculative_tokens > 0")
     state = SequenceState(seq_id, prompt_ids, params)
+    completed = False  # a response that ran to its end may teach the proposer (suffix decoding)
     try:
         while not state.finished:
             propose_request = state.propose_request()
@@ -278,10 +279,12 @@ def generate(
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
             result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed())
-            yield state.commit(proposal, result)
+            output = state.commit(proposal, result)
+            completed = state.finished
+            yield output
     finally:
         try:
             if proposer is not None:
-                proposer.release(seq_id)
+                proposer.release(seq_id, state.output_ids if completed else None)
         finally:
             verifier.release(seq_id)

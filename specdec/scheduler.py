@@ -47,7 +47,9 @@ class Stages(Protocol):
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]: ...  # the rejection sampler
-    async def release(self, seq_ids: list[str]) -> None: ...  # frees the sequences' state in every stage
+    # frees each sequence's state in every stage; the value is its output if its request
+    # completed (a proposer may learn from it: suffix decoding), None if cancelled or failed
+    async def release(self, ended: dict[str, list[int] | None]) -> None: ...
 
 
 class SequenceCancelled(Exception):
@@ -286,7 +288,8 @@ class StepScheduler:
             return
         release_error = None
         try:
-            await self.stages.release([s.state.seq_id for s in ended])
+            await self.stages.release({s.state.seq_id: None if error else list(s.state.output_ids)
+                                       for s, error in ended.items()})  # fmt: skip
         except Exception as err:  # the client hears of it: the server may still hold the sequence
             release_error = RuntimeError(f"releasing the sequence failed: {err}")
         for sequence, error in ended.items():

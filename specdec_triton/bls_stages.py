@@ -57,11 +57,17 @@ class BlsStages:
         out = await bls(wire.REJECTION_SAMPLER, wire.sample_inputs(calls), wire.SAMPLE_OUTPUTS)
         return wire.sample_results_of(out)
 
-    async def release(self, seq_ids: list[str]) -> None:
-        """Frees the sequences in both models that hold state, one call each; a failure is logged and raised."""
+    async def release(self, ended: dict[str, list[int] | None]) -> None:
+        """Frees the sequences in both models that hold state, one call each; a failure is logged and raised.
+
+        The proposer also gets the responses of the requests that completed (suffix decoding
+        learns from them); the verifier needs the ids alone.
+        """
+        seq_ids = list(ended)
         inputs = {**wire.release_inputs(seq_ids), **self._secret}
         results = await asyncio.gather(
-            bls(wire.DRAFT_PROPOSER, inputs, wire.PROPOSE_OUTPUTS, batched=True),
+            bls(wire.DRAFT_PROPOSER, {**inputs, **wire.response_inputs(list(ended.values()))}, wire.PROPOSE_OUTPUTS,
+                batched=True),  # fmt: skip
             bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),
             return_exceptions=True,
         )

@@ -93,6 +93,17 @@ def release_inputs(seq_ids: Sequence[str]) -> dict[str, np.ndarray]:
     return {"seq_id": bytes_array(list(seq_ids)), "release": one(True, np.bool_)}
 
 
+def response_inputs(responses: Sequence[Sequence[int] | None]) -> dict[str, np.ndarray]:
+    """With a release to the proposer: each sequence's output if its request completed, else nothing."""
+    return {"token_ids": flat([r or () for r in responses]), "num_token_ids": i32([len(r or ()) for r in responses])}
+
+
+def responses_of(inputs: Mapping[str, np.ndarray]) -> list[list[int]]:
+    """One per released seq_id: its response (empty when it did not complete, or none was sent)."""
+    count = len(seq_ids_of(inputs))
+    return split(inputs, "token_ids", "num_token_ids", count) if "token_ids" in inputs else [[]] * count
+
+
 def seq_ids_of(inputs: Mapping[str, np.ndarray]) -> list[str]:
     seq_ids = texts(inputs, "seq_id")
     if not seq_ids:

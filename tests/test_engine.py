@@ -26,8 +26,8 @@ class Recording:
         self.calls.extend(requests)
         return self.inner.propose(requests)
 
-    def release(self, seq_id):
-        self.inner.release(seq_id)
+    def release(self, seq_id, response=None):
+        self.inner.release(seq_id, response)
 
     def __call__(self, *args):
         result = self.inner(*args)
@@ -187,7 +187,7 @@ def test_a_failing_proposer_still_releases_the_verifier(target_model):
         def propose(self, requests):
             raise RuntimeError("proposer failed")
 
-        def release(self, seq_id):
+        def release(self, seq_id, response=None):
             self.released.append(seq_id)
 
     verifier, proposer = TargetVerifier(CachedCausalLM(target_model)), Broken()

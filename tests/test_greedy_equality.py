@@ -10,7 +10,7 @@ import pytest
 import torch
 from specdec.models import CachedCausalLM
 from specdec.engine import GenerationParams, generate
-from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import RequestStats
 from specdec.verifier import TargetVerifier
@@ -83,6 +83,8 @@ def make_proposer(method: str, target, draft):
         return DraftModelProposer(CachedCausalLM(draft))
     if method == "draft_equal":
         return DraftModelProposer(CachedCausalLM(target))
+    if method == "suffix":  # one proposer for all prompts: each response joins its global tree
+        return SuffixProposer()
     return NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
 
 
@@ -93,7 +95,7 @@ def random_references(target_model, hf_greedy):
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("method", ["draft_random", "draft_equal", "ngram"])
+@pytest.mark.parametrize("method", ["draft_random", "draft_equal", "ngram", "suffix"])
 def test_random_models_match_target_greedy(method, k, target_model, draft_model, random_references):
     proposer = make_proposer(method, target_model, draft_model)
     vocab = target_model.config.vocab_size
@@ -113,13 +115,15 @@ def test_random_models_match_target_greedy(method, k, target_model, draft_model,
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
 def test_shipped_pair_matches_target_greedy(method, k, shipped_pair, hf_greedy):
     tokenizer, target = shipped_pair.tokenizer, shipped_pair.target
     eos = tokenizer.eos_token_id
     assert eos is not None, "the shipped tokenizer must define an EOS token"
     if method == "draft_model":
         proposer = DraftModelProposer(CachedCausalLM(shipped_pair.draft))
+    elif method == "suffix":
+        proposer = SuffixProposer()
     else:
         proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
     accepted = 0

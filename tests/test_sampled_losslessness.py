@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 
 from specdec.models import CachedCausalLM
 from specdec.engine import GenerationParams, generate
-from specdec.proposers import DraftModelProposer
+from specdec.proposers import DraftModelProposer, SuffixConfig, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.sampling import make_generator, process_logits, sample_from_probs
 from specdec.types import SampleResult, SamplingParams, VerifyResult
@@ -81,13 +81,17 @@ def accept_every_draft(draft_token_ids, draft_probs, verify: VerifyResult, seed:
     return SampleResult(output_token_ids=torch.cat([draft_token_ids, bonus]), num_accepted=len(draft_token_ids))
 
 
-def sample_first_tokens(target, draft, sampler, num_samples: int) -> Counter:
-    """First NUM_TOKENS outputs of ``num_samples`` generations seeded 0 .. num_samples - 1."""
-    verifier, proposer = TargetVerifier(CachedCausalLM(target)), DraftModelProposer(CachedCausalLM(draft))
+def sample_first_tokens(target, draft, sampler, num_samples: int, proposer=None, max_tokens=NUM_TOKENS + K - 1) -> Counter:
+    """First NUM_TOKENS outputs of ``num_samples`` generations seeded 0 .. num_samples - 1.
+
+    ``max_tokens``: by default room for K drafts right after the prefill.
+    """
+    verifier = TargetVerifier(CachedCausalLM(target))
+    proposer = proposer if proposer is not None else DraftModelProposer(CachedCausalLM(draft))
     counts: Counter = Counter()
     for seed in range(num_samples):
         params = GenerationParams(
-            max_tokens=NUM_TOKENS + K - 1,  # room for K drafts right after the prefill
+            max_tokens=max_tokens,
             num_speculative_tokens=K,
             sampling=SamplingParams(temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, seed=seed),
         )
@@ -136,6 +140,20 @@ def test_speculative_sampling_matches_target_distribution(models, method):
     counts = sample_first_tokens(target, draft, sampler, NUM_SAMPLES)
     assert 0.05 < sampler.accepted / sampler.drafted < 0.95, "both accepted and rejected drafts must occur"
     assert chisquare_pvalue(counts, joint) > 1e-3
+
+
+def test_suffix_drafts_keep_target_distribution(models):
+    """Suffix drafts come from earlier samples' responses (the global tree), so they follow
+    the target's own frequencies and change as samples accumulate; one-hot q, any draft,
+    the output distribution must not move."""
+    target, _ = models
+    proposer = SuffixProposer(SuffixConfig(max_spec_factor=4.0, min_token_prob=0.0))
+    sampler = CountingSampler(RejectionSampler("probabilistic"))
+    # requests run to max_tokens and complete, so each response joins the global tree
+    counts = sample_first_tokens(target, None, sampler, NUM_SAMPLES, proposer=proposer, max_tokens=NUM_TOKENS)
+    assert proposer.stats().cached_responses == NUM_SAMPLES
+    assert sampler.drafted > NUM_SAMPLES // 2 and 0.05 < sampler.accepted / sampler.drafted < 0.95
+    assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
 
 
 def test_chi_square_rejects_a_sampler_that_accepts_every_draft(models):

@@ -43,6 +43,7 @@ class ScriptedStages:
         self.states: dict[str, SequenceState] = {}  # every submitted sequence, by seq_id
         self.calls: list[tuple[str, int]] = []  # (stage, sequences) of every call, in order
         self.released: list[str] = []
+        self.responses: dict[str, list[int] | None] = {}  # what each release passed on
         self.failing: set[str] = set()  # seq_ids whose verify fails
         self.sampler = RejectionSampler()
 
@@ -81,8 +82,9 @@ class ScriptedStages:
         self.calls.append(("sample", len(calls)))
         return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed) for c in calls]
 
-    async def release(self, seq_ids):
-        self.released.extend(seq_ids)
+    async def release(self, ended):
+        self.released.extend(ended)
+        self.responses.update(ended)
 
 
 def make_state(stages, seq_id, prompt, max_tokens=12, k=K, temperature=0.0):
@@ -179,6 +181,9 @@ def test_a_cancelled_sequence_is_released_and_the_others_go_on():
     assert "s1" in stages.released
     for i in (0, 2, 3):
         assert [t for s in outcomes[i] for t in s.output.new_token_ids] == greedy_reference(PROMPTS[i], 10)
+    # completed responses are passed on with their release (suffix decoding learns from them); a cancelled one is not
+    assert stages.responses["s1"] is None
+    assert all(stages.responses[f"s{i}"] == greedy_reference(PROMPTS[i], 10) for i in (0, 2, 3))
 
 
 def test_a_failing_sequence_fails_alone():
@@ -192,6 +197,7 @@ def test_a_failing_sequence_fails_alone():
     for i in (0, 1, 3):
         assert [t for s in outcomes[i] for t in s.output.new_token_ids] == greedy_reference(PROMPTS[i], 8)
     assert sorted(stages.released) == ["s0", "s1", "s2", "s3"]
+    assert stages.responses["s2"] is None  # a failed sequence teaches no proposer
 
 
 def test_a_stage_answering_the_wrong_number_of_results_fails_those_sequences():
@@ -221,9 +227,9 @@ def test_the_stream_ends_only_after_the_release():
     state = make_state(stages, "s0", [3], max_tokens=5)
     release_may_finish = None
 
-    async def slow_release(seq_ids):
+    async def slow_release(ended):
         await release_may_finish.wait()
-        stages.released.extend(seq_ids)
+        stages.released.extend(ended)
 
     stages.release = slow_release
 

@@ -117,11 +117,11 @@ class LocalStages:
         self.sent.append(("sample", len(calls)))
         return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, c.method) for c in calls]
 
-    async def release(self, seq_ids):
-        for seq_id in seq_ids:
-            self.proposer.release(seq_id)
+    async def release(self, ended):
+        for seq_id, response in ended.items():
+            self.proposer.release(seq_id, response)
             self.verifier.release(seq_id)
-        self.released.extend(seq_ids)
+        self.released.extend(ended)
 
 
 @pytest.fixture(scope="module")

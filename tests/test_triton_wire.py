@@ -176,6 +176,11 @@ def test_release_inputs():
     inputs = wire.release_inputs(["abc", "d"])
     assert wire.is_release(inputs) and wire.seq_ids_of(inputs) == ["abc", "d"]
     assert not wire.is_release({"seq_id": inputs["seq_id"]})
+    assert wire.responses_of(inputs) == [[], []]  # none sent: nothing to learn
+    with_responses = {**inputs, **wire.response_inputs([[5, 6, 7], None])}
+    assert wire.responses_of(with_responses) == [[5, 6, 7], []]
+    with pytest.raises(RequestError, match="'token_ids' holds 3 values"):
+        wire.responses_of({**with_responses, "num_token_ids": np.array([1, 1], np.int32)})
 
 
 @pytest.mark.parametrize(

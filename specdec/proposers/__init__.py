@@ -4,8 +4,9 @@ from __future__ import annotations
 from specdec.proposers.base import Proposer, check_propose_requests
 from specdec.proposers.draft_model import DraftModelProposer, check_draft_compatible
 from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
+from specdec.proposers.suffix import SUFFIX_DESCRIPTION, SuffixConfig, SuffixProposer
 
-PROPOSERS = {"draft_model": DraftModelProposer, "ngram": NgramProposer}
+PROPOSERS = {"draft_model": DraftModelProposer, "ngram": NgramProposer, "suffix": SuffixProposer}
 
 
 def make_proposer(method: str, **kwargs) -> Proposer:
@@ -20,6 +21,9 @@ __all__ = [
     "PROPOSERS",
     "DraftModelProposer",
     "NgramProposer",
+    "SUFFIX_DESCRIPTION",
+    "SuffixConfig",
+    "SuffixProposer",
     "Proposer",
     "check_draft_compatible",
     "check_propose_requests",

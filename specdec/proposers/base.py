@@ -11,7 +11,7 @@ nothing) is caught up by the next request, whose tokens start where the last end
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from specdec.types import Proposal, ProposeRequest
@@ -23,8 +23,13 @@ class Proposer(Protocol):
         """One proposal of at most ``request.num_tokens`` tokens per request, in order."""
         ...
 
-    def release(self, seq_id: str) -> None:
-        """Forget any state kept for ``seq_id``; a no-op for unknown ids."""
+    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:
+        """Forget any state kept for ``seq_id``; a no-op for unknown ids.
+
+        ``response``: the sequence's output, given only when its request completed
+        (not when it was cancelled or failed); a proposer that learns from past
+        responses (suffix decoding) keeps it, the others ignore it.
+        """
         ...
 
 

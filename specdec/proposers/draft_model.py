@@ -15,6 +15,7 @@ cache is cut back at the first that differs.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,8 @@ class DraftModelProposer(OwnsOneModel):
     def num_active_sequences(self) -> int:
         return len(self._seqs)
 
-    def release(self, seq_id: str) -> None:
-        self._seqs.pop(seq_id, None)
+    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:
+        self._seqs.pop(seq_id, None)  # a response teaches a fixed draft model nothing
         self.lm.release(seq_id)
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:

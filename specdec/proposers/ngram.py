@@ -11,6 +11,7 @@ It keeps each sequence's tokens, appending what each request brings at its
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,8 +91,8 @@ class NgramProposer:
         check_propose_requests(requests, lambda seq_id: len(self._tokens.get(seq_id, ())))
         return [self._propose_one(request) for request in requests]
 
-    def release(self, seq_id: str) -> None:
-        self._tokens.pop(seq_id, None)
+    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:
+        self._tokens.pop(seq_id, None)  # a response teaches prompt lookup nothing
 
     def _propose_one(self, request: ProposeRequest) -> Proposal:
         held = self._tokens.setdefault(request.seq_id, [])

@@ -49,9 +49,9 @@ class TritonPythonModel:
             if not wire.is_describe(inputs):
                 wire.check_caller(inputs, self.secret, self.name)
         for inputs in batch:
-            if wire.is_release(inputs):
-                for seq_id in wire.seq_ids_of(inputs):
-                    self.proposer.release(seq_id)
+            if wire.is_release(inputs):  # with the responses of the requests that completed
+                for seq_id, response in zip(wire.seq_ids_of(inputs), wire.responses_of(inputs)):
+                    self.proposer.release(seq_id, response or None)
         requests = [[] if wire.is_describe(x) or wire.is_release(x) else wire.propose_requests_of(x) for x in batch]
         proposals = iter(self.proposer.propose([r for group in requests for r in group]))
         return [
