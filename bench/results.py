@@ -96,7 +96,7 @@ def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
             row["x_hf_plain"] = x
         k = row.get("k")
         if row["concurrency"] == 1 and k is not None and k >= 1 and row.get("proposer") is not None:
-            t_draft = 0.0 if row["proposer"] == "ngram" else step_times["draft_1"]
+            t_draft = 0.0 if row["proposer"] in ("ngram", "suffix") else step_times["draft_1"]
             length, fraction = _length_and_drafting_fraction(row)
             if math.isnan(fraction) or (fraction > 0 and not 1.0 <= length <= k + 1):
                 row["speedup_bound"] = math.nan  # no decode step was measured

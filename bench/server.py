@@ -38,6 +38,7 @@ class TritonServer:
         env: dict[str, str] | None = None,  # added to this process's environment
         startup_timeout_s: float = 600.0,
         cwd: Path | None = None,  # the stubs import packages from the working directory before the venv's
+        serve_args: tuple[str, ...] = (),  # serve.sh's own options, e.g. --speculative-config=...
     ):
         self.serve_script = Path(serve_script)
         self.repository = Path(repository)
@@ -45,6 +46,7 @@ class TritonServer:
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
         self.cwd = cwd
+        self.serve_args = tuple(serve_args)
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.process: subprocess.Popen | None = None
 
@@ -71,6 +73,7 @@ class TritonServer:
             f"--http-port={self.http_port}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
+            *self.serve_args,
         ]
 
     def launch(self) -> None:

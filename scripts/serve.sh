@@ -11,7 +11,9 @@
 # and the project must be pip-installed into it (`pip install -e .`).
 #
 # Extra arguments go to tritonserver unchanged; a --model-repository among them
-# replaces the default one. Environment: VENV (default <repo>/.venv); OMP_NUM_THREADS
+# replaces the default one. --speculative-config '<json>' (or =<json>, or @file.json)
+# takes vLLM's speculative_config keys; it is checked before the server starts and
+# overrides the per-model keys (docs/speculative_config.md). Environment: VENV (default <repo>/.venv); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
 # faster single-threaded than with their threads competing for the cores).
 set -euo pipefail
@@ -34,6 +36,22 @@ if ! "$PYTHON" -c "import numpy, sys; sys.exit(int(numpy.__version__.split('.')[
 fi
 
 args=()
+passed=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --speculative-config=*) spec_config="${1#*=}"; shift ;;
+        --speculative-config)
+            [[ $# -ge 2 ]] || { echo "serve.sh: --speculative-config needs a JSON object or @file.json" >&2; exit 2; }
+            spec_config="$2"; shift 2 ;;
+        *) passed+=("$1"); shift ;;
+    esac
+done
+set -- ${passed[@]+"${passed[@]}"}
+if [[ -n "${spec_config:-}" ]]; then
+    SPECDEC_SPECULATIVE_CONFIG="$("$PYTHON" -m specdec_triton.speculative_config --check "$spec_config")" || exit 2
+    export SPECDEC_SPECULATIVE_CONFIG
+    echo "serve.sh: speculative_config $SPECDEC_SPECULATIVE_CONFIG" >&2
+fi
 if ! printf '%s\n' "$@" | grep -qE '^--model-(repository|store)(=|$)'; then
     args+=(--model-repository "$ROOT/model_repository")
 fi

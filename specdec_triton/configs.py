@@ -14,9 +14,11 @@ from specdec.build import ENGINES
 from specdec.models import DTYPE_CHOICES
 from specdec.proposers import PROPOSERS
 from specdec.proposers.ngram import NgramConfig
+from specdec.proposers.suffix import SuffixConfig
 from specdec.rejection_sampler import METHODS
 from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec_triton.plumbing import ParameterError, Parameters
+from specdec_triton.speculative_config import PARAMETER
 
 DEFAULT_TARGET_MODEL = "../models/tiny-target"  # relative to the model repository directory
 DEFAULT_DRAFT_MODEL = "../models/tiny-draft"
@@ -36,15 +38,24 @@ class TokenizerConfig:
         return config
 
 
+# settings only one method reads, by method: a value given under another method earns a warning
+_METHOD_SETTINGS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": tuple(f"suffix_decoding_{name}" for name in SuffixConfig.__dataclass_fields__),
+}
+
+
 @dataclass(frozen=True)
 class DraftProposerConfig:
-    method: str  # draft_model: a small LM drafts; ngram: prompt lookup, no model
+    method: str  # draft_model: a small LM drafts; ngram: prompt lookup; suffix: suffix trees; no model for either
     draft_model: str | None  # checkpoint directory; only read by method draft_model
     prompt_lookup_min: int | None  # ngram only; None -> vLLM's default rule
     prompt_lookup_max: int | None
     dtype: str  # auto: float32 on CPU, bfloat16 on CUDA
     engine: str  # draft_model only
     max_num_seqs: int  # draft_model only
+    suffix: SuffixConfig = SuffixConfig()  # suffix only: vLLM's suffix_decoding_* keys
+    given: tuple[str, ...] = ()  # the method-specific settings given a value
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -58,6 +69,8 @@ class DraftProposerConfig:
             dtype=params.get_str("dtype", "auto", choices=DTYPE_CHOICES),
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+            suffix=_suffix_config(params),
+            given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
         )
         params.check_all_read()
         try:
@@ -74,11 +87,26 @@ class DraftProposerConfig:
         path stays set under ``ngram``), but a value set for n-gram lookup alone
         suggests the user believes it is in use.
         """
-        if self.method == "ngram":
-            return []
-        settings = {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
-        given = [name for name, value in settings.items() if value is not None]
-        return [f"{name} is set but only method ngram reads it; method is {self.method!r}" for name in given]
+        return [
+            f"{name} is set but only method {method} reads it; method is {self.method!r}"
+            for method, names in _METHOD_SETTINGS.items() if method != self.method
+            for name in names if name in self.given
+        ]  # fmt: skip
+
+
+def _suffix_config(params: Parameters) -> SuffixConfig:
+    """vLLM's suffix_decoding_* keys; an empty value keeps vLLM's default."""
+    defaults = SuffixConfig()
+    values = {
+        "max_tree_depth": params.get_int("suffix_decoding_max_tree_depth", defaults.max_tree_depth),
+        "max_cached_requests": params.get_int("suffix_decoding_max_cached_requests", defaults.max_cached_requests),
+        "max_spec_factor": params.get_float("suffix_decoding_max_spec_factor", defaults.max_spec_factor),
+        "min_token_prob": params.get_float("suffix_decoding_min_token_prob", defaults.min_token_prob),
+    }
+    try:
+        return SuffixConfig(**values)
+    except ValueError as err:
+        raise ParameterError(f"draft_proposer: parameter {err}") from None
 
 
 @dataclass(frozen=True)
@@ -145,5 +173,6 @@ class OrchestratorConfig:
             speculation=speculation,
             ignored_request_parameters=params.get_pattern("ignored_request_parameters"),
         )
+        params.get_str(PARAMETER, "")  # vLLM's JSON: every model applied it to its own keys while loading
         params.check_all_read()
         return config

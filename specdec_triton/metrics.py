@@ -64,6 +64,29 @@ class ActiveSequences:
             self._count = count
 
 
+_SUFFIX_GAUGES = {
+    "spec_decode_suffix_cached_responses": "Completed responses the suffix-decoding global tree holds",
+    "spec_decode_suffix_tree_nodes": "Nodes of the suffix-decoding trees (the live sequences' and the global one)",
+    "spec_decode_suffix_tree_bytes": "Estimated memory of those trees, in bytes",
+}
+
+
+class SuffixCacheGauges:
+    """What suffix decoding keeps in memory, so its bound can be watched; only changes are sent."""
+
+    def __init__(self, model_name: str, family_type=None):
+        self._families = [_family(name, text, "GAUGE", family_type) for name, text in _SUFFIX_GAUGES.items()]
+        self._gauges = [family.Metric(labels={"model": model_name}) for family in self._families]
+        self._values: tuple[int, ...] | None = None
+
+    def set(self, cached_responses: int, tree_nodes: int, tree_bytes: int) -> None:
+        values = (cached_responses, tree_nodes, tree_bytes)
+        if values != self._values:
+            for gauge, value in zip(self._gauges, values):
+                gauge.set(value)
+            self._values = values
+
+
 class SpecDecodeCounters:
     """The orchestrator's per-step counters.
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from specdec.scheduler import SequenceCancelled
+from specdec_triton import speculative_config
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -62,6 +63,7 @@ class Parameters:
         config = json.loads(args["model_config"])
         raw = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
         repository_dir = os.path.dirname(os.path.normpath(args["model_repository"]))
+        raw = speculative_config.apply(args["model_name"], raw, repository_dir)  # vLLM's JSON, if one is set
         return cls(raw, base_dir=repository_dir, component=args["model_name"])
 
     def _get(self, key: str) -> str | None:

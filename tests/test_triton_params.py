@@ -126,7 +126,7 @@ def test_draft_proposer_config_per_method(tmp_path):
     base = str(tmp_path)
     ngram = DraftProposerConfig.from_parameters(params(base, method="ngram", prompt_lookup_max="3"))
     assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", None, 3)
-    with pytest.raises(ParameterError, match=r"'method' must be one of \('draft_model', 'ngram'\), got 'eagle'"):
+    with pytest.raises(ParameterError, match=r"'method' must be one of \('draft_model', 'ngram', 'suffix'\), got 'eagle'"):
         DraftProposerConfig.from_parameters(params(base, method="eagle"))
     with pytest.raises(ParameterError, match=r"'draft_model' must be an existing path"):
         DraftProposerConfig.from_parameters(params(base, method="draft_model", draft_model="nowhere"))
@@ -134,6 +134,22 @@ def test_draft_proposer_config_per_method(tmp_path):
         DraftProposerConfig.from_parameters(params(base, method="ngram", prompt_lookup_min="4", prompt_lookup_max="2"))
     with pytest.raises(ParameterError, match=r"unknown parameter\(s\) \['lookup_max'\]"):
         DraftProposerConfig.from_parameters(params(base, method="ngram", lookup_max="2"))
+
+
+def test_suffix_settings_take_vllm_keys_and_defaults(tmp_path):
+    base = str(tmp_path)
+    suffix = DraftProposerConfig.from_parameters(params(base, method="suffix", suffix_decoding_max_tree_depth="16",
+                                                        suffix_decoding_min_token_prob=""))  # fmt: skip
+    assert (suffix.suffix.max_tree_depth, suffix.suffix.max_cached_requests) == (16, 10000)
+    assert (suffix.suffix.max_spec_factor, suffix.suffix.min_token_prob) == (1.0, 0.1)
+    assert suffix.unread_settings() == []
+    with pytest.raises(ParameterError, match=r"draft_proposer: parameter suffix_decoding_max_spec_factor must be > 0"):
+        DraftProposerConfig.from_parameters(params(base, method="suffix", suffix_decoding_max_spec_factor="0"))
+    with pytest.raises(ParameterError, match=r"'suffix_decoding_max_cached_requests' must be an integer"):
+        DraftProposerConfig.from_parameters(params(base, method="suffix", suffix_decoding_max_cached_requests="x"))
+    ngram = DraftProposerConfig.from_parameters(params(base, method="ngram", suffix_decoding_max_tree_depth="8"))
+    assert ngram.unread_settings() == ["suffix_decoding_max_tree_depth is set but only method suffix reads it; "
+                                       "method is 'ngram'"]  # fmt: skip
 
 
 def test_n_gram_settings_under_another_method_are_warned_of(tmp_path):

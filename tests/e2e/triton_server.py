@@ -34,8 +34,8 @@ def models_dir() -> Path:
 class Server(TritonServer):
     """``bench.server.TritonServer`` with failures reported as test failures, the server's log attached."""
 
-    def __init__(self, repository: Path, log_path: Path):
-        super().__init__(SERVE_SCRIPT, repository, log_path, startup_timeout_s=READY_TIMEOUT_S)
+    def __init__(self, repository: Path, log_path: Path, serve_args: tuple[str, ...] = ()):
+        super().__init__(SERVE_SCRIPT, repository, log_path, startup_timeout_s=READY_TIMEOUT_S, serve_args=serve_args)
 
     def start(self) -> Server:
         """Start the server and wait until it is ready; fails the test with the log if it is not."""
@@ -90,9 +90,9 @@ def repository_copy(
     return repository
 
 
-def server_on_free_ports(workdir: Path, repository: Path) -> Server:
+def server_on_free_ports(workdir: Path, repository: Path, serve_args: tuple[str, ...] = ()) -> Server:
     """A server on free ports, not started."""
-    return Server(repository, workdir / "tritonserver.log")
+    return Server(repository, workdir / "tritonserver.log", serve_args)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""draft_proposer: k draft tokens per sequence from a draft model or n-gram lookup.
+"""draft_proposer: k draft tokens per sequence from a draft model, n-gram lookup or suffix trees.
 
 Keeps each live sequence (its tokens, and a KV cache with method draft_model); a
 propose request carries only the tokens not sent before, at ``position``, and a
@@ -11,11 +11,11 @@ checks against the target's.
 
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
-from specdec.proposers import NGRAM_DESCRIPTION, DraftModelProposer, NgramProposer
+from specdec.proposers import NGRAM_DESCRIPTION, SUFFIX_DESCRIPTION, DraftModelProposer, NgramProposer, SuffixProposer
 from specdec_triton import wire
 from specdec_triton.configs import DraftProposerConfig
 from specdec_triton.internal import boot_secret
-from specdec_triton.metrics import ActiveSequences
+from specdec_triton.metrics import ActiveSequences, SuffixCacheGauges
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
 
 
@@ -26,10 +26,13 @@ class TritonPythonModel:
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             self.description = NGRAM_DESCRIPTION
+        elif config.method == "suffix":
+            self.proposer, self.description = SuffixProposer(config.suffix), SUFFIX_DESCRIPTION
         else:
             lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs)
             self.proposer, self.description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.active = ActiveSequences(args["model_name"])
+        self.suffix_gauges = SuffixCacheGauges(args["model_name"]) if config.method == "suffix" else None
         self.name, self.secret = args["model_name"], boot_secret()  # only the orchestrator may call
         self.logger.info(f"{config} on {device}: {self.description}")
         for warning in config.unread_settings():
@@ -41,6 +44,9 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = answer_batch(requests, wire.PROPOSE_INPUTS, self._propose)
         self.active.set(self.proposer.num_active_sequences)
+        if self.suffix_gauges is not None:
+            stats = self.proposer.stats()
+            self.suffix_gauges.set(stats.cached_responses, stats.tree_nodes, stats.approx_bytes)
         return responses
 
     def _propose(self, batch):

@@ -1,0 +1,197 @@
+"""vLLM's ``speculative_config``: one JSON, with vLLM's keys, that sets the repository's per-model keys.
+
+Users coming from vLLM (or Triton's vLLM backend, whose ``model.json`` takes
+``"speculative_config": {...}``) describe speculation in one JSON. Here it may come
+from two places, which must agree if both are set:
+
+- ``scripts/serve.sh --speculative-config '<json>'`` (or ``@file.json``), which
+  checks it before the server starts and passes it in ``SPECDEC_SPECULATIVE_CONFIG``;
+- the parameter ``speculative_config`` of ``speculative_decoding/config.pbtxt``.
+
+Each model applies the keys that concern it over its own ``config.pbtxt`` while it
+loads. A per-model key left empty or at its shipped value is overridden; one set to
+anything else must agree with the JSON, or the load fails naming both, so two places
+never silently disagree. As in vLLM, k is fixed for every batch size: the JSON clears
+``num_speculative_tokens_per_batch_size`` (only ``disable_by_batch_size`` turns
+speculation off under load). A key we do not know is refused with the supported list;
+a vLLM key we do not support is refused as "not supported".
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_VAR = "SPECDEC_SPECULATIVE_CONFIG"
+PARAMETER = "speculative_config"  # in the orchestrator's config.pbtxt
+ORCHESTRATOR = "speculative_decoding"
+METHODS = ("draft_model", "ngram", "suffix")
+
+
+class SpeculativeConfigError(ValueError):
+    """The JSON is malformed, names an unknown or unsupported key, or disagrees with a config.pbtxt key."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    model: str  # the model whose config.pbtxt key the vLLM key sets
+    key: str
+    kind: type  # what the JSON value must be: str, int or float
+    unset: tuple[str, ...]  # values of the pbtxt key that count as not chosen: empty and the shipped value
+
+
+_SUFFIX = {
+    f"suffix_decoding_{name}": Setting("draft_proposer", f"suffix_decoding_{name}", kind, ("",))
+    for name, kind in (("max_tree_depth", int), ("max_cached_requests", int), ("max_spec_factor", float),
+                       ("min_token_prob", float))
+}  # fmt: skip
+SETTINGS = {
+    "method": Setting("draft_proposer", "method", str, ("", "draft_model")),
+    "model": Setting("draft_proposer", "draft_model", str, ("", "../models/tiny-draft")),
+    "num_speculative_tokens": Setting(ORCHESTRATOR, "num_speculative_tokens", int, ("", "4")),
+    "disable_by_batch_size": Setting(ORCHESTRATOR, "speculative_disable_by_batch_size", int, ("", "0")),
+    "prompt_lookup_min": Setting("draft_proposer", "prompt_lookup_min", int, ("",)),
+    "prompt_lookup_max": Setting("draft_proposer", "prompt_lookup_max", int, ("",)),
+    "rejection_sample_method": Setting("rejection_sampler", "rejection_sample_method", str, ("", "probabilistic")),
+    **_SUFFIX,
+}
+# set by any speculative_config: vLLM has no per-batch-size table, k is fixed
+_IMPLIED = {Setting(ORCHESTRATOR, "num_speculative_tokens_per_batch_size", str, ("", "1:4,2:2,3:0")): ""}
+# vLLM keys accepted only with the value that changes nothing here
+NEUTRAL = {"draft_tensor_parallel_size": (None, 1), "disable_logprobs": (None, True, False),
+           "disable_log_stats": (None, True, False)}  # fmt: skip
+# vLLM keys (or methods) known and not built
+NOT_SUPPORTED_KEYS = ("quantization", "max_model_len", "revision", "code_revision", "speculative_token_tree",
+                      "disable_padded_drafter_batch", "enforce_eager", "acceptance_method", "posterior_threshold",
+                      "posterior_alpha", "draft_model_config", "target_model_config")  # fmt: skip
+NOT_SUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "ernie_mtp",
+                         "qwen3_next_mtp")  # fmt: skip
+
+
+def parse(text: str) -> dict[str, dict[str, str]]:
+    """The per-model keys the JSON sets: ``{model: {config.pbtxt key: value}}``; refuses what it cannot serve."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpeculativeConfigError(f"speculative_config is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise SpeculativeConfigError(f"speculative_config must be a JSON object, got {type(config).__name__}")
+    _check_keys(config)
+    if "model" in config and "method" not in config:
+        config = {**config, "method": "draft_model"}  # vLLM's reading of a bare model: a draft model
+    settings: dict[str, dict[str, str]] = {}
+    for name, value in config.items():
+        if name in NEUTRAL:
+            continue
+        setting = SETTINGS[name]
+        settings.setdefault(setting.model, {})[setting.key] = _as_text(name, value, setting.kind)
+    for setting, value in _IMPLIED.items():
+        settings.setdefault(setting.model, {})[setting.key] = value
+    return settings
+
+
+def _check_keys(config: Mapping) -> None:
+    for name, value in config.items():
+        if name in NOT_SUPPORTED_KEYS:
+            raise SpeculativeConfigError(f"speculative_config key '{name}' is not supported by this server")
+        if name in NEUTRAL and value not in NEUTRAL[name]:
+            raise SpeculativeConfigError(
+                f"speculative_config key '{name}' = {value!r} is not supported; allowed: {list(NEUTRAL[name])}"
+            )
+        if name not in SETTINGS and name not in NEUTRAL:
+            raise SpeculativeConfigError(
+                f"speculative_config has unknown key '{name}'; supported keys: {sorted([*SETTINGS, *NEUTRAL])}"
+            )
+    method = config.get("method")
+    if method in NOT_SUPPORTED_METHODS:
+        raise SpeculativeConfigError(f"speculative_config method '{method}' is not supported yet; built: {list(METHODS)}")
+    if method is not None and method not in METHODS:
+        raise SpeculativeConfigError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
+
+
+def _as_text(name: str, value, kind: type) -> str:
+    """The pbtxt string of a JSON value, after checking its type (the model checks its range)."""
+    ok = isinstance(value, str) if kind is str else (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    )  # fmt: skip
+    if not ok:
+        raise SpeculativeConfigError(f"speculative_config key '{name}' must be {kind.__name__}, got {value!r}")
+    return value if kind is str else str(int(value) if kind is int else float(value))
+
+
+def configured_text(repository_dir: str | Path, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The JSON in force: the environment's and the repository parameter's, which must agree if both are set."""
+    from_env = environ.get(ENV_VAR, "").strip() or None
+    from_repository = _repository_parameter(Path(repository_dir)) or None
+    if from_env and from_repository and parse(from_env) != parse(from_repository):
+        raise SpeculativeConfigError(
+            f"speculative_config differs between {ENV_VAR} (serve.sh --speculative-config) {from_env} and "
+            f"{ORCHESTRATOR}/config.pbtxt parameter '{PARAMETER}' {from_repository}; set it in one place"
+        )
+    return from_env or from_repository
+
+
+def apply(model_name: str, raw: Mapping[str, str], repository_dir: str | Path,
+          environ: Mapping[str, str] = os.environ) -> dict[str, str]:  # fmt: skip
+    """``raw`` (a model's pbtxt parameters) with the speculative_config's keys for ``model_name`` applied."""
+    text = configured_text(repository_dir, environ)
+    if text is None:
+        return dict(raw)
+    overrides = parse(text).get(model_name, {})
+    unset = {s.key: s.unset for s in [*SETTINGS.values(), *_IMPLIED] if s.model == model_name}
+    for key, value in overrides.items():
+        current = str(raw.get(key, "")).strip()
+        if current not in unset[key] and current != value:
+            raise SpeculativeConfigError(
+                f"{model_name}: config.pbtxt sets '{key}' = {current!r} but speculative_config sets it to {value!r}; "
+                f"set it in one place (a pbtxt key left empty or at its shipped value is overridden)"
+            )
+    return {**raw, **overrides}
+
+
+def _repository_parameter(repository_dir: Path) -> str:
+    """The orchestrator's ``speculative_config`` parameter, read from its config.pbtxt (empty if absent)."""
+    path = repository_dir / ORCHESTRATOR / "config.pbtxt"
+    if not path.is_file():
+        return ""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig(), allow_unknown_field=True)
+    parameter = config.parameters.get(PARAMETER)
+    return parameter.string_value.strip() if parameter is not None else ""
+
+
+def _resolve_model_path(text: str, base: Path) -> str:
+    """The JSON with a relative ``model`` made absolute against ``base`` (serve.sh's working directory)."""
+    config = json.loads(text)
+    if isinstance(config, dict) and isinstance(config.get("model"), str) and not Path(config["model"]).is_absolute():
+        config["model"] = str((base / config["model"]).resolve())
+    return json.dumps(config)
+
+
+def main(argv: list[str]) -> int:
+    """``--check JSON|@FILE``: print the JSON to serve (model path resolved), or the reason it is refused."""
+    if len(argv) != 2 or argv[0] != "--check":
+        print("usage: python -m specdec_triton.speculative_config --check '<json>' | @file.json", file=sys.stderr)
+        return 2
+    source = argv[1]
+    try:
+        text = Path(source[1:]).read_text() if source.startswith("@") else source
+    except OSError as err:
+        print(f"--speculative-config: cannot read {source[1:]}: {err}", file=sys.stderr)
+        return 2
+    try:
+        parse(text)
+    except SpeculativeConfigError as err:
+        print(f"--speculative-config: {err}", file=sys.stderr)
+        return 2
+    print(_resolve_model_path(text, Path.cwd()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,89 @@
+"""Suffix decoding served through ``serve.sh --speculative-config``: lossless, and it learns from past responses."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from client.generate import generate_grpc, generate_http
+from triton_server import REPO_ROOT, models_dir, repository_copy, server_on_free_ports
+
+pytestmark = pytest.mark.server
+
+SPECULATIVE_CONFIG = {"method": "suffix", "num_speculative_tokens": 8}
+MAX_TOKENS = 32
+PROMPTS = [
+    "Once upon a time",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "SELECT name, COUNT(*) FROM users GROUP BY",
+    "abababababababab",
+    "The mitochondria is the powerhouse of the cell. The mitochondria is",
+    "Hello, world! Hello, world! Hello,",
+    "Grüße aus München! Ça va très bien,",
+    "\n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def suffix_server(tmp_path_factory):
+    if not (models_dir() / "tiny-target").is_dir():
+        pytest.skip(f"model pair not found under {models_dir()}")
+    workdir = tmp_path_factory.mktemp("server_suffix")
+    repository = repository_copy(workdir, models_dir(), "draft_model")  # the shipped method: the JSON overrides it
+    server = server_on_free_ports(workdir, repository, (f"--speculative-config={json.dumps(SPECULATIVE_CONFIG)}",))
+    server.start()
+    yield server
+    server.stop()
+
+
+def cached_responses(server) -> float:
+    values = [v for (name, _), v in server.metrics().items() if name == "spec_decode_suffix_cached_responses"]
+    assert len(values) == 1, values
+    return values[0]
+
+
+def test_greedy_output_equals_the_target_and_a_repeat_is_drafted_from_the_first(suffix_server, reference):
+    rounds = []
+    for _ in range(2):  # round 2 repeats round 1, as agents do
+        failures, drafted, accepted = [], 0, 0
+        for prompt in PROMPTS:
+            result = generate_grpc(suffix_server.grpc_url, "ensemble", prompt,
+                                   {"stream": True, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True})  # fmt: skip
+            drafted += result.total_draft_tokens
+            accepted += result.total_accepted_draft_tokens
+            failure = reference.greedy_mismatch(prompt, result.text, MAX_TOKENS)
+            if failure:
+                failures.append(failure)
+        assert not failures, "\n".join(failures)
+        rounds.append((drafted, accepted))
+    (_, accepted_1), (drafted_2, accepted_2) = rounds
+    # the global tree holds round 1's responses: round 2 drafts them back and the target agrees
+    assert accepted_2 > 2 * accepted_1 and accepted_2 / drafted_2 > 0.8, rounds
+    assert cached_responses(suffix_server) == 2 * len(PROMPTS)
+
+
+def test_http_generate_is_lossless_too(suffix_server, reference):
+    for prompt in PROMPTS[:3]:
+        result = generate_http(suffix_server.http_url, "ensemble", prompt,
+                               {"stream": False, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True})  # fmt: skip
+        assert not reference.greedy_mismatch(prompt, result.text, MAX_TOKENS)
+
+
+def test_serve_refuses_an_unknown_key_before_starting():
+    bad = json.dumps({"method": "suffix", "bogus_key": 1})
+    done = subprocess.run([str(REPO_ROOT / "scripts" / "serve.sh"), "--speculative-config", bad],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert "unknown key 'bogus_key'" in done.stderr and "supported keys" in done.stderr
+
+
+def test_a_bad_repository_speculative_config_fails_the_load_naming_the_key(tmp_path):
+    repository = repository_copy(tmp_path, models_dir(), "draft_model", only=("speculative_decoding",))
+    config = repository / "speculative_decoding" / "config.pbtxt"
+    text = config.read_text().replace('key: "speculative_config" value: { string_value: "" }',
+                                      'key: "speculative_config" value: { string_value: "{\\"method\\": \\"eagle3\\"}" }')
+    assert text != config.read_text()
+    config.write_text(text)
+    server = server_on_free_ports(tmp_path, repository)
+    assert server.run_until_exit() != 0
+    assert "speculative_config method 'eagle3' is not supported yet" in server.log_tail(200)
