@@ -6,7 +6,9 @@ from collections import Counter
 
 import pytest
 
-from specdec.suffix_tree import SuffixTree
+import numpy as np
+
+from specdec.suffix_tree import SuffixTree, speculate_in_sequence
 
 
 def substring_counts(sequences: list[list[int]], max_depth: int) -> Counter:
@@ -94,3 +96,18 @@ def test_speculate_with_no_match_drafts_nothing():
 def test_max_depth_must_be_positive():
     with pytest.raises(ValueError, match="max_depth"):
         SuffixTree(0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matching_in_the_sequence_drafts_what_its_tree_would(seed):
+    """The local "tree" of a live sequence is the sequence itself: same counts, same drafts, same tie-breaks."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(1, 60))]
+    depth, max_tokens = rng.choice([3, 6, 24]), rng.choice([1, 4, 8])
+    factor, min_prob = rng.choice([0.5, 1.0, 3.0]), rng.choice([0.0, 0.1, 0.4])
+    tree = SuffixTree(depth)
+    tree.extend(0, tokens)
+    expected = tree.speculate(tokens, max_tokens, factor, min_prob)
+    got = speculate_in_sequence(np.array(tokens), depth, max_tokens, factor, min_prob)
+    assert (got.token_ids, got.match_len) == (expected.token_ids, expected.match_len)
+    assert got.probs == pytest.approx(expected.probs)

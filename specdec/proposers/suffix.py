@@ -22,10 +22,11 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.proposers.base import check_propose_requests
-from specdec.suffix_tree import APPROX_NODE_BYTES, Draft, SuffixTree
+from specdec.suffix_tree import APPROX_NODE_BYTES, Draft, SuffixTree, speculate_in_sequence
 from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 SUFFIX_DESCRIPTION = ModelDescription(model="suffix", vocab_size=None, max_model_len=None, max_num_seqs=None,
@@ -59,7 +60,7 @@ class SuffixCacheStats:
 
     cached_responses: int
     cached_tokens: int
-    tree_nodes: int  # local and global trees together
+    tree_nodes: int  # of the global tree (a live sequence's local matches need no tree)
 
     @property
     def approx_bytes(self) -> int:
@@ -72,7 +73,6 @@ class SuffixProposer:
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()
         self._tokens: dict[str, list[int]] = {}  # each live sequence's tokens, prompt then output
-        self._local: dict[str, SuffixTree] = {}
         self._global = SuffixTree(self.config.max_tree_depth)
         self._cached: collections.deque[int] = collections.deque()  # global tree keys, oldest first
         self._next_key = itertools.count()
@@ -82,8 +82,7 @@ class SuffixProposer:
         return len(self._tokens)
 
     def stats(self) -> SuffixCacheStats:
-        local_nodes = sum(tree.num_nodes for tree in self._local.values())
-        return SuffixCacheStats(len(self._cached), self._global.num_tokens, local_nodes + self._global.num_nodes)
+        return SuffixCacheStats(len(self._cached), self._global.num_tokens, self._global.num_nodes)
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         check_propose_requests(requests, lambda seq_id: len(self._tokens.get(seq_id, ())))
@@ -92,7 +91,6 @@ class SuffixProposer:
     def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:
         """Forget the sequence; ``response``, given when the request completed, joins the global tree."""
         self._tokens.pop(seq_id, None)
-        self._local.pop(seq_id, None)
         if response and self.config.max_cached_requests > 0:
             key = next(self._next_key)
             self._global.extend(key, response)
@@ -102,14 +100,9 @@ class SuffixProposer:
 
     def _propose_one(self, request: ProposeRequest) -> Proposal:
         tokens = self._tokens.setdefault(request.seq_id, [])
-        tree = self._local.get(request.seq_id)
-        if tree is None or request.position < len(tokens):  # new, or cut back (a resent request): rebuild
-            del tokens[request.position :]
-            tree = self._local[request.seq_id] = SuffixTree(self.config.max_tree_depth)
-            tree.extend(0, tokens)
+        del tokens[request.position :]  # nothing, unless a request is sent again
         tokens.extend(request.token_ids)
-        tree.extend(0, request.token_ids)
-        draft = self._speculate(tree, tokens, request.num_tokens)
+        draft = self._speculate(tokens, request.num_tokens)
         drafts = draft.token_ids
         if request.num_banned_tokens:  # min_tokens: a banned draft is sure to be rejected, and all after it
             banned = set(request.banned_token_ids)
@@ -117,11 +110,13 @@ class SuffixProposer:
             drafts = drafts[:cut]
         return Proposal(token_ids=torch.tensor(drafts, dtype=torch.long), probs=None)
 
-    def _speculate(self, local: SuffixTree, tokens: list[int], num_tokens: int) -> Draft:
+    def _speculate(self, tokens: list[int], num_tokens: int) -> Draft:
+        """The local "tree" is the sequence itself (``speculate_in_sequence``): the same counts, no nodes."""
         if num_tokens <= 0:
             return Draft()
-        context = tokens[-self.config.max_tree_depth :]
-        args = (num_tokens, self.config.max_spec_factor, self.config.min_token_prob)
-        from_local = local.speculate(context, *args)
+        config = self.config
+        args = (num_tokens, config.max_spec_factor, config.min_token_prob)
+        from_local = speculate_in_sequence(np.asarray(tokens, dtype=np.int64), config.max_tree_depth, *args)
+        context = tokens[-config.max_tree_depth :]
         from_global = self._global.speculate(context, *args) if self._cached else Draft()
         return from_local if from_local.score >= from_global.score else from_global
