@@ -27,7 +27,7 @@ class TritonPythonModel:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             self.description = NGRAM_DESCRIPTION
         else:
-            lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs)
+            lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, log=self.logger.info)
             self.proposer, self.description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.active = ActiveSequences(args["model_name"])
         self.name, self.secret = args["model_name"], boot_secret()  # only the orchestrator may call
