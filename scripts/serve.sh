@@ -11,7 +11,8 @@
 # and the project must be pip-installed into it (`pip install -e .`).
 #
 # Extra arguments go to tritonserver unchanged; a --model-repository among them
-# replaces the default one. Environment: VENV (default <repo>/.venv); OMP_NUM_THREADS
+# replaces the default one. Environment: VENV (default <repo>/.venv); SPECDEC_MODELS_DIR (default
+# <repo>/models: where the shipped configs' ${SPECDEC_MODELS_DIR}/... checkpoints are); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
 # faster single-threaded than with their threads competing for the cores).
 set -euo pipefail
@@ -55,5 +56,6 @@ if [[ -z "$SERVER" ]]; then
 fi
 
 export PATH="$VENV/bin:$PATH"
+export SPECDEC_MODELS_DIR="${SPECDEC_MODELS_DIR:-$ROOT/models}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$SERVER" "${args[@]}" "$@"
