@@ -19,7 +19,8 @@ if [[ -n "${SPECDEC_TARGET:-}" ]]; then
     else
         options+=(--ngram)
     fi
-    for setting in ${SPECDEC_PARAMS:-}; do
+    read -r -a settings <<< "${SPECDEC_PARAMS:-}"  # split on spaces, no glob: a value may be a regex
+    for setting in "${settings[@]}"; do
         options+=(--param "$setting")
     done
     "$ROOT/scripts/new_repository.sh" "$repository" "${options[@]}"
