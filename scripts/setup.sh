@@ -37,7 +37,7 @@ fi
 
 started=$SECONDS
 phase() { echo "[setup] ($1/4) $2"; phase_started=$SECONDS; }
-took() { echo "[setup]       done in $((SECONDS - phase_started)) s"; }
+took() { [ "$DRY_RUN" = 1 ] || echo "[setup]       done in $((SECONDS - phase_started)) s"; }
 run() {  # run a command, or only print it with --dry-run
   if [ "$DRY_RUN" = 1 ]; then echo "[setup] would run: $*"; else "$@"; fi
 }
@@ -54,7 +54,8 @@ phase 1 "virtualenv $VENV"
 if [ ! -x "$VENV/bin/python" ]; then
   run "$PY" -m venv "$VENV"
 fi
-pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+pip_install=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+pip=("${pip_install[@]}" -q)
 
 phase 2 "torch $TORCH_VERSION ($torch_build build)"
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch" 2>/dev/null; then
@@ -70,9 +71,12 @@ else
     index="${SPECDEC_TORCH_INDEX:-}"
     echo "[setup]       the CUDA build downloads about 3 GB; this takes minutes"
   fi
-  # The CPU index also serves torch's own dependencies; an --extra-index-url would let PyPI's
-  # CUDA build of the same version win.
-  run "${pip[@]}" ${index:+--index-url "$index"} "torch==$TORCH_VERSION"
+  # --index-url, PyTorch's documented form: the CPU index also serves torch's dependencies, so
+  # nothing is taken from PyPI, whose torch of the same version is the CUDA build. On a
+  # terminal pip shows its download bar (the wheel is hundreds of MB at least).
+  quiet=(-q)
+  if [ -t 1 ]; then quiet=(); fi
+  run "${pip_install[@]}" "${quiet[@]}" ${index:+--index-url "$index"} "torch==$TORCH_VERSION"
   took
 fi
 
