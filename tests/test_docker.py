@@ -45,7 +45,8 @@ def _docker_or_skip() -> str:
         pytest.skip("no docker client on PATH")
     info = subprocess.run([docker, "info"], capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
-        pytest.skip(f"no container runtime answers `docker info`: {info.stderr.strip().splitlines()[-1:]}")
+        last = (info.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"no container runtime answers `docker info`: {last}")
     present = subprocess.run([docker, "image", "inspect", CPU_BASE_IMAGE], capture_output=True, timeout=60)
     if present.returncode != 0:
         pulled = subprocess.run([docker, "pull", CPU_BASE_IMAGE], capture_output=True, text=True, timeout=600)
