@@ -13,7 +13,9 @@
 # Extra arguments go to tritonserver unchanged; a --model-repository among them
 # replaces the default one. --speculative-config '<json>' (or =<json>, or @file.json)
 # takes vLLM's speculative_config keys; it is checked before the server starts and
-# overrides the per-model keys (docs/speculative_config.md). Environment: VENV (default <repo>/.venv); OMP_NUM_THREADS
+# overrides the per-model keys (docs/speculative_config.md). Environment: VENV (default
+# <repo>/.venv); SPECDEC_MODELS_DIR (default <repo>/models: where the shipped configs'
+# ${SPECDEC_MODELS_DIR}/... checkpoints are); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
 # faster single-threaded than with their threads competing for the cores).
 set -euo pipefail
@@ -73,5 +75,6 @@ if [[ -z "$SERVER" ]]; then
 fi
 
 export PATH="$VENV/bin:$PATH"
+export SPECDEC_MODELS_DIR="${SPECDEC_MODELS_DIR:-$ROOT/models}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$SERVER" "${args[@]}" "$@"

@@ -1,11 +1,32 @@
 #!/usr/bin/env bash
 # Create .venv and install the project with everything the server, client and tests need.
-# Idempotent: a second run only checks. On a machine without an NVIDIA GPU, torch is pinned
-# to the CPU build (an unpinned torch pulls several GB of CUDA packages).
+#
+#   scripts/setup.sh [--dry-run]
+#
+# Idempotent: a second run only checks (a stamp in the venv holds the hash of this script
+# and pyproject.toml). torch comes first and only where the venv has none, as the build that
+# fits the machine: the CPU build from PyTorch's CPU index where no NVIDIA GPU answers
+# `nvidia-smi -L` (PyPI's Linux torch is the CUDA build and pulls ~3 GB of CUDA libraries),
+# the CUDA build from PyPI where one does. An existing torch is never replaced.
+#
+# Environment:
+#   SPECDEC_TORCH        auto (default) | cpu | cuda: which torch build to install
+#   SPECDEC_TORCH_INDEX  the index to install it from (default: the CPU index for cpu, PyPI
+#                        for cuda; e.g. https://download.pytorch.org/whl/cu126 for another CUDA)
+#   SPECDEC_VENV         the virtualenv (default .venv); PYTHON: the interpreter that creates it
+# --dry-run prints what would be installed and changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SPECDEC_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+CPU_INDEX="https://download.pytorch.org/whl/cpu"
+DRY_RUN=0
+case "${1:-}" in
+  "") ;;
+  --dry-run) DRY_RUN=1 ;;
+  *) echo "setup.sh: unknown argument '$1'; allowed: --dry-run" >&2; exit 2 ;;
+esac
 
 stamp="$VENV/.specdec-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
@@ -14,22 +35,59 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV"
-  "$PY" -m venv "$VENV"
-fi
-pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+started=$SECONDS
+phase() { echo "[setup] ($1/4) $2"; phase_started=$SECONDS; }
+took() { [ "$DRY_RUN" = 1 ] || echo "[setup]       done in $((SECONDS - phase_started)) s"; }
+run() {  # run a command, or only print it with --dry-run
+  if [ "$DRY_RUN" = 1 ]; then echo "[setup] would run: $*"; else "$@"; fi
+}
 
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    echo "[setup] installing torch (CUDA build)"
-    "${pip[@]}" torch
-  else
-    echo "[setup] installing torch==2.13.0 (CPU build)"
-    "${pip[@]}" torch==2.13.0
-  fi
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+torch_build="${SPECDEC_TORCH:-auto}"
+case "$torch_build" in
+  auto) if has_gpu; then torch_build=cuda; else torch_build=cpu; fi ;;
+  cpu | cuda) ;;
+  *) echo "setup.sh: SPECDEC_TORCH must be one of auto, cpu, cuda; got '$torch_build'" >&2; exit 2 ;;
+esac
+
+phase 1 "virtualenv $VENV"
+if [ ! -x "$VENV/bin/python" ]; then
+  run "$PY" -m venv "$VENV"
 fi
-echo "[setup] installing the project, tritonclient, nvidia-pytriton (tritonserver), test and benchmark tools"
-"${pip[@]}" "numpy<2" -e ".[serve,test,bench]"
+pip_install=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+pip=("${pip_install[@]}" -q)
+
+phase 2 "torch $TORCH_VERSION ($torch_build build)"
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  have="$("$VENV/bin/python" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)')"
+  echo "[setup]       keeping the installed torch $have"
+  if [ "$torch_build" = cuda ] && [ "${have##* }" = None ]; then
+    echo "[setup]       warning: this torch is the CPU build; to get the CUDA build: $VENV/bin/pip install --force-reinstall torch==$TORCH_VERSION"
+  fi
+else
+  if [ "$torch_build" = cpu ]; then
+    index="${SPECDEC_TORCH_INDEX:-$CPU_INDEX}"
+  else
+    index="${SPECDEC_TORCH_INDEX:-}"
+    echo "[setup]       the CUDA build downloads about 3 GB; this takes minutes"
+  fi
+  # --index-url, PyTorch's documented form: the CPU index also serves torch's dependencies, so
+  # nothing is taken from PyPI, whose torch of the same version is the CUDA build. On a
+  # terminal pip shows its download bar (the wheel is hundreds of MB at least).
+  quiet=(-q)
+  if [ -t 1 ]; then quiet=(); fi
+  run "${pip_install[@]}" "${quiet[@]}" ${index:+--index-url "$index"} "torch==$TORCH_VERSION"
+  took
+fi
+
+phase 3 "the project, tritonclient, nvidia-pytriton (tritonserver), test and benchmark tools"
+run "${pip[@]}" "numpy<2" -e ".[serve,test,bench]"
+took
+
+phase 4 "check"
+if [ "$DRY_RUN" = 1 ]; then
+  echo "[setup] dry run: nothing was installed"
+  exit 0
+fi
 echo "$want" > "$stamp"
-echo "[setup] done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+echo "[setup] done in $((SECONDS - started)) s: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

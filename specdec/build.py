@@ -12,6 +12,7 @@ import torch
 from specdec.cached_lm import CachedLM, check_model_dir
 from specdec.fast.runner import FastCausalLM
 from specdec.models import CachedCausalLM
+from specdec.progress import Log, timed_phase
 
 ENGINES = ("fast", "hf")  # fast: Llama family, batched, static slot cache; hf: any AutoModelForCausalLM
 
@@ -23,17 +24,20 @@ def build_lm(
     device: str | torch.device = "cpu",
     max_num_seqs: int | None = None,
     max_model_len: int | None = None,
+    log: Log | None = None,
 ) -> CachedLM:
     """The checkpoint at ``path`` on ``engine``; ``max_model_len`` None: the model's ``max_position_embeddings``.
 
     The fast engine preallocates ``max_num_seqs`` cache slots, so it needs a number;
-    the ``hf`` engine grows a cache per sequence and takes None as unbounded.
+    the ``hf`` engine grows a cache per sequence and takes None as unbounded. ``log``, when
+    given, gets a line as each load phase starts and ends, with its seconds.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     check_model_dir(path)
     if engine == "hf":
-        return CachedCausalLM.from_path(path, dtype, device, max_num_seqs, max_model_len)
+        with timed_phase(log, f"loading {path} to {device}"):
+            return CachedCausalLM.from_path(path, dtype, device, max_num_seqs, max_model_len)
     if max_num_seqs is None:
         raise ValueError("the fast engine preallocates its cache: max_num_seqs must be given")
-    return FastCausalLM(path, dtype, device, max_num_seqs, max_model_len)
+    return FastCausalLM(path, dtype, device, max_num_seqs, max_model_len, log=log)

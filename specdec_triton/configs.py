@@ -2,8 +2,9 @@
 
 Each ``from_parameters`` validates loudly (errors name the parameter and its allowed
 values) and rejects unknown keys, so a bad ``config.pbtxt`` fails the model load.
-Paths are absolute or relative to the model repository directory; the committed
-defaults point at the shipped pair under ``<repo>/models``.
+Paths follow ``specdec_triton.paths`` (variables expanded, then absolute or relative to the
+model repository directory); the committed defaults point at the shipped pair in
+``${SPECDEC_MODELS_DIR}``.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec_triton.plumbing import ParameterError, Parameters
 from specdec_triton.speculative_config import PARAMETER
 
-DEFAULT_TARGET_MODEL = "../models/tiny-target"  # relative to the model repository directory
-DEFAULT_DRAFT_MODEL = "../models/tiny-draft"
+DEFAULT_TARGET_MODEL = "${SPECDEC_MODELS_DIR}/tiny-target"  # scripts/serve.sh sets it to <checkout>/models
+DEFAULT_DRAFT_MODEL = "${SPECDEC_MODELS_DIR}/tiny-draft"
 # ENGINES (specdec.build) fast: Llama-family checkpoints, every sequence of a dynamic batch in one forward
 # over a static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
 DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
@@ -60,7 +61,9 @@ class DraftProposerConfig:
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
         method = params.get_str("method", "draft_model", choices=tuple(PROPOSERS))
-        draft_model = params.get_path("draft_model", DEFAULT_DRAFT_MODEL, must_exist=method == "draft_model")
+        # under ngram the path is kept as written, unresolved: its variables need not be set
+        draft_model = (params.get_path("draft_model", DEFAULT_DRAFT_MODEL) if method == "draft_model"
+                       else params.get_str("draft_model", None))  # fmt: skip
         config = cls(
             method=method,
             draft_model=draft_model,

@@ -23,6 +23,7 @@ import numpy as np
 
 from specdec.scheduler import SequenceCancelled
 from specdec_triton import speculative_config
+from specdec_triton.paths import MODELS_DIR_VARIABLE, resolve_path
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -51,9 +52,11 @@ class Parameters:
     fails the load instead of being silently ignored.
     """
 
-    def __init__(self, raw: Mapping[str, str], base_dir: str | None = None, component: str = "model"):
+    def __init__(
+        self, raw: Mapping[str, str], base_dir: str | None = None, component: str = "model", model_dir: str | None = None
+    ):
         self._raw = {key: str(value).strip() for key, value in raw.items()}
-        self._base_dir = base_dir
+        self._base_dir, self._model_dir = base_dir, model_dir
         self._component = component
         self._read: set[str] = set()
 
@@ -62,9 +65,9 @@ class Parameters:
         """From ``initialize(args)``: relative paths resolve against the model repository directory."""
         config = json.loads(args["model_config"])
         raw = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
-        repository_dir = os.path.dirname(os.path.normpath(args["model_repository"]))
-        raw = speculative_config.apply(args["model_name"], raw, repository_dir)  # vLLM's JSON, if one is set
-        return cls(raw, base_dir=repository_dir, component=args["model_name"])
+        model_dir = os.path.normpath(args["model_repository"])
+        raw = speculative_config.apply(args["model_name"], raw, os.path.dirname(model_dir))  # vLLM's JSON, if set
+        return cls(raw, base_dir=os.path.dirname(model_dir), component=args["model_name"], model_dir=model_dir)
 
     def _get(self, key: str) -> str | None:
         self._read.add(key)
@@ -133,14 +136,17 @@ class Parameters:
         return number
 
     def get_path(self, key: str, default: str | None, must_exist: bool = True) -> str | None:
-        """An absolute path, or one relative to the model repository directory."""
+        """A path by ``specdec_triton.paths.resolve_path``: variables expanded, relative to the repository."""
         value = self._get(key) or default
         if value is None:
             return None
-        path = value if os.path.isabs(value) or self._base_dir is None else os.path.join(self._base_dir, value)
-        path = os.path.normpath(path)
+        try:
+            path = resolve_path(value, self._base_dir, self._model_dir)
+        except ValueError as err:
+            raise self._fail(key, value, f"a path whose variables are set: {err}") from None
         if must_exist and not os.path.exists(path):
-            raise self._fail(key, value, f"an existing path (absolute or relative to {self._base_dir})")
+            hint = f"; set {MODELS_DIR_VARIABLE} to the directory holding it" if MODELS_DIR_VARIABLE in value else ""
+            raise self._fail(key, value, f"an existing path (absolute or relative to {self._base_dir}; it is {path}){hint}")
         return path
 
     def check_all_read(self) -> None:

@@ -50,7 +50,7 @@ _SUFFIX = {
 }  # fmt: skip
 SETTINGS = {
     "method": Setting("draft_proposer", "method", str, ("", "draft_model")),
-    "model": Setting("draft_proposer", "draft_model", str, ("", "../models/tiny-draft")),
+    "model": Setting("draft_proposer", "draft_model", str, ("", "${SPECDEC_MODELS_DIR}/tiny-draft")),
     "num_speculative_tokens": Setting(ORCHESTRATOR, "num_speculative_tokens", int, ("", "4")),
     "disable_by_batch_size": Setting(ORCHESTRATOR, "speculative_disable_by_batch_size", int, ("", "0")),
     "prompt_lookup_min": Setting("draft_proposer", "prompt_lookup_min", int, ("",)),

@@ -73,6 +73,27 @@ def test_paths_resolve_against_the_repository_directory(tmp_path):
     assert params(base_dir=str(repo), p="missing").get_path("p", None, must_exist=False) == str(repo / "missing")
 
 
+def test_paths_expand_variables_and_the_model_directory(tmp_path, monkeypatch):
+    (tmp_path / "ckpt" / "t").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "weights").mkdir(parents=True)
+    repo, model_dir = tmp_path / "repo", tmp_path / "repo" / "m"
+    monkeypatch.setenv("SPECDEC_MODELS_DIR", str(tmp_path / "ckpt"))
+    assert params(base_dir=str(repo), p="${SPECDEC_MODELS_DIR}/t").get_path("p", None) == str(tmp_path / "ckpt" / "t")
+    within = Parameters({"p": "$$TRITON_MODEL_DIRECTORY/weights"}, base_dir=str(repo), model_dir=str(model_dir))
+    assert within.get_path("p", None) == str(model_dir / "weights")
+    monkeypatch.delenv("SPECDEC_MODELS_DIR")
+    # unset: models/ beside the repository, the checkout's layout
+    (tmp_path / "models" / "t").mkdir(parents=True)
+    assert params(base_dir=str(repo), p="${SPECDEC_MODELS_DIR}/t").get_path("p", None) == str(tmp_path / "models" / "t")
+    with pytest.raises(ParameterError, match=r"'p' must be an existing path .* set SPECDEC_MODELS_DIR to the directory"):
+        params(base_dir=str(repo), p="${SPECDEC_MODELS_DIR}/missing").get_path("p", None)
+    with pytest.raises(ParameterError, match=r"'p' must be a path whose variables are set: environment variable "
+                                             r"OTHER_DIR is not set"):
+        params(base_dir=str(repo), p="${OTHER_DIR}/t").get_path("p", None)
+    with pytest.raises(ParameterError, match=r"\$\$TRITON_MODEL_DIRECTORY needs the model's directory"):
+        params(base_dir=str(repo), p="$$TRITON_MODEL_DIRECTORY/weights").get_path("p", None)
+
+
 def test_unknown_keys_fail_and_list_the_allowed_ones():
     p = params(known="1", typo="2")
     p.get_int("known", 0)

@@ -17,6 +17,7 @@ from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, 
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.llama import load_fast_llama
 from specdec.models import resolve_dtype
+from specdec.progress import Log, timed_phase
 
 
 PAD_SLACK_TOKENS = 32  # padding a pass may always carry, however few its real tokens
@@ -61,24 +62,28 @@ class FastCausalLM:
         *,
         graph_num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS,
         triton_attention: bool = False,
+        log: Log | None = None,
     ):
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={str(self.device)!r}")
-        self.model = load_fast_llama(path, resolve_dtype(dtype, self.device), self.device, triton_attention)
+        with timed_phase(log, f"loading weights of {path} to {self.device}"):
+            self.model = load_fast_llama(path, resolve_dtype(dtype, self.device), self.device, triton_attention)
         config = self.model.config
         self.max_model_len = max_model_len if max_model_len is not None else config.max_position_embeddings
         config.check_max_model_len(self.max_model_len)
-        self.cache = StaticKVCache(
-            config.num_layers, config.num_kv_heads, config.head_dim, max_num_seqs, self.max_model_len,
-            self.model.dtype, self.device,
-        )
+        with timed_phase(log, f"allocating the KV cache ({max_num_seqs} sequences x {self.max_model_len} tokens)"):
+            self.cache = StaticKVCache(
+                config.num_layers, config.num_kv_heads, config.head_dim, max_num_seqs, self.max_model_len,
+                self.model.dtype, self.device,
+            )
+        self.graphs: StaticShapeRunner | None = None
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
-        self.graphs: StaticShapeRunner | None = (
-            CudaGraphRunner(self.model, self.cache, graph_num_tokens) if use_graphs else None
-        )
+        if use_graphs:
+            with timed_phase(log, f"capturing CUDA graphs (token counts {list(graph_num_tokens)})"):
+                self.graphs = CudaGraphRunner(self.model, self.cache, graph_num_tokens)
 
     @property
     def vocab_size(self) -> int:

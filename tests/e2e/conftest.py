@@ -1,7 +1,7 @@
 """End-to-end fixtures: a real tritonserver started by scripts/serve.sh, and the target as a reference.
 
 The default server serves the committed ``model_repository`` as is (draft_model
-proposer, paths relative to the repository). The n-gram server serves a copy made in
+proposer, checkpoints in ``${SPECDEC_MODELS_DIR}``, which serve.sh sets). The n-gram server serves a copy made in
 a temporary directory with ``method: ngram``, the table server one whose step k
 follows a ``num_speculative_tokens_per_batch_size`` table. ``SPECDEC_E2E_MODELS`` may name another
 directory holding ``tiny-target`` and ``tiny-draft``; every server then uses a copy

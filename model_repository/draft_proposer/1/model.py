@@ -29,7 +29,7 @@ class TritonPythonModel:
         elif config.method == "suffix":
             self.proposer, self.description = SuffixProposer(config.suffix), SUFFIX_DESCRIPTION
         else:
-            lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs)
+            lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, log=self.logger.info)
             self.proposer, self.description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.active = ActiveSequences(args["model_name"])
         self.suffix_gauges = SuffixCacheGauges(args["model_name"]) if config.method == "suffix" else None

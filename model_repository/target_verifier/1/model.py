@@ -22,7 +22,10 @@ class TritonPythonModel:
     def initialize(self, args):
         self.logger = ModelLogger(args["model_name"])
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
-        lm = build_lm(config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len)
+        lm = build_lm(
+            config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
+            log=self.logger.info,
+        )
         self.verifier, self.description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
         self.active = ActiveSequences(args["model_name"])
         self.name, self.secret = args["model_name"], boot_secret()  # only the orchestrator may call

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Write a copy of the model repository to tune or to serve other checkpoints.
+
+    scripts/new_repository.sh DIR [--target CKPT] [--draft CKPT | --ngram] [--tokenizer DIR]
+                                  [--param MODEL.KEY=VALUE ...] [--source REPOSITORY]
+
+Every checkpoint and tokenizer path of the copy is written absolute (resolved by the rule
+of ``specdec_triton/paths.py`` against the source, with ``SPECDEC_MODELS_DIR`` defaulting
+to this checkout's ``models/``), so the copy serves from anywhere, with or without the
+variable set. ``--target`` also sets the tokenizer and detokenizer (the target's tokenizer
+is the one whose ids index its logits) unless ``--tokenizer`` names another. Each model's
+parameters are then read by the model's own config class, so a bad value or unknown key
+fails here, with the message the load would give, instead of at server start.
+
+    scripts/new_repository.sh /srv/repo --target /ckpt/llama-3-8b --draft /ckpt/llama-3.2-1b \\
+        --param target_verifier.max_num_seqs=32 --param draft_proposer.max_num_seqs=32
+    scripts/serve.sh --model-repository /srv/repo
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, whichever checkout the venv installed
+
+from bench.repository import get_parameters, make_variant, parameter_edits  # noqa: E402
+from specdec_triton import configs, wire  # noqa: E402
+from specdec_triton.paths import MODELS_DIR_VARIABLE, resolve_path  # noqa: E402
+from specdec_triton.plumbing import ParameterError, Parameters  # noqa: E402
+
+ORCHESTRATOR = "speculative_decoding"
+# the parameters holding a path, by model
+PATH_PARAMETERS = {
+    wire.TOKENIZER: ("tokenizer_dir",),
+    wire.DETOKENIZER: ("tokenizer_dir",),
+    wire.DRAFT_PROPOSER: ("draft_model",),
+    wire.TARGET_VERIFIER: ("target_model",),
+}
+CONFIGS = {
+    wire.TOKENIZER: configs.TokenizerConfig,
+    wire.DETOKENIZER: configs.TokenizerConfig,
+    wire.DRAFT_PROPOSER: configs.DraftProposerConfig,
+    wire.TARGET_VERIFIER: configs.TargetVerifierConfig,
+    wire.REJECTION_SAMPLER: configs.RejectionSamplerConfig,
+    ORCHESTRATOR: configs.OrchestratorConfig,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dest", type=Path, metavar="DIR", help="the new repository; must not exist")
+    p.add_argument("--source", type=Path, default=REPO_ROOT / "model_repository", help="the repository to copy")
+    p.add_argument("--target", type=Path, help="target checkpoint (Hugging Face directory)")
+    p.add_argument("--draft", type=Path, help="draft checkpoint; sets draft_proposer.method=draft_model")
+    p.add_argument("--ngram", action="store_true", help="draft by prompt lookup: draft_proposer.method=ngram")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the target's)")
+    p.add_argument("--param", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                   help="any other parameter; repeatable")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.draft and args.ngram:
+        p.error("--draft and --ngram exclude each other: --ngram drafts without a model")
+    if args.dest.exists():
+        p.error(f"{args.dest} exists; name a new directory")
+    for flag in ("source", "target", "draft", "tokenizer"):
+        path = getattr(args, flag)
+        if path is not None and not path.exists():
+            p.error(f"--{flag} {path}: no such path")
+    return args
+
+
+def checkpoint_edits(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """The edits the checkpoint flags ask for, as absolute paths."""
+    edits: dict[str, dict[str, str]] = {}
+    tokenizer = args.tokenizer or args.target
+    if args.target:
+        edits[wire.TARGET_VERIFIER] = {"target_model": str(args.target.resolve())}
+    if tokenizer:
+        for model in (wire.TOKENIZER, wire.DETOKENIZER):
+            edits[model] = {"tokenizer_dir": str(tokenizer.resolve())}
+    if args.draft:
+        edits[wire.DRAFT_PROPOSER] = {"method": "draft_model", "draft_model": str(args.draft.resolve())}
+    if args.ngram:
+        edits[wire.DRAFT_PROPOSER] = {"method": "ngram"}
+    return edits
+
+
+def absolute_path_edits(source: Path, edits: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Every path parameter the edits leave alone, resolved against ``source`` as the server would."""
+    environ = {MODELS_DIR_VARIABLE: str(REPO_ROOT / "models"), **os.environ}
+    out: dict[str, dict[str, str]] = {}
+    for model, keys in PATH_PARAMETERS.items():
+        config = source / model / "config.pbtxt"
+        if not config.is_file():
+            continue
+        values = get_parameters(config.read_text())
+        for key in keys:
+            value = values.get(key, "")
+            if value and key not in edits.get(model, {}):
+                path = resolve_path(value, str(source), str(source / model), environ)
+                out.setdefault(model, {})[key] = path
+    return out
+
+
+def check_configs(repository: Path) -> None:
+    """Read each model's parameters with its own config class: the checks its load would make."""
+    for model, config_type in CONFIGS.items():
+        config = repository / model / "config.pbtxt"
+        if config.is_file():
+            raw = get_parameters(config.read_text())
+            config_type.from_parameters(Parameters(raw, str(repository), model, str(repository / model)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    source = args.source.resolve()
+    try:
+        edits = checkpoint_edits(args)
+        for model, values in parameter_edits(args.param).items():
+            edits.setdefault(model, {}).update(values)
+        for model, values in absolute_path_edits(source, edits).items():
+            edits.setdefault(model, {}).update(values)
+        make_variant(source, args.dest, edits)
+        check_configs(args.dest.resolve())
+    except (KeyError, ValueError) as err:  # ParameterError is a ValueError
+        shutil.rmtree(args.dest, ignore_errors=True)  # it did not exist before: no half-written copy stays
+        kind = "bad parameter" if isinstance(err, ParameterError) else "error"
+        print(f"new_repository: {kind}: {err.args[0] if err.args else err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dest}; serve it with: scripts/serve.sh --model-repository {args.dest.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""scripts/new_repository.py, and the path rule that lets a copied repository find its checkpoints."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.repository import get_parameters
+from specdec_triton import configs
+from specdec_triton.plumbing import ParameterError, Parameters
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS = REPO_ROOT / "models"
+_spec = importlib.util.spec_from_file_location("new_repository", REPO_ROOT / "scripts" / "new_repository.py")
+new_repository = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(new_repository)
+
+
+def parameters(repository: Path, model: str) -> dict[str, str]:
+    return get_parameters((repository / model / "config.pbtxt").read_text())
+
+
+def path_parameters(repository: Path) -> dict[tuple[str, str], str]:
+    return {(model, key): parameters(repository, model)[key]
+            for model, keys in new_repository.PATH_PARAMETERS.items() for key in keys}  # fmt: skip
+
+
+def test_a_copy_gets_absolute_checkpoint_paths_and_serves_without_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_MODELS_DIR", raising=False)
+    target, draft = tmp_path / "ckpt" / "target", tmp_path / "ckpt" / "draft"
+    shutil.copytree(MODELS / "tiny-target", target)
+    shutil.copytree(MODELS / "tiny-draft", draft)
+    dest = tmp_path / "elsewhere" / "repo"
+    argv = [str(dest), "--target", str(target), "--draft", str(draft), "--param", "target_verifier.max_num_seqs=3"]
+    assert new_repository.main(argv) == 0
+    assert path_parameters(dest) == {
+        ("tokenizer", "tokenizer_dir"): str(target), ("detokenizer", "tokenizer_dir"): str(target),
+        ("draft_proposer", "draft_model"): str(draft), ("target_verifier", "target_model"): str(target),
+    }  # fmt: skip
+    assert parameters(dest, "target_verifier")["max_num_seqs"] == "3"
+    source = REPO_ROOT / "model_repository"
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*.py")) == sorted(
+        p.relative_to(source) for p in source.rglob("*.py") if "__pycache__" not in p.parts)
+    # every model's own config class accepts the copy, with the variable unset
+    verifier = configs.TargetVerifierConfig.from_parameters(
+        Parameters(parameters(dest, "target_verifier"), str(dest), "target_verifier"))
+    assert (verifier.target_model, verifier.max_num_seqs) == (str(target), 3)
+    new_repository.check_configs(dest)
+
+
+def test_without_checkpoint_flags_the_copy_points_at_the_shipped_pair(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_MODELS_DIR", raising=False)
+    assert new_repository.main([str(tmp_path / "repo"), "--ngram"]) == 0
+    paths = path_parameters(tmp_path / "repo")
+    assert paths[("target_verifier", "target_model")] == str(MODELS / "tiny-target")
+    assert paths[("draft_proposer", "draft_model")] == str(MODELS / "tiny-draft")
+    assert parameters(tmp_path / "repo", "draft_proposer")["method"] == "ngram"
+
+
+def test_a_plain_copy_resolves_through_the_variable(tmp_path, monkeypatch):
+    """``cp -r model_repository`` anywhere: the shipped paths follow SPECDEC_MODELS_DIR, not the copy's place."""
+    copy = tmp_path / "deep" / "copy"
+    shutil.copytree(REPO_ROOT / "model_repository", copy)
+    monkeypatch.setenv("SPECDEC_MODELS_DIR", str(MODELS))
+    new_repository.check_configs(copy)
+    raw = parameters(copy, "target_verifier")
+    assert Parameters(raw, str(copy)).get_path("target_model", None) == str(MODELS / "tiny-target")
+    monkeypatch.delenv("SPECDEC_MODELS_DIR")
+    with pytest.raises(ParameterError, match="set SPECDEC_MODELS_DIR to the directory holding it"):
+        new_repository.check_configs(copy)
+
+
+def test_bad_input_fails_naming_it_and_leaves_no_copy(tmp_path, capsys):
+    dest = tmp_path / "repo"
+    assert new_repository.main([str(dest), "--param", "target_verifier.dtype=fp8"]) == 1
+    assert "bad parameter: target_verifier: parameter 'dtype' must be one of" in capsys.readouterr().err
+    assert not dest.exists()
+    assert new_repository.main([str(dest), "--param", "target_verifier.max_num_seq=4"]) == 1
+    assert "no parameter 'max_num_seq'; it declares" in capsys.readouterr().err
+    assert not dest.exists()
+    for argv, message in (([str(tmp_path)], "exists; name a new directory"),
+                          ([str(dest), "--draft", str(tmp_path / "no")], "--draft .*no: no such path"),
+                          ([str(dest), "--draft", str(MODELS / "tiny-draft"), "--ngram"], "exclude each other")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            new_repository.main(argv)
+        assert re.search(message, capsys.readouterr().err)
