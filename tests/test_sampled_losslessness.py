@@ -10,6 +10,7 @@ test has the power to see a lossy sampler.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -81,12 +82,13 @@ def accept_every_draft(draft_token_ids, draft_probs, verify: VerifyResult, seed:
     return SampleResult(output_token_ids=torch.cat([draft_token_ids, bonus]), num_accepted=len(draft_token_ids))
 
 
-def sample_first_tokens(target, draft, sampler, num_samples: int) -> Counter:
-    """First NUM_TOKENS outputs of ``num_samples`` generations seeded 0 .. num_samples - 1."""
+def sample_first_tokens(target, draft, sampler, num_samples: int, base: GenerationParams | None = None) -> Counter:
+    """First NUM_TOKENS outputs of ``num_samples`` generations seeded 0 .. num_samples - 1; ``base`` adds settings."""
     verifier, proposer = TargetVerifier(CachedCausalLM(target)), DraftModelProposer(CachedCausalLM(draft))
     counts: Counter = Counter()
     for seed in range(num_samples):
-        params = GenerationParams(
+        params = dataclasses.replace(
+            base or GenerationParams(),
             max_tokens=NUM_TOKENS + K - 1,  # room for K drafts right after the prefill
             num_speculative_tokens=K,
             sampling=SamplingParams(temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, seed=seed),
