@@ -195,7 +195,9 @@ class SequenceState:
     def sample_seed(self) -> int:
         return derive_seed(self._base_seed, self._step, SAMPLE_STREAM)
 
-    def commit(self, proposal: Proposal | None, result: SampleResult, verified: VerifyResult | None = None) -> StepOutput:
+    def commit(
+        self, proposal: Proposal | None, result: SampleResult, verified: VerifyResult | None = None
+    ) -> StepOutput:
         """Append the sampler's tokens up to the first stop; ``verified`` (this step's) gives their log probs."""
         self._check_running()
         num_drafts = len(self._draft_ids(proposal))

@@ -30,11 +30,12 @@ from specdec_triton.plumbing import RequestError
 ALIASES = {"random_seed": "seed", "min_length": "min_tokens", "num_draft_tokens": "num_speculative_tokens"}
 
 # name -> (the one accepted value, why no other is)
+_NO_LOGITS = "logits are not returned; return_log_probs gives the output's log probabilities"
 ONLY_VALUE = {
     "beam_width": (1, "beam search is not supported: a request decodes one sequence (greedy or sampled)"),
     "num_return_sequences": (1, "a request returns one sequence"),
-    "return_context_logits": (False, "logits are not returned; return_log_probs gives the output's log probabilities"),
-    "return_generation_logits": (False, "logits are not returned; return_log_probs gives the output's log probabilities"),
+    "return_context_logits": (False, _NO_LOGITS),
+    "return_generation_logits": (False, _NO_LOGITS),
     "return_perf_metrics": (False, "per-request KV-cache and timing figures are not kept; see the metrics port"),
 }
 
@@ -76,7 +77,8 @@ DECLARED = {
     "video_bytes_input": ("TYPE_UINT8", [-1, -1, -1, -1]), "prompt_embedding_table": ("TYPE_FP16", [-1, -1]),
     "prompt_table_extra_id": ("TYPE_UINT64", [1]), "prompt_vocab_size": ("TYPE_INT32", [1]),
     "embedding_bias_words": ("TYPE_STRING", [-1]), "embedding_bias_weights": ("TYPE_FP32", [-1]),
-    "lora_task_id": ("TYPE_UINT64", [1]), "lora_weights": ("TYPE_FP16", [-1, -1]), "lora_config": ("TYPE_INT32", [-1, 3]),
+    "lora_task_id": ("TYPE_UINT64", [1]), "lora_weights": ("TYPE_FP16", [-1, -1]),
+    "lora_config": ("TYPE_INT32", [-1, 3]),
     "guided_decoding_guide_type": ("TYPE_STRING", [1]), "guided_decoding_guide": ("TYPE_STRING", [1]),
     "use_draft_logits": ("TYPE_BOOL", [1]),
 }  # fmt: skip

@@ -63,6 +63,7 @@ GREEDY_PROPOSE_OUTPUTS = PROPOSE_OUTPUTS[:2]  # what a request of greedy sequenc
 VERIFY_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
                  *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + LOG_PROB_OUTPUTS when asked
+DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
 # answered, and only these, to a request with describe set; -1 encodes None (no limit, no vocabulary)
 DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model_len", "describe_max_num_seqs",

@@ -96,7 +96,8 @@ def test_streamed_log_probs_add_up_to_the_single_response(codec, models, samplin
     pieces = run(orchestrator, request("Grüße aus München", return_log_probs=True, stream=True, **sampling))
     (out, _), = whole
     log_probs = out["output_log_probs"]  # [beams, tokens]
-    assert log_probs.shape == (1, int(out["num_output_tokens"][0])) and np.all(log_probs <= 0) and np.all(np.isfinite(log_probs))
+    assert log_probs.shape == (1, int(out["num_output_tokens"][0]))
+    assert np.all(log_probs <= 0) and np.all(np.isfinite(log_probs))
     assert out["cum_log_probs"].shape == (1,) and out["cum_log_probs"][0] == pytest.approx(log_probs.sum(), rel=1e-5)
     streamed = np.concatenate([o["output_log_probs"] for o, _ in pieces], axis=1)
     assert np.allclose(streamed, log_probs, atol=1e-6)

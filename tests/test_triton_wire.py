@@ -42,7 +42,7 @@ MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                           configs.DraftProposerConfig),
-    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.VERIFY_OUTPUTS + wire.LOG_PROB_OUTPUTS + wire.DESCRIBE_OUTPUTS,
+    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.DECLARED_VERIFY_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                            configs.TargetVerifierConfig),
     wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS, wire.SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                              configs.RejectionSamplerConfig),
@@ -185,7 +185,7 @@ def test_verify_round_trip_with_banned_rows():
     p = torch.softmax(torch.randn(2, 7), dim=-1)  # [k + 1, vocab]
     results = [VerifyResult(torch.tensor([1, 2]), p), VerifyResult(torch.tensor([3]), None)]
     outputs = wire.verify_outputs(results)
-    assert set(outputs) == set(wire.VERIFY_OUTPUTS + wire.LOG_PROB_OUTPUTS)
+    assert set(outputs) == set(wire.DECLARED_VERIFY_OUTPUTS)
     back = wire.verify_results_of(outputs, [2, 1])
     assert [r.argmax.tolist() for r in back] == [[1, 2], [3]]
     assert torch.equal(back[0].probs, p) and back[1].probs is None
