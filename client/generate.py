@@ -215,6 +215,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--end-id", type=int)
     parser.add_argument("--num-speculative-tokens", type=int, help="per-request k; 0: no speculation")
     parser.add_argument("--exclude-input", action="store_true", help="non-streaming: leave the prompt out")
+    parser.add_argument("--bad-word", action="append", dest="bad_words", help="a word never to output; repeatable")
+    parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating context tokens")
+    parser.add_argument("--presence-penalty", type=float)
+    parser.add_argument("--frequency-penalty", type=float)
+    parser.add_argument("--log-probs", action="store_true", help="print the output's summed log probability")
     parser.add_argument("--no-stream", dest="stream", action="store_false")
     return parser.parse_args(argv)
 
@@ -225,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "temperature": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_words": args.stop_words,
         "end_id": args.end_id, "num_speculative_tokens": args.num_speculative_tokens, "stream": args.stream,
-        "exclude_input_in_output": args.exclude_input or None,
+        "exclude_input_in_output": args.exclude_input or None, "bad_words": args.bad_words,
+        "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty, "return_log_probs": args.log_probs or None,
     }  # fmt: skip
 
     def print_chunk(text: str) -> None:
@@ -244,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         f"[{result.finish_reason}] {result.num_input_tokens} input + {result.num_output_tokens} output tokens "
         f"in {result.seconds:.3f} s (first text after {result.first_chunk_seconds or 0:.3f} s); "
         f"acceptance {result.acceptance_rate:.3f} "
-        f"({result.total_accepted_draft_tokens}/{result.total_draft_tokens} draft tokens)",
+        f"({result.total_accepted_draft_tokens}/{result.total_draft_tokens} draft tokens)"
+        + (f"; log probability {result.cum_log_prob:.3f}" if args.log_probs else ""),
         file=sys.stderr,
     )
     return 0

@@ -229,7 +229,7 @@ class SequenceState:
             return None
         if verified is None or verified.log_mass is None:
             raise ValueError(f"seq {self.seq_id!r}: return_log_probs needs the verifier's log_mass, got none")
-        return emitted_log_probs(tokens, verified.log_mass, verified.probs)
+        return emitted_log_probs(tokens, verified.log_mass, verified.probs, verified.argmax)
 
     def _record(self, num_drafts: int, num_accepted: int) -> None:
         self.stats.num_steps += 1

@@ -132,10 +132,14 @@ def emitted_log_probs(
     tokens: Sequence[int],  # the tokens a step emitted, row by row from row 0
     log_mass: torch.Tensor,  # [m] from log_kept_mass
     probs: torch.Tensor | None,  # [m, vocab] p, or None: greedy
+    argmax: torch.Tensor,  # [m] int64
 ) -> list[float]:
     """The target's log probability of each emitted token (see :func:`log_kept_mass`)."""
     mass = log_mass.tolist()
     if probs is None:
+        greedy = argmax.tolist()
+        if list(tokens) != greedy[: len(tokens)]:
+            raise ValueError(f"a greedy target emits its argmax {greedy}, got {list(tokens)}: no log probabilities")
         return [mass[j] for j in range(len(tokens))]
     rows = probs[torch.arange(len(tokens)), torch.as_tensor(list(tokens), dtype=torch.long)]  # [len(tokens)]
     return [math.log(p) + mass[j] if p > 0 else float("-inf") for j, p in enumerate(rows.tolist())]

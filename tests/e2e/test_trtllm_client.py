@@ -14,6 +14,7 @@ from tritonclient.utils import InferenceServerException
 from transformers import GenerationConfig
 from trtllm_client import prepare_inputs, run_inference
 
+from client.generate import generate_grpc, generate_http
 from specdec.penalties import Penalties
 from test_penalties import reference_processors
 
@@ -97,3 +98,17 @@ def test_unsupported_inputs_are_named_and_the_server_serves_on(server, extra, me
     with pytest.raises(InferenceServerException, match=message):
         run_inference(server.grpc_url, "ensemble", inputs)
     assert run_inference(server.grpc_url, "ensemble", prepare_inputs("Hello", 4)).text.startswith("Hello")
+
+
+@pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
+def test_the_command_line_clients_requests_agree(server, model):
+    """client.generate shapes its tensors to each model's batch dimension; gRPC, HTTP and this client agree."""
+    params = dict(max_tokens=MAX_TOKENS, bad_words=BAD_WORDS, return_log_probs=True, exclude_input_in_output=True,
+                  **SETTINGS)  # fmt: skip
+    expected = run_inference(server.grpc_url, "ensemble", prepare_inputs(PROMPTS[1], MAX_TOKENS, bad_words=BAD_WORDS,
+                             return_log_probs=True, exclude_input_in_output=True, **SETTINGS))  # fmt: skip
+    for result in (generate_grpc(server.grpc_url, model, PROMPTS[1], {**params, "stream": True}),
+                   generate_http(server.http_url, model, PROMPTS[1], params)):  # fmt: skip
+        assert result.text == expected.text
+        assert result.output_log_probs == pytest.approx(expected.output_log_probs, abs=1e-5)
+        assert len(result.output_log_probs) == result.num_output_tokens
