@@ -111,7 +111,7 @@ def log_kept_mass(
     logits: torch.Tensor,  # [m, vocab] penalised (and banned) logits
     probs: torch.Tensor | None,  # [m, vocab] p, or None: greedy (p one-hot at the argmax)
     argmax: torch.Tensor,  # [m] int64
-    temperature: float,  # the divisor of sampled rows; greedy rows use 1
+    temperature: float,  # the divisor: the request's, or 1 where it decodes greedily at temperature 0
 ) -> torch.Tensor:  # [m] float32
     """log of the mass that ``p``'s support holds under ``softmax(logits / T)``, per row.
 
@@ -122,9 +122,9 @@ def log_kept_mass(
     vocabulary-wide row; for a greedy row (``log p = 0`` at the argmax) it is the
     argmax's own log probability.
     """
-    if probs is None:
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, argmax.view(-1, 1)).squeeze(-1)
     full = torch.log_softmax(logits.float() / temperature, dim=-1)  # [m, vocab]
+    if probs is None:  # top_k 1 too: p is one-hot at the argmax
+        return full.gather(-1, argmax.view(-1, 1)).squeeze(-1)
     return torch.logsumexp(full.masked_fill(probs <= 0, float("-inf")), dim=-1)
 
 

@@ -18,7 +18,7 @@ import torch
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.penalties import apply_penalties, log_kept_mass
 from specdec.sampling import greedy_tokens, process_logits
-from specdec.types import VerifyRequest, VerifyResult
+from specdec.types import GREEDY_TEMPERATURE_BELOW, VerifyRequest, VerifyResult
 
 
 def verify_result(
@@ -35,7 +35,9 @@ def verify_result(
     log_mass = None
     if request.log_probs:
         banned_logits = logits if not request.num_banned_rows else _with_bans(logits, *banned)
-        log_mass = log_kept_mass(banned_logits, probs, argmax, request.sampling.temperature)
+        temperature = request.sampling.temperature
+        divisor = temperature if temperature >= GREEDY_TEMPERATURE_BELOW else 1.0  # greedy: the logits' own
+        log_mass = log_kept_mass(banned_logits, probs, argmax, divisor)
     return VerifyResult(argmax=argmax, probs=probs, log_mass=log_mass)
 
 
