@@ -7,6 +7,8 @@ gRPC goes through ``tritonclient.grpc`` and its bidirectional stream (the models
 decoupled, so this is how both streamed and single responses arrive). HTTP uses
 Triton's generate extension (``/generate`` and ``/generate_stream``, server-sent
 events) with the standard library: ``tritonclient.http`` cannot call decoupled models.
+Over gRPC the tensors get the leading batch dimension of 1 that a model with
+``max_batch_size > 0`` (``ensemble``, as TensorRT-LLM's) expects, read once from its config.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ import numpy as np
 INPUT_TYPES = {
     "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
     "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "end_id": "INT32", "min_tokens": "INT32",
-    "exclude_input_in_output": "BOOL", "num_speculative_tokens": "INT32",
+    "exclude_input_in_output": "BOOL", "num_speculative_tokens": "INT32", "bad_words": "BYTES",
+    "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32", "return_log_probs": "BOOL",
+    "beam_width": "INT32", "random_seed": "UINT64", "min_length": "INT32",
 }  # fmt: skip
 _NUMPY = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
 COUNTS = ("num_input_tokens", "num_output_tokens", "total_accepted_draft_tokens", "total_draft_tokens")
@@ -47,6 +51,8 @@ class Result:
     total_draft_tokens: int = 0
     seconds: float = 0.0
     first_chunk_seconds: float | None = None
+    output_log_probs: list[float] = field(default_factory=list)  # return_log_probs: one per output token
+    cum_log_prob: float = 0.0
 
     @property
     def text(self) -> str:
@@ -61,6 +67,9 @@ class Result:
         for name in COUNTS:
             setattr(self, name, int(outputs.get(name, 0)))
         self.acceptance_rate = float(outputs.get("acceptance_rate", 0.0))
+        if "output_log_probs" in outputs:  # the response's new tokens; [1, tokens] or a JSON list or number
+            self.output_log_probs += np.ravel(np.asarray(outputs["output_log_probs"], dtype=np.float64)).tolist()
+            self.cum_log_prob = float(np.ravel(outputs["cum_log_probs"])[0])
 
 
 def _request_values(prompt: str, params: dict) -> dict:
@@ -112,6 +121,9 @@ def grpc_stream(url: str, model: str, inputs: list, on_chunk: Callable[[str], No
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
+    if _takes_batch_dimension(client, url, model):
+        for tensor in inputs:
+            tensor.set_shape([1, *tensor.shape()])
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     result, started = Result(), time.perf_counter()
@@ -123,7 +135,8 @@ def grpc_stream(url: str, model: str, inputs: list, on_chunk: Callable[[str], No
                 raise GenerateError(str(error))
             raw = response.get_response()
             if raw.outputs:
-                outputs = {out.name: _scalar(response.as_numpy(out.name)) for out in raw.outputs}
+                outputs = {out.name: response.as_numpy(out.name) if out.name == "output_log_probs"
+                           else _scalar(response.as_numpy(out.name)) for out in raw.outputs}  # fmt: skip
                 result.add(outputs, started)
                 if on_chunk:
                     on_chunk(outputs["text_output"])
@@ -134,6 +147,15 @@ def grpc_stream(url: str, model: str, inputs: list, on_chunk: Callable[[str], No
         client.close()
     result.seconds = time.perf_counter() - started
     return result
+
+
+_max_batch_size: dict[tuple[str, str], int] = {}  # (url, model) -> its max_batch_size
+
+
+def _takes_batch_dimension(client, url: str, model: str) -> bool:
+    if (url, model) not in _max_batch_size:
+        _max_batch_size[url, model] = client.get_model_config(model).config.max_batch_size
+    return _max_batch_size[url, model] > 0
 
 
 def generate_http(
@@ -193,6 +215,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--end-id", type=int)
     parser.add_argument("--num-speculative-tokens", type=int, help="per-request k; 0: no speculation")
     parser.add_argument("--exclude-input", action="store_true", help="non-streaming: leave the prompt out")
+    parser.add_argument("--bad-word", action="append", dest="bad_words", help="a word never to output; repeatable")
+    parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating context tokens")
+    parser.add_argument("--presence-penalty", type=float)
+    parser.add_argument("--frequency-penalty", type=float)
+    parser.add_argument("--log-probs", action="store_true", help="print the output's summed log probability")
     parser.add_argument("--no-stream", dest="stream", action="store_false")
     return parser.parse_args(argv)
 
@@ -203,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "temperature": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_words": args.stop_words,
         "end_id": args.end_id, "num_speculative_tokens": args.num_speculative_tokens, "stream": args.stream,
-        "exclude_input_in_output": args.exclude_input or None,
+        "exclude_input_in_output": args.exclude_input or None, "bad_words": args.bad_words,
+        "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty, "return_log_probs": args.log_probs or None,
     }  # fmt: skip
 
     def print_chunk(text: str) -> None:
@@ -222,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         f"[{result.finish_reason}] {result.num_input_tokens} input + {result.num_output_tokens} output tokens "
         f"in {result.seconds:.3f} s (first text after {result.first_chunk_seconds or 0:.3f} s); "
         f"acceptance {result.acceptance_rate:.3f} "
-        f"({result.total_accepted_draft_tokens}/{result.total_draft_tokens} draft tokens)",
+        f"({result.total_accepted_draft_tokens}/{result.total_draft_tokens} draft tokens)"
+        + (f"; log probability {result.cum_log_prob:.3f}" if args.log_probs else ""),
         file=sys.stderr,
     )
     return 0

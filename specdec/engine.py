@@ -21,11 +21,12 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from specdec.penalties import NO_PENALTIES, Penalties, emitted_log_probs
 from specdec.proposers.base import Proposer
 from specdec.sampling import derive_seed
 from specdec.types import (
@@ -64,6 +65,8 @@ class GenerationParams:
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: tuple[int, ...] = ()
     stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # output includes the stop sequence
+    penalties: Penalties = NO_PENALTIES  # applied to the target's distribution (specdec.penalties)
+    return_log_probs: bool = False  # SequenceState.output_log_probs: the target's log probability of each token
 
     def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> None:
         if self.max_tokens < 1:
@@ -73,6 +76,7 @@ class GenerationParams:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         self.sampling.validate()
+        self.penalties.validate()
         if any(t < 0 for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be non-negative token ids, got {self.eos_token_ids}")
         if any(len(s) == 0 or min(s) < 0 for s in self.stop_token_sequences):
@@ -93,6 +97,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None  # "stop" (EOS or stop sequence) | "length"
     stats: RequestStats | None = None  # the request's figures, on the finishing step only
+    new_log_probs: list[float] = field(default_factory=list)  # of new_token_ids, when return_log_probs
 
 
 class SequenceState:
@@ -105,6 +110,7 @@ class SequenceState:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.output_ids: list[int] = []
+        self.output_log_probs: list[float] = []  # one per output token when params.return_log_probs
         self.finished = False
         self.finish_reason: str | None = None
         self.stats = RequestStats(accepted_per_position=[0] * params.num_speculative_tokens)
@@ -175,6 +181,9 @@ class SequenceState:
             sampling=self.params.sampling,
             num_banned_rows=banned_rows,
             banned_token_ids=self._banned_token_ids if banned_rows else (),
+            penalties=self.params.penalties,
+            num_prompt_tokens=len(self.prompt_ids),
+            log_probs=self.params.return_log_probs,
         )
 
     def _num_banned(self, num_positions: int) -> int:
@@ -186,7 +195,10 @@ class SequenceState:
     def sample_seed(self) -> int:
         return derive_seed(self._base_seed, self._step, SAMPLE_STREAM)
 
-    def commit(self, proposal: Proposal | None, result: SampleResult) -> StepOutput:
+    def commit(
+        self, proposal: Proposal | None, result: SampleResult, verified: VerifyResult | None = None
+    ) -> StepOutput:
+        """Append the sampler's tokens up to the first stop; ``verified`` (this step's) gives their log probs."""
         self._check_running()
         num_drafts = len(self._draft_ids(proposal))
         tokens = result.output_token_ids.tolist()
@@ -199,6 +211,7 @@ class SequenceState:
             self._record(num_drafts, result.num_accepted)
         self._step += 1
         new_token_ids: list[int] = []
+        log_probs = self._log_probs(tokens, verified)
         for token in tokens:
             self.output_ids.append(token)
             new_token_ids.append(token)
@@ -206,7 +219,17 @@ class SequenceState:
             if self.finish_reason is not None:
                 self.finished = True
                 break
-        return StepOutput(new_token_ids, self.finished, self.finish_reason, self.stats if self.finished else None)
+        new_log_probs = log_probs[: len(new_token_ids)] if log_probs is not None else []
+        self.output_log_probs += new_log_probs
+        return StepOutput(new_token_ids, self.finished, self.finish_reason, self.stats if self.finished else None,
+                          new_log_probs)
+
+    def _log_probs(self, tokens: list[int], verified: VerifyResult | None) -> list[float] | None:
+        if not self.params.return_log_probs:
+            return None
+        if verified is None or verified.log_mass is None:
+            raise ValueError(f"seq {self.seq_id!r}: return_log_probs needs the verifier's log_mass, got none")
+        return emitted_log_probs(tokens, verified.log_mass, verified.probs, verified.argmax)
 
     def _record(self, num_drafts: int, num_accepted: int) -> None:
         self.stats.num_steps += 1
@@ -244,6 +267,7 @@ def check_token_ids(prompt_ids: list[int], params: GenerationParams, vocab_size:
     """Token ids must index the target's vocabulary; fails before any model call."""
     named = {"prompt_ids": list(prompt_ids), "eos_token_ids": list(params.eos_token_ids)}
     named["stop_token_sequences"] = [t for stop in params.stop_token_sequences for t in stop]
+    named["bad_words"] = [t for word in params.penalties.bad_words for t in word]
     for name, ids in named.items():
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -279,7 +303,7 @@ def generate(
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
             result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed())
-            output = state.commit(proposal, result)
+            output = state.commit(proposal, result, verify_result)
             completed = state.finished
             yield output
     finally:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from specdec.penalties import NO_PENALTIES, Penalties
+
 PLACEHOLDER_TOKEN_ID = -1  # pads ragged token lists in batched tensors
 # Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): logits / T overflows to inf
 # long before T reaches 0, and such a distribution is the argmax anyway.
@@ -86,12 +88,19 @@ class VerifyRequest:
     # probability 0: how min_tokens suppresses EOS and stop tokens losslessly.
     num_banned_rows: int = 0
     banned_token_ids: tuple[int, ...] = ()
+    # Penalties apply to every row with the tokens before it (``specdec.penalties``); the
+    # verifier keeps the sequence's tokens for them, and counts output tokens from
+    # num_prompt_tokens on.
+    penalties: Penalties = NO_PENALTIES
+    num_prompt_tokens: int = 0
+    log_probs: bool = False  # also return log_mass, for the emitted tokens' log probabilities
 
 
 @dataclass
 class VerifyResult:
     argmax: torch.Tensor  # [num_logits] int64: the target's greedy token at each position
     probs: torch.Tensor | None = None  # [num_logits, vocab] float32 p; None when greedy
+    log_mass: torch.Tensor | None = None  # [num_logits] float32 (penalties.log_kept_mass); None unless asked
 
 
 @dataclass

@@ -5,23 +5,46 @@ Speculative Decoding"; Chen et al. 2023) runs the target once over
 ``[last, d_1 .. d_k]`` and reads ``k + 1`` next-token distributions ``p`` from it:
 one per draft to accept or reject, plus the bonus position. The KV cache written
 for rejected drafts is discarded by the next call, whose ``position`` cuts it back.
+
+Penalties and bad words (:mod:`specdec.penalties`) change ``p`` itself, so they are
+applied here, to every row with the tokens before it, drafts included: the verifier
+keeps the tokens of each sequence that asks for penalties, addressed by ``position``
+like the cache.
 """
 from __future__ import annotations
 
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
+from specdec.penalties import apply_penalties, log_kept_mass
 from specdec.sampling import greedy_tokens, process_logits
-from specdec.types import VerifyRequest, VerifyResult
+from specdec.types import GREEDY_TEMPERATURE_BELOW, VerifyRequest, VerifyResult
 
 
-def verify_result(logits: torch.Tensor, request: VerifyRequest) -> VerifyResult:  # logits: [num_logits, vocab]
-    """``argmax`` always; ``p`` only for sampled requests; min_tokens bans applied to both."""
+def verify_result(
+    logits: torch.Tensor,  # [num_logits, vocab]
+    request: VerifyRequest,
+    tokens: list[int] | None = None,  # the whole sequence through the last row's token; needed for penalties
+) -> VerifyResult:
+    """``argmax`` always; ``p`` only for sampled requests; penalties and min_tokens bans applied to both."""
+    if request.penalties.active:
+        logits = apply_penalties(logits, tokens, request.num_prompt_tokens, request.penalties)
     banned = (request.num_banned_rows, request.banned_token_ids)
     argmax = greedy_tokens(logits, *banned)  # [num_logits]
-    if request.sampling.greedy:
-        return VerifyResult(argmax=argmax, probs=None)
-    return VerifyResult(argmax=argmax, probs=process_logits(logits, request.sampling, *banned))
+    probs = None if request.sampling.greedy else process_logits(logits, request.sampling, *banned)
+    log_mass = None
+    if request.log_probs:
+        banned_logits = logits if not request.num_banned_rows else _with_bans(logits, *banned)
+        temperature = request.sampling.temperature
+        divisor = temperature if temperature >= GREEDY_TEMPERATURE_BELOW else 1.0  # greedy: the logits' own
+        log_mass = log_kept_mass(banned_logits, probs, argmax, divisor)
+    return VerifyResult(argmax=argmax, probs=probs, log_mass=log_mass)
+
+
+def _with_bans(logits: torch.Tensor, num_banned_rows: int, banned_token_ids: tuple[int, ...]) -> torch.Tensor:
+    logits = logits.float().clone()
+    logits[: min(num_banned_rows, logits.shape[0]), list(banned_token_ids)] = float("-inf")
+    return logits
 
 
 class TargetVerifier(OwnsOneModel):
@@ -34,7 +57,28 @@ class TargetVerifier(OwnsOneModel):
 
     def __init__(self, lm: CachedLM):
         self.lm = lm
+        self._tokens: dict[str, list[int]] = {}  # seq_id -> its tokens, for sequences with penalties
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        tokens = [self._sequence_tokens(r) for r in requests]
         calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
-        return [verify_result(logits, r) for logits, r in zip(self.lm.forward(calls), requests)]
+        return [verify_result(logits, r, t) for logits, r, t in zip(self.lm.forward(calls), requests, tokens)]
+
+    def _sequence_tokens(self, request: VerifyRequest) -> list[int] | None:
+        """The sequence through this request's tokens, kept for a request with penalties (checked first)."""
+        if not request.penalties.active:
+            return None
+        held = self._tokens.get(request.seq_id, [])
+        if request.position > len(held):
+            raise ValueError(
+                f"seq {request.seq_id!r}: penalties need every token of the sequence, but position "
+                f"{request.position} lies past the {len(held)} tokens sent with penalties"
+            )
+        request.penalties.validate()
+        sequence = held[: request.position] + list(request.token_ids)
+        self._tokens[request.seq_id] = sequence
+        return sequence
+
+    def release(self, seq_id: str) -> None:
+        self._tokens.pop(seq_id, None)
+        self.lm.release(seq_id)

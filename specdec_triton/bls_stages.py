@@ -50,6 +50,7 @@ class BlsStages:
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         names = wire.GREEDY_VERIFY_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.VERIFY_OUTPUTS
+        names += wire.LOG_PROB_OUTPUTS if any(r.log_probs for r in requests) else ()
         out = await bls(wire.TARGET_VERIFIER, {**wire.verify_inputs(requests), **self._secret}, names, batched=True)
         return wire.verify_results_of(out, [r.num_logits for r in requests])
 

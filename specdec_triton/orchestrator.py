@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specdec.detokenize import IncrementalDetokenizer
@@ -121,7 +121,13 @@ class Orchestrator:
     async def prepare(self, request: GenerateRequest) -> SequenceState:
         """Tokenize and validate; raises RequestError naming the bad input."""
         await self._ensure_ready()
-        tokenized = await self.stages.tokenize(request.text_input, request.stop_words)
+        if request.return_log_probs and self.descriptions.sampler.method == "synthetic":
+            raise RequestError("input 'return_log_probs' needs a lossless rejection_sample_method; this server's "
+                               "rejection_sampler is configured 'synthetic' (benchmarking only)")  # fmt: skip
+        # bad words are tokenized as stop words are, each on its own: one call, split after
+        words = await self.stages.tokenize(request.text_input, request.stop_words + request.bad_words)
+        num_stop_words = len(request.stop_words)
+        tokenized = replace(words, stop_token_sequences=words.stop_token_sequences[:num_stop_words])
         target = self.descriptions.target
         params = request.generation_params(
             self.config.default_max_tokens,
@@ -129,6 +135,7 @@ class Orchestrator:
             tokenized.eos_token_ids,
             tokenized.stop_token_sequences,
             target.vocab_size,
+            words.stop_token_sequences[num_stop_words:],
         )
         try:
             params.validate(target.max_model_len, len(tokenized.prompt_ids))
@@ -156,19 +163,21 @@ class Orchestrator:
         """Streams each step's new text while the scheduler runs the sequence; returns the final outputs."""
         detokenizer = IncrementalDetokenizer(self._codec.tokenizer.backend_tokenizer) if request.stream else None
         sequence = self.scheduler.submit(state, is_cancelled)
+        num_sent = 0  # output tokens whose log probs went out in streamed responses
         try:
             async for step in sequence.steps():
                 if detokenizer is None or step.output.finished:  # the last step's text goes in the final response
                     continue
                 piece = detokenizer.push(step.output.new_token_ids)
                 if piece:
-                    send(self._outputs(state, step, piece), False)
+                    send(self._outputs(state, step, piece, num_sent), False)
+                    num_sent = step.num_output_tokens
         except BaseException:
             sequence.abandon()  # a failed send or decode: the scheduler frees the slot at its next step
             raise
         text = self._codec.decode(state.output_ids)
         if request.stream:
-            return self._final_outputs(state, detokenizer.finish(text))
+            return self._final_outputs(state, detokenizer.finish(text), num_sent)
         prefix = "" if request.exclude_input_in_output else request.text_input
         return self._final_outputs(state, prefix + text)
 
@@ -192,11 +201,21 @@ class Orchestrator:
             self.active.set(self.scheduler.num_running if self.scheduler is not None else 0)
 
     @staticmethod
-    def _outputs(state: SequenceState, step: ScheduledStep, text: str) -> dict:
-        """A streamed response: the counts are those of the step that produced ``text``."""
+    def _outputs(state: SequenceState, step: ScheduledStep, text: str, num_sent: int) -> dict:
+        """A streamed response: the counts are those of the step that produced ``text``.
+
+        Its log probs are those of the tokens since the last response, which may span
+        steps: a step whose tokens end inside a character sends nothing. The state's
+        list only grows, so slicing it at this step's count is safe while the
+        scheduler runs ahead.
+        """
         stats = RequestStats(num_draft_tokens=step.num_draft_tokens, num_accepted_tokens=step.num_accepted_tokens)
-        return generate_outputs(text, None, len(state.prompt_ids), step.num_output_tokens, stats)
+        log_probs = state.output_log_probs[:step.num_output_tokens]
+        return generate_outputs(text, None, len(state.prompt_ids), step.num_output_tokens, stats,
+                                log_probs[num_sent:], sum(log_probs))  # fmt: skip
 
     @staticmethod
-    def _final_outputs(state: SequenceState, text: str) -> dict:
-        return generate_outputs(text, state.finish_reason, len(state.prompt_ids), len(state.output_ids), state.stats)
+    def _final_outputs(state: SequenceState, text: str, num_sent: int = 0) -> dict:
+        log_probs = state.output_log_probs
+        return generate_outputs(text, state.finish_reason, len(state.prompt_ids), len(state.output_ids), state.stats,
+                                log_probs[num_sent:], sum(log_probs))  # fmt: skip

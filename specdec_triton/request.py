@@ -4,27 +4,34 @@ Every input but ``text_input`` is optional. Errors name the input, so a client c
 tell what to fix; range checks the engine already makes
 (``GenerationParams.validate``) are left to it, and its messages name the same fields.
 Request parameters are refused (:func:`check_parameters`): every setting is an input.
+TensorRT-LLM's other inputs (aliases, no-ops, refused ones) are sorted out first, in
+:mod:`specdec_triton.trtllm`. Inputs may carry a leading batch dimension of 1 (the
+``ensemble`` declares one, as TensorRT-LLM's does): every value is read flattened.
 """
 from __future__ import annotations
 
 import difflib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from specdec.engine import GenerationParams
+from specdec.penalties import Penalties
 from specdec.types import RequestStats, SamplingParams
+from specdec_triton import trtllm
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
-GENERATE_INPUTS = (
+NATIVE_INPUTS = (
     "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "stop_words",
     "end_id", "min_tokens", "exclude_input_in_output", "num_speculative_tokens",
+    "bad_words", "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
 )  # fmt: skip
+GENERATE_INPUTS = NATIVE_INPUTS + trtllm.COMPAT_INPUTS
 GENERATE_OUTPUTS = (
     "text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-    "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+    "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "cum_log_probs", "output_log_probs",
 )  # fmt: skip
 
 
@@ -63,15 +70,17 @@ class GenerateRequest:
     min_tokens: int
     exclude_input_in_output: bool  # non-streaming only: streamed responses never repeat the prompt
     num_speculative_tokens: int | None  # None -> the model's num_speculative_tokens; 0 = no speculation
+    bad_words: tuple[str, ...] = ()  # each tokenized on its own, like stop_words
+    penalties: Penalties = Penalties()  # bad_words' token ids are added by generation_params
+    return_log_probs: bool = False
 
     @classmethod
     def from_inputs(cls, inputs: Mapping[str, np.ndarray]) -> GenerateRequest:
+        inputs = trtllm.to_native(inputs)
         prompt = text(inputs, "text_input")
         if not prompt:
             raise RequestError("input 'text_input' is required and must not be empty")
-        stop_words = tuple(texts(inputs, "stop_words") or ())
-        if "" in stop_words:
-            raise RequestError("input 'stop_words' must not contain an empty string")
+        stop_words, bad_words = _words(inputs, "stop_words"), _words(inputs, "bad_words")
         return cls(
             text_input=prompt,
             max_tokens=scalar(inputs, "max_tokens", int),
@@ -87,6 +96,13 @@ class GenerateRequest:
             min_tokens=scalar(inputs, "min_tokens", int, 0),
             exclude_input_in_output=scalar(inputs, "exclude_input_in_output", bool, False),
             num_speculative_tokens=scalar(inputs, "num_speculative_tokens", int),
+            bad_words=bad_words,
+            penalties=Penalties(
+                repetition_penalty=scalar(inputs, "repetition_penalty", float, 1.0),
+                presence_penalty=scalar(inputs, "presence_penalty", float, 0.0),
+                frequency_penalty=scalar(inputs, "frequency_penalty", float, 0.0),
+            ),
+            return_log_probs=scalar(inputs, "return_log_probs", bool, False),
         )
 
     def generation_params(
@@ -96,6 +112,7 @@ class GenerateRequest:
         eos_token_ids: Sequence[int],
         stop_token_sequences: Sequence[Sequence[int]],
         vocab_size: int,
+        bad_word_sequences: Sequence[Sequence[int]] = (),
     ) -> GenerationParams:
         k = max_speculative_tokens if self.num_speculative_tokens is None else self.num_speculative_tokens
         if not 0 <= k <= max_speculative_tokens:
@@ -112,7 +129,16 @@ class GenerateRequest:
             sampling=self.sampling,
             eos_token_ids=(self.end_id,) if self.end_id is not None else tuple(eos_token_ids),
             stop_token_sequences=tuple(tuple(seq) for seq in stop_token_sequences),
+            penalties=replace(self.penalties, bad_words=tuple(tuple(seq) for seq in bad_word_sequences)),
+            return_log_probs=self.return_log_probs,
         )
+
+
+def _words(inputs: Mapping[str, np.ndarray], name: str) -> tuple[str, ...]:
+    words = tuple(texts(inputs, name) or ())
+    if "" in words:
+        raise RequestError(f"input '{name}' must not contain an empty string")
+    return words
 
 
 def generate_outputs(
@@ -121,8 +147,15 @@ def generate_outputs(
     num_input_tokens: int,
     num_output_tokens: int,
     stats: RequestStats,
+    log_probs: Sequence[float] = (),
+    cum_log_prob: float = 0.0,
 ) -> dict[str, np.ndarray]:
-    """One public response; the counts are cumulative over the request, ``finish_reason`` is '' until the end."""
+    """One public response; the counts are cumulative over the request, ``finish_reason`` is '' until the end.
+
+    ``log_probs`` are those of the tokens this response adds (all of them when not
+    streaming), ``cum_log_prob`` their running sum over the request; both shaped as
+    TensorRT-LLM's, with one beam: ``cum_log_probs`` ``[1]``, ``output_log_probs`` ``[1, tokens]``.
+    """
     return {
         "text_output": bytes_array([text_output]),
         "finish_reason": bytes_array([finish_reason or ""]),
@@ -131,4 +164,6 @@ def generate_outputs(
         "acceptance_rate": np.array([stats.acceptance_rate], dtype=np.float32),
         "total_accepted_draft_tokens": np.array([stats.num_accepted_tokens], dtype=np.int32),
         "total_draft_tokens": np.array([stats.num_draft_tokens], dtype=np.int32),
+        "cum_log_probs": np.array([cum_log_prob], dtype=np.float32),  # [beams]
+        "output_log_probs": np.array([list(log_probs)], dtype=np.float32).reshape(1, -1),  # [beams, tokens]
     }

@@ -43,6 +43,9 @@ from specdec_triton.packing import (
     each, flat, i32, i64, one, required, split, stack_probs, unstack_probs,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
+from specdec_triton.penalty_wire import (
+    LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs,
+)  # fmt: skip
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 TOKENIZER = "tokenizer"
@@ -58,8 +61,9 @@ PROPOSE_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "to
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs")
 GREEDY_PROPOSE_OUTPUTS = PROPOSE_OUTPUTS[:2]  # what a request of greedy sequences needs back: no q
 VERIFY_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
-                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS)  # fmt: skip
-VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")
+                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS)  # fmt: skip
+VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + LOG_PROB_OUTPUTS when asked
+DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
 # answered, and only these, to a request with describe set; -1 encodes None (no limit, no vocabulary)
 DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model_len", "describe_max_num_seqs",
@@ -265,6 +269,7 @@ def verify_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
         **_sampling_inputs([r.sampling for r in requests]),
         **_ban_inputs("num_banned_rows", [r.num_banned_rows for r in requests],
                       [r.banned_token_ids for r in requests]),  # fmt: skip
+        **penalty_inputs(requests),
     }
 
 
@@ -279,10 +284,11 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
         each(inputs, "num_logits", count, int, 1),
         _sampling_of(inputs, count),
         _bans_of(inputs, "num_banned_rows", count),
+        penalties_of(inputs, count),
     )
     return [
-        VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned)
-        for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned) in fields
+        VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned, *penalties)
+        for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned), penalties in fields
     ]
 
 
@@ -293,6 +299,7 @@ def verify_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
         "target_token_ids": flat([r.argmax.cpu().tolist() for r in results]),  # [sum of num_logits] argmax
         "target_probs": probs,  # [sum of num_logits over has_target_probs, vocab] p; greedy has no rows
         "has_target_probs": has_probs,  # [S]
+        **log_mass_outputs(results),  # LOG_PROB_OUTPUTS
     }
 
 
@@ -300,7 +307,8 @@ def verify_results_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[in
     """The results of a request whose sequences asked for ``num_logits`` rows each."""
     argmax = split(outputs, "target_token_ids", list(num_logits), len(num_logits))
     probs = unstack_probs(outputs, "target_probs", list(num_logits))
-    return [VerifyResult(argmax=torch.tensor(ids, dtype=torch.long), probs=p) for ids, p in zip(argmax, probs)]
+    masses = log_masses_of(outputs, num_logits)
+    return [VerifyResult(torch.tensor(ids, dtype=torch.long), p, m) for ids, p, m in zip(argmax, probs, masses)]
 
 
 # --- rejection_sampler -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ test has the power to see a lossy sampler.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -81,8 +82,9 @@ def accept_every_draft(draft_token_ids, draft_probs, verify: VerifyResult, seed:
     return SampleResult(output_token_ids=torch.cat([draft_token_ids, bonus]), num_accepted=len(draft_token_ids))
 
 
-def sample_first_tokens(target, draft, sampler, num_samples: int, proposer=None, max_tokens=NUM_TOKENS + K - 1) -> Counter:
-    """First NUM_TOKENS outputs of ``num_samples`` generations seeded 0 .. num_samples - 1.
+def sample_first_tokens(target, draft, sampler, num_samples: int, base: GenerationParams | None = None,
+                        proposer=None, max_tokens: int = NUM_TOKENS + K - 1) -> Counter:  # fmt: skip
+    """First NUM_TOKENS outputs of ``num_samples`` generations seeded 0 .. num_samples - 1; ``base`` adds settings.
 
     ``max_tokens``: by default room for K drafts right after the prefill.
     """
@@ -90,7 +92,8 @@ def sample_first_tokens(target, draft, sampler, num_samples: int, proposer=None,
     proposer = proposer if proposer is not None else DraftModelProposer(CachedCausalLM(draft))
     counts: Counter = Counter()
     for seed in range(num_samples):
-        params = GenerationParams(
+        params = dataclasses.replace(
+            base or GenerationParams(),
             max_tokens=max_tokens,
             num_speculative_tokens=K,
             sampling=SamplingParams(temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, seed=seed),

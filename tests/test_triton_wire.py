@@ -9,6 +9,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from specdec.penalties import Penalties
 from specdec.types import (
     ModelDescription,
     Proposal,
@@ -19,10 +20,20 @@ from specdec.types import (
     VerifyRequest,
     VerifyResult,
 )
-from specdec_triton import configs, wire
+from specdec_triton import configs, trtllm, wire
 from specdec_triton.plumbing import Parameters, RequestError
 from specdec_triton.request import GENERATE_INPUTS, GENERATE_OUTPUTS
 
+# the inputs implemented under TensorRT-LLM's names, as its ensemble declares them
+TRTLLM_NATIVE = {
+    "text_input": ("TYPE_STRING", [1]), "max_tokens": ("TYPE_INT32", [1]), "stream": ("TYPE_BOOL", [1]),
+    "temperature": ("TYPE_FP32", [1]), "top_p": ("TYPE_FP32", [1]), "top_k": ("TYPE_INT32", [1]),
+    "seed": ("TYPE_UINT64", [1]), "stop_words": ("TYPE_STRING", [-1]), "end_id": ("TYPE_INT32", [1]),
+    "min_tokens": ("TYPE_INT32", [1]), "exclude_input_in_output": ("TYPE_BOOL", [1]),
+    "bad_words": ("TYPE_STRING", [-1]), "repetition_penalty": ("TYPE_FP32", [1]),
+    "presence_penalty": ("TYPE_FP32", [1]), "frequency_penalty": ("TYPE_FP32", [1]),
+    "return_log_probs": ("TYPE_BOOL", [1]),
+}  # fmt: skip
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in float32, the wire type
 
@@ -31,7 +42,7 @@ MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                           configs.DraftProposerConfig),
-    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.VERIFY_OUTPUTS + wire.DESCRIBE_OUTPUTS,
+    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.DECLARED_VERIFY_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                            configs.TargetVerifierConfig),
     wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS, wire.SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                              configs.RejectionSamplerConfig),
@@ -61,6 +72,8 @@ def test_config_declares_exactly_the_wire_tensors(model):
         assert [t.name for t in config.input if list(t.dims) == [1]] == ["release", "describe", "caller_secret"]
     if wire.DESCRIBE_OUTPUTS[0] in [t.name for t in config.output]:  # a describe request carries nothing else
         assert all(t.optional for t in config.input)
+    elif model == "ensemble":  # TensorRT-LLM's shapes: a leading batch dimension of 1
+        assert config.max_batch_size == 1
     else:
         assert config.max_batch_size == 0
 
@@ -73,6 +86,15 @@ def test_committed_parameters_parse(model, tmp_path):
     raw = {key: value.string_value for key, value in load_config(model).parameters.items()}
     params = Parameters(raw, base_dir=str(tmp_path / "model_repository"), component=model)
     MODELS[model][2].from_parameters(params)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
+def test_public_inputs_take_tensorrt_llm_datatypes_and_shapes(model):
+    """A TensorRT-LLM client's tensors pass Triton's checks, so whatever is refused is refused by name."""
+    declared = {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims)) for t in load_config(model).input}
+    for name, (datatype, dims) in {**trtllm.DECLARED, **TRTLLM_NATIVE}.items():
+        assert declared[name] == (datatype, dims), name
+    assert all(t.optional for t in load_config(model).input)
 
 
 def test_ensemble_maps_every_public_tensor_to_speculative_decoding():
@@ -163,13 +185,36 @@ def test_verify_round_trip_with_banned_rows():
     p = torch.softmax(torch.randn(2, 7), dim=-1)  # [k + 1, vocab]
     results = [VerifyResult(torch.tensor([1, 2]), p), VerifyResult(torch.tensor([3]), None)]
     outputs = wire.verify_outputs(results)
-    assert set(outputs) == set(wire.VERIFY_OUTPUTS)
+    assert set(outputs) == set(wire.DECLARED_VERIFY_OUTPUTS)
     back = wire.verify_results_of(outputs, [2, 1])
     assert [r.argmax.tolist() for r in back] == [[1, 2], [3]]
     assert torch.equal(back[0].probs, p) and back[1].probs is None
     assert wire.verify_results_of(wire.verify_outputs([]), []) == []
     with pytest.raises(RequestError, match=r"'target_probs' must have 3 rows .* got shape \[2, 7\]"):
         wire.verify_results_of({**outputs, "has_target_probs": np.array([True, True])}, [2, 1])
+
+
+def test_verify_round_trip_with_penalties_and_log_probs():
+    penalties = Penalties(repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.25,
+                          bad_words=((3,), (4, 5, 6)))  # fmt: skip
+    requests = [
+        VerifyRequest("a", 9, [5, 6], 2, SAMPLING, penalties=penalties, num_prompt_tokens=4, log_probs=True),
+        VerifyRequest("b", 0, [1, 2], 1, GREEDY),
+        VerifyRequest("c", 3, [7], 1, GREEDY, penalties=Penalties(bad_words=((8, 9),)), num_prompt_tokens=2),
+    ]
+    inputs = wire.verify_inputs(requests)
+    assert inputs["bad_words_lens"].tolist() == [1, 3, 2] and inputs["num_bad_words"].tolist() == [2, 0, 1]
+    assert wire.verify_requests_of(inputs) == requests
+    assert not set(wire.verify_inputs(requests[1:2])) & set(wire.PENALTY_INPUTS), "plain steps carry none"
+    with pytest.raises(RequestError, match="num_bad_words"):
+        wire.verify_requests_of({**inputs, "num_bad_words": np.array([2, 0, 2], np.int32)})
+    mass = torch.tensor([-0.5, -1.25])
+    results = [VerifyResult(torch.tensor([1, 2]), None, mass), VerifyResult(torch.tensor([3]), None),
+               VerifyResult(torch.tensor([4]), None, torch.tensor([-2.0]))]  # fmt: skip
+    back = wire.verify_results_of(wire.verify_outputs(results), [2, 1, 1])
+    assert torch.equal(back[0].log_mass, mass) and back[1].log_mass is None and back[2].log_mass.tolist() == [-2.0]
+    unasked = {k: v for k, v in wire.verify_outputs(results).items() if k not in wire.LOG_PROB_OUTPUTS}
+    assert all(r.log_mass is None for r in wire.verify_results_of(unasked, [2, 1, 1]))
 
 
 def test_release_inputs():
