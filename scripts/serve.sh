@@ -11,7 +11,10 @@
 # and the project must be pip-installed into it (`pip install -e .`).
 #
 # Extra arguments go to tritonserver unchanged; a --model-repository among them
-# replaces the default one. Environment: VENV (default <repo>/.venv); OMP_NUM_THREADS
+# replaces the default one. --openai-port N (or --openai-port=N) is this script's own:
+# the OpenAI-compatible server (python -m specdec_openai) on that port, talking to this
+# Triton over gRPC and stopping with it; default 9000 (or $SPECDEC_OPENAI_PORT), 0: off.
+# Environment: VENV (default <repo>/.venv); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
 # faster single-threaded than with their threads competing for the cores).
 set -euo pipefail
@@ -31,6 +34,37 @@ fi
 if ! "$PYTHON" -c "import numpy, sys; sys.exit(int(numpy.__version__.split('.')[0]) >= 2)"; then
     echo "serve.sh: the Python backend stub needs numpy<2 in $VENV" >&2
     exit 1
+fi
+
+# --openai-port is ours; --grpc-port is read (not taken) to point the OpenAI server at Triton.
+OPENAI_PORT="${SPECDEC_OPENAI_PORT:-9000}"
+GRPC_PORT=8001
+passed=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --openai-port=*) OPENAI_PORT="${1#*=}" ;;
+        --openai-port) OPENAI_PORT="${2:?serve.sh: --openai-port needs a port (0: off)}"; shift ;;
+        --grpc-port=*) GRPC_PORT="${1#*=}"; passed+=("$1") ;;
+        --grpc-port) GRPC_PORT="${2:-}"; passed+=("$1" "${2:-}"); shift ;;
+        *) passed+=("$1") ;;
+    esac
+    shift
+done
+set -- ${passed[@]+"${passed[@]}"}
+if ! [[ "$OPENAI_PORT" =~ ^[0-9]+$ ]]; then
+    echo "serve.sh: --openai-port must be a port number (0: no OpenAI server), got '$OPENAI_PORT'" >&2
+    exit 1
+fi
+if [[ "$OPENAI_PORT" != 0 ]]; then
+    if ! PYTHONPATH="$ROOT" "$PYTHON" -c "import specdec_openai, fastapi, uvicorn" 2>/dev/null; then
+        echo "serve.sh: the OpenAI server needs fastapi and uvicorn in $VENV: run scripts/setup.sh" \
+            "(or $VENV/bin/pip install -e '$ROOT[serve]'), or pass --openai-port=0" >&2
+        exit 1
+    fi
+    if ! "$PYTHON" -c "import socket, sys; s = socket.socket(); s.bind(('', int(sys.argv[1])))" "$OPENAI_PORT" 2>/dev/null; then
+        echo "serve.sh: port $OPENAI_PORT (the OpenAI server) is taken: pass --openai-port N, or 0 for none" >&2
+        exit 1
+    fi
 fi
 
 args=()
@@ -56,4 +90,9 @@ fi
 
 export PATH="$VENV/bin:$PATH"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [[ "$OPENAI_PORT" != 0 ]]; then
+    # This checkout's server, a child of this process, which becomes tritonserver: it exits when tritonserver does.
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m specdec_openai --triton-url "127.0.0.1:$GRPC_PORT" \
+        --port "$OPENAI_PORT" --exit-with $$ &
+fi
 exec "$SERVER" "${args[@]}" "$@"

@@ -29,7 +29,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "${pip[@]}" torch==2.13.0
   fi
 fi
-echo "[setup] installing the project, tritonclient, nvidia-pytriton (tritonserver), test and benchmark tools"
+echo "[setup] installing the project, tritonclient, nvidia-pytriton (tritonserver), the OpenAI server (fastapi, uvicorn), test and benchmark tools"
 "${pip[@]}" "numpy<2" -e ".[serve,test,bench]"
 echo "$want" > "$stamp"
 echo "[setup] done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
