@@ -34,8 +34,8 @@ def models_dir() -> Path:
 class Server(TritonServer):
     """``bench.server.TritonServer`` with failures reported as test failures, the server's log attached."""
 
-    def __init__(self, repository: Path, log_path: Path):
-        super().__init__(SERVE_SCRIPT, repository, log_path, startup_timeout_s=READY_TIMEOUT_S)
+    def __init__(self, repository: Path, log_path: Path, openai: bool = False):
+        super().__init__(SERVE_SCRIPT, repository, log_path, startup_timeout_s=READY_TIMEOUT_S, openai=openai)
 
     def start(self) -> Server:
         """Start the server and wait until it is ready; fails the test with the log if it is not."""
