@@ -13,7 +13,8 @@
 # Extra arguments go to tritonserver unchanged; a --model-repository among them
 # replaces the default one. --openai-port N (or --openai-port=N) is this script's own:
 # the OpenAI-compatible server (python -m specdec_openai) on that port, talking to this
-# Triton over gRPC and stopping with it; default 9000 (or $SPECDEC_OPENAI_PORT), 0: off.
+# Triton over gRPC and stopping with it; default 9000 (or $SPECDEC_OPENAI_PORT), 0: off;
+# --openai-chat-template FILE gives it a chat template where the tokenizer has none.
 # Environment: VENV (default <repo>/.venv); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
 # faster single-threaded than with their threads competing for the cores).
@@ -39,11 +40,14 @@ fi
 # --openai-port is ours; --grpc-port is read (not taken) to point the OpenAI server at Triton.
 OPENAI_PORT="${SPECDEC_OPENAI_PORT:-9000}"
 GRPC_PORT=8001
+openai_args=()
 passed=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --openai-port=*) OPENAI_PORT="${1#*=}" ;;
         --openai-port) OPENAI_PORT="${2:?serve.sh: --openai-port needs a port (0: off)}"; shift ;;
+        --openai-chat-template=*) openai_args+=(--chat-template "${1#*=}") ;;
+        --openai-chat-template) openai_args+=(--chat-template "${2:?serve.sh: --openai-chat-template needs a file}"); shift ;;
         --grpc-port=*) GRPC_PORT="${1#*=}"; passed+=("$1") ;;
         --grpc-port) GRPC_PORT="${2:-}"; passed+=("$1" "${2:-}"); shift ;;
         *) passed+=("$1") ;;
@@ -93,6 +97,6 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [[ "$OPENAI_PORT" != 0 ]]; then
     # This checkout's server, a child of this process, which becomes tritonserver: it exits when tritonserver does.
     PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m specdec_openai --triton-url "127.0.0.1:$GRPC_PORT" \
-        --port "$OPENAI_PORT" --exit-with $$ &
+        --port "$OPENAI_PORT" --exit-with $$ ${openai_args[@]+"${openai_args[@]}"} &
 fi
 exec "$SERVER" "${args[@]}" "$@"
