@@ -12,7 +12,8 @@ from specdec_openai.protocol import RequestError
 from specdec_openai.triton import Step
 
 SHIPPED_TOKENIZER = "models/tiny-target"
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def steps(*pieces: str, finish: str = "length", drafted: int = 8, accepted: int = 5) -> list[Step]:
@@ -162,7 +163,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(body, status, param, me
 
 
 def test_triton_refusal_is_a_400_before_the_stream_starts():
-    backend = FakeBackend(RequestError("speculative_decoding: prompt (300 tokens) + max_tokens (16) exceeds max_model_len=256"))
+    message = "speculative_decoding: prompt (300 tokens) + max_tokens (16) exceeds max_model_len=256"
+    backend = FakeBackend(RequestError(message))
     response = client_for(backend).post("/v1/completions", json={"model": "ensemble", "prompt": "a", "stream": True})
     assert response.status_code == 400
     assert "exceeds max_model_len" in response.json()["error"]["message"]
