@@ -10,6 +10,7 @@ that waits for it beside the generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -66,6 +67,19 @@ class OpenAIServer:
                 directory = self.config.tokenizer_dir or await self.backend.tokenizer_dir()
                 self._template = await asyncio.to_thread(ChatTemplate.load, directory, self.config.chat_template)
             return self._template
+
+    async def warm_up(self, retry_s: float = 2.0) -> None:
+        """Load the chat template before the first chat request needs it (importing transformers takes
+        seconds), asking Triton again until it answers: under serve.sh it is still loading its models."""
+        while True:
+            try:
+                await self.chat_template()
+                return
+            except TritonUnavailable:
+                await asyncio.sleep(retry_s)
+            except Exception as err:  # a bad --tokenizer or template: each chat request will name it
+                print(f"[specdec_openai] chat template not loaded: {err}", flush=True)
+                return
 
     async def num_spec_tokens(self) -> int | None:
         if self._k is None:
@@ -177,9 +191,18 @@ def _error_of(err: Exception) -> tuple[int, dict[str, Any]]:
 def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = None) -> FastAPI:
     """The app; ``backend`` defaults to a gRPC client of ``config.triton_url``."""
     server = OpenAIServer(config, backend or TritonBackend(config.triton_url))
-    app = FastAPI(title="specdec OpenAI-compatible server")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        warm_up = asyncio.ensure_future(server.warm_up())
+        try:
+            yield
+        finally:
+            warm_up.cancel()
+            await server.backend.close()
+
+    app = FastAPI(title="specdec OpenAI-compatible server", lifespan=lifespan)
     app.state.server = server
-    app.router.add_event_handler("shutdown", server.backend.close)
 
     @app.exception_handler(RequestError)
     @app.exception_handler(TritonUnavailable)

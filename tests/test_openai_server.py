@@ -215,3 +215,24 @@ def test_client_disconnect_cancels_the_triton_stream():
 
     assert asyncio.run(run()) == "ClientGone"
     assert backend.closed == [True]
+
+
+def test_warm_up_loads_the_chat_template_once_triton_answers(monkeypatch):
+    """Under serve.sh Triton is still loading when this server starts: warm-up asks again until it answers."""
+    from specdec_openai import app as app_module
+    from specdec_openai.triton import TritonUnavailable
+
+    answers = [TritonUnavailable("not yet"), TritonUnavailable("not yet"), SHIPPED_TOKENIZER]
+
+    class LoadingBackend(FakeBackend):
+        async def tokenizer_dir(self):
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    loaded = []
+    monkeypatch.setattr(app_module.ChatTemplate, "load", staticmethod(lambda d, t: loaded.append(d) or object()))
+    server = app_module.OpenAIServer(ServerConfig(), LoadingBackend(steps("x")))
+    asyncio.run(server.warm_up(retry_s=0.01))
+    assert loaded == [SHIPPED_TOKENIZER] and answers == []
