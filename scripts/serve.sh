@@ -59,6 +59,10 @@ if ! [[ "$OPENAI_PORT" =~ ^[0-9]+$ ]]; then
     echo "serve.sh: --openai-port must be a port number (0: no OpenAI server), got '$OPENAI_PORT'" >&2
     exit 1
 fi
+if [[ ${#openai_args[@]} -gt 0 && ! -f "${openai_args[1]}" ]]; then
+    echo "serve.sh: --openai-chat-template: no file '${openai_args[1]}'" >&2
+    exit 1
+fi
 if [[ "$OPENAI_PORT" != 0 ]]; then
     if ! PYTHONPATH="$ROOT" "$PYTHON" -c "import specdec_openai, fastapi, uvicorn" 2>/dev/null; then
         echo "serve.sh: the OpenAI server needs fastapi and uvicorn in $VENV: run scripts/setup.sh" \

@@ -13,6 +13,7 @@ import os
 import sys
 
 from specdec_openai.app import MODELS, ServerConfig, create_app
+from specdec_openai.chat import read_template
 
 POLL_S = 1.0
 
@@ -53,11 +54,15 @@ async def _watch(pid: int, server) -> None:
 async def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    try:  # a missing file fails here, not at the first chat request
+        template = read_template(args.chat_template) if args.chat_template is not None else None
+    except ValueError as err:
+        raise SystemExit(f"[specdec_openai] --chat-template: {err}") from None
     config = ServerConfig(
         triton_url=args.triton_url,
         models=tuple(dict.fromkeys(args.models)) if args.models else MODELS,
         tokenizer_dir=args.tokenizer,
-        chat_template=args.chat_template,
+        chat_template=template,
     )
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port,
                                            log_level=args.log_level))  # fmt: skip

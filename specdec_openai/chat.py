@@ -35,8 +35,7 @@ class ChatTemplate:
         from specdec.models import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_dir)
-        if template is not None and os.path.isfile(template):
-            template = Path(template).read_text()
+        template = read_template(template) if template is not None else None
         return cls(tokenizer, template or getattr(tokenizer, "chat_template", None), tokenizer_dir)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
@@ -64,6 +63,16 @@ class ChatTemplate:
         if not prompt:
             raise RequestError("the chat template rendered an empty prompt", "messages")
         return prompt
+
+
+def read_template(template: str) -> str:
+    """A file's text, or ``template`` itself when it is Jinja; a path to no file is refused, not rendered as text
+    (vLLM's rule)."""
+    if os.path.isfile(template):
+        return Path(template).read_text()
+    if any(mark in template for mark in ("{{", "{%", "\n")):
+        return template
+    raise ValueError(f"chat template {template!r}: no such file, and not a Jinja template")
 
 
 def _adds_bos(tokenizer) -> bool:

@@ -236,3 +236,13 @@ def test_warm_up_loads_the_chat_template_once_triton_answers(monkeypatch):
     server = app_module.OpenAIServer(ServerConfig(), LoadingBackend(steps("x")))
     asyncio.run(server.warm_up(retry_s=0.01))
     assert loaded == [SHIPPED_TOKENIZER] and answers == []
+
+
+def test_a_chat_template_path_to_no_file_is_refused_not_rendered(tmp_path):
+    from specdec_openai.chat import read_template
+
+    path = tmp_path / "chat.jinja"
+    with pytest.raises(ValueError, match="no such file"):
+        read_template(str(path))
+    path.write_text(TEMPLATE)
+    assert read_template(str(path)) == TEMPLATE == read_template(TEMPLATE)
