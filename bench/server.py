@@ -4,7 +4,7 @@ The server gets its own process group, so stopping it reaches the Python backend
 stubs too: SIGINT first (Triton unloads its models), SIGKILL to the group if it has
 not exited in time, and to any stub left behind. As a ``with`` block, stopping
 happens on any exit from the block, Ctrl-C included. Readiness is Triton's HTTP
-``/v2/health/ready`` (and ``/v1/models`` of the OpenAI server when one is asked for), so
+``/v2/health/ready`` (and the OpenAI server's ``/health`` when one is asked for), so
 starting and stopping need no client library. Without ``openai`` the script is told
 (``SPECDEC_OPENAI_PORT=0``) to start no OpenAI server, which would otherwise take port 9000.
 """
@@ -111,7 +111,7 @@ class TritonServer:
     def is_ready(self) -> bool:
         urls = [f"http://{self.http_url}/v2/health/ready"]
         if self.openai_port is not None:
-            urls.append(f"{self.openai_url}/models")
+            urls.append(f"http://localhost:{self.openai_port}/health")  # Triton ready through its channel
         try:
             for url in urls:
                 with urllib.request.urlopen(url, timeout=2) as response:

@@ -243,6 +243,14 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await server.answer(request, Envelope.new("chat", body.model), params, body.stream, include_usage)
 
+    @app.get("/health")
+    async def health() -> Response:
+        """200 once Triton answers ready through this server's own connection, else 503."""
+        if await server.backend.ready():
+            return Response(status_code=200)
+        body = error_body(f"Triton at {config.triton_url} is not ready", "server_error", code="triton_unavailable")
+        return JSONResponse(body, status_code=503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)

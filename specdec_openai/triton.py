@@ -49,6 +49,7 @@ class Backend(Protocol):
     """What the OpenAI server needs from Triton; a fake implements it in the tests."""
 
     def generate(self, model: str, inputs: dict[str, Any]) -> AsyncIterator[Step]: ...
+    async def ready(self) -> bool: ...
     async def tokenizer_dir(self) -> str: ...
     async def num_speculative_tokens(self) -> int | None: ...
     async def close(self) -> None: ...
@@ -83,7 +84,7 @@ class TritonBackend:
 
         self._grpc = grpcclient
         self.url = url
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
 
     async def generate(self, model: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
         """The request's responses until the final one; leaving early cancels the request."""
@@ -122,6 +123,13 @@ class TritonBackend:
             tensors.append(tensor)
         return tensors
 
+    async def ready(self) -> bool:
+        """Triton answers, over this client's channel, that it is ready."""
+        try:
+            return bool(await self.client.is_server_ready())
+        except Exception:  # not reachable yet: not ready
+            return False
+
     async def tokenizer_dir(self) -> str:
         """The directory the ``tokenizer`` model loaded (its ``describe`` answer)."""
         describe = self._grpc.InferInput("describe", [1], "BOOL")
@@ -139,6 +147,30 @@ class TritonBackend:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's own channel options, and a reconnect backoff of at most a second.
+
+    Under serve.sh this server starts while Triton is still loading its models, and asks
+    it for the chat template's tokenizer meanwhile. gRPC's default backoff grows to two
+    minutes between connection attempts, and calls fail at once while it waits, so
+    requests would fail long after Triton is ready.
+    """
+    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
+
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
 
 
 def _is_final(raw) -> bool:

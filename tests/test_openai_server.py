@@ -47,6 +47,9 @@ class FakeBackend:
         finally:
             self.closed[index] = True
 
+    async def ready(self):
+        return self.script != "down"
+
     async def tokenizer_dir(self):
         return SHIPPED_TOKENIZER
 
@@ -168,6 +171,12 @@ def test_triton_refusal_is_a_400_before_the_stream_starts():
     response = client_for(backend).post("/v1/completions", json={"model": "ensemble", "prompt": "a", "stream": True})
     assert response.status_code == 400
     assert "exceeds max_model_len" in response.json()["error"]["message"]
+
+
+def test_health_is_tritons_readiness():
+    assert client_for(FakeBackend(steps("x"))).get("/health").status_code == 200
+    down = client_for(FakeBackend("down")).get("/health")
+    assert down.status_code == 503 and "not ready" in down.json()["error"]["message"]
 
 
 def test_unknown_route_and_models_list():

@@ -1,8 +1,8 @@
 """Through a real server and the real ``openai`` client: the OpenAI API gives the ensemble's greedy text.
 
-One tritonserver serves the committed repository with ``serve.sh --openai-port``; a
-second OpenAI server, started on its own (``python -m specdec_openai``) against the
-same Triton, has a chat template, which the shipped tokenizer lacks.
+The session's tritonserver runs with ``serve.sh --openai-port``; a second OpenAI server,
+started on its own (``python -m specdec_openai``) against the same Triton, has a chat
+template, which the shipped tokenizer lacks.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import openai
 import pytest
 from client.generate import generate_http
 from test_concurrency import output_tokens, wait_until_idle
-from triton_server import REPO_ROOT, Server, models_dir
+from triton_server import REPO_ROOT
 
 from bench.server import free_port
 
@@ -38,13 +38,9 @@ def rendered(messages: list[dict]) -> str:
 
 
 @pytest.fixture(scope="module")
-def openai_server(tmp_path_factory):
-    if not (models_dir() / "tiny-target").is_dir() or models_dir() != REPO_ROOT / "models":
-        pytest.skip("the OpenAI tests serve the committed repository and its shipped model pair")
-    workdir = tmp_path_factory.mktemp("server_openai")
-    server = Server(REPO_ROOT / "model_repository", workdir / "tritonserver.log", openai=True).start()
-    yield server
-    server.stop()
+def openai_server(server):
+    """The session's server (conftest), which serves the OpenAI API too."""
+    return server
 
 
 @pytest.fixture(scope="module")

@@ -90,9 +90,9 @@ def repository_copy(
     return repository
 
 
-def server_on_free_ports(workdir: Path, repository: Path) -> Server:
-    """A server on free ports, not started."""
-    return Server(repository, workdir / "tritonserver.log")
+def server_on_free_ports(workdir: Path, repository: Path, openai: bool = False) -> Server:
+    """A server on free ports, not started; ``openai``: with the OpenAI API on one more."""
+    return Server(repository, workdir / "tritonserver.log", openai)
 
 
 @dataclass
