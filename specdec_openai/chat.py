@@ -46,7 +46,7 @@ class ChatTemplate:
                 "or use /v1/completions",
                 "messages",
             )
-        conversation = [message.model_dump(exclude_none=True) for message in messages]
+        conversation = [_plain(message) for message in messages]
         try:
             prompt = self.tokenizer.apply_chat_template(
                 conversation,
@@ -63,6 +63,20 @@ class ChatTemplate:
         if not prompt:
             raise RequestError("the chat template rendered an empty prompt", "messages")
         return prompt
+
+
+def _plain(message: ChatMessage) -> dict[str, Any]:
+    """The message with text parts (``[{"type": "text", "text": ...}]``) joined into one string, as
+    vLLM gives them to templates written for strings; other parts (images, audio) are refused."""
+    fields = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        texts = []
+        for part in message.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"only text content parts are supported, got type {part.get('type')!r}", "messages")
+            texts.append(part["text"])
+        fields["content"] = "\n".join(texts)
+    return fields
 
 
 def read_template(template: str) -> str:

@@ -255,3 +255,16 @@ def test_a_chat_template_path_to_no_file_is_refused_not_rendered(tmp_path):
         read_template(str(path))
     path.write_text(TEMPLATE)
     assert read_template(str(path)) == TEMPLATE == read_template(TEMPLATE)
+
+
+def test_chat_text_parts_are_joined_and_other_parts_refused():
+    backend = FakeBackend(steps("x"))
+    client = client_for(backend, tokenizer_dir=SHIPPED_TOKENIZER, chat_template=TEMPLATE)
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "again"}]
+    ok = client.post("/v1/chat/completions",
+                     json={"model": "ensemble", "messages": [{"role": "user", "content": parts}]})
+    assert ok.status_code == 200 and backend.requests[0][1]["text_input"] == "<user>Hello\nagain\n<assistant>"
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    refused = client.post("/v1/chat/completions",
+                          json={"model": "ensemble", "messages": [{"role": "user", "content": image}]})
+    assert refused.status_code == 400 and "'image_url'" in refused.json()["error"]["message"]
