@@ -101,10 +101,12 @@ class OpenAIServer:
         timer = self.metrics.timer(envelope.model)
         steps = self.backend.generate(envelope.model, params.triton_inputs())
         try:
-            first = await _unless_disconnected(request, anext(steps))
+            first = await _unless_disconnected(request, anext(steps, None))
         except BaseException:
             await steps.aclose()
             raise
+        if first is None:
+            raise TritonUnavailable(f"{envelope.model} answered no response")
         k = await self.num_spec_tokens()
         generation = Generation(envelope, StopTrimmer(params.stop_words), timer, k)
         if stream:
