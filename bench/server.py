@@ -4,7 +4,9 @@ The server gets its own process group, so stopping it reaches the Python backend
 stubs too: SIGINT first (Triton unloads its models), SIGKILL to the group if it has
 not exited in time, and to any stub left behind. As a ``with`` block, stopping
 happens on any exit from the block, Ctrl-C included. Readiness is Triton's HTTP
-``/v2/health/ready``, so starting and stopping need no client library.
+``/v2/health/ready`` (and the OpenAI server's ``/health`` when one is asked for), so
+starting and stopping need no client library. Without ``openai`` the script is told
+(``SPECDEC_OPENAI_PORT=0``) to start no OpenAI server, which would otherwise take port 9000.
 """
 from __future__ import annotations
 
@@ -39,15 +41,17 @@ class TritonServer:
         startup_timeout_s: float = 600.0,
         cwd: Path | None = None,  # the stubs import packages from the working directory before the venv's
         serve_args: tuple[str, ...] = (),  # serve.sh's own options, e.g. --speculative-config=...
+        openai: bool = False,  # also serve the OpenAI API (serve.sh --openai-port) on a free port
     ):
         self.serve_script = Path(serve_script)
         self.repository = Path(repository)
         self.log_path = Path(log_path)
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, "SPECDEC_OPENAI_PORT": "0", **(env or {})}
         self.startup_timeout_s = startup_timeout_s
         self.cwd = cwd
         self.serve_args = tuple(serve_args)
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.openai_port = free_port() if openai else None
         self.process: subprocess.Popen | None = None
 
     @property
@@ -65,7 +69,15 @@ class TritonServer:
     def http_url(self) -> str:
         return f"localhost:{self.http_port}"
 
+    @property
+    def openai_url(self) -> str:
+        """The OpenAI API's base URL, as ``openai.OpenAI(base_url=...)`` takes it."""
+        if self.openai_port is None:
+            raise RuntimeError("this server was started without the OpenAI API (openai=False)")
+        return f"http://localhost:{self.openai_port}/v1"
+
     def command(self) -> list[str]:
+        openai = [] if self.openai_port is None else [f"--openai-port={self.openai_port}"]
         return [
             str(self.serve_script),
             f"--model-repository={self.repository}",
@@ -74,6 +86,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             *self.serve_args,
+            *openai,
         ]
 
     def launch(self) -> None:
@@ -99,9 +112,15 @@ class TritonServer:
         return self
 
     def is_ready(self) -> bool:
+        urls = [f"http://{self.http_url}/v2/health/ready"]
+        if self.openai_port is not None:
+            urls.append(f"http://localhost:{self.openai_port}/health")  # Triton ready through its channel
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
+            for url in urls:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status != 200:
+                        return False
+            return True
         except OSError:  # not listening yet, or not ready (HTTP 400 is an HTTPError, an OSError)
             return False
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import socket
 import sys
 import time
 import urllib.error
@@ -199,6 +200,16 @@ def _http_error_message(err: urllib.error.HTTPError) -> str:
         return body or str(err)
 
 
+def reachable(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether anything accepts a TCP connection at ``host:port``."""
+    host, _, port = url.rpartition(":")
+    try:
+        with socket.create_connection((host or "localhost", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
@@ -238,14 +249,19 @@ def main(argv: list[str] | None = None) -> int:
     def print_chunk(text: str) -> None:
         print(text, end="", flush=True)
 
+    url = args.url or ("localhost:8001" if args.protocol == "grpc" else "localhost:8000")
+    call = generate_grpc if args.protocol == "grpc" else generate_http
     try:
-        if args.protocol == "grpc":
-            result = generate_grpc(args.url or "localhost:8001", args.model, args.prompt, params, print_chunk)
-        else:
-            result = generate_http(args.url or "localhost:8000", args.model, args.prompt, params, print_chunk)
-    except GenerateError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        result = call(url, args.model, args.prompt, params, print_chunk)
+    except Exception as err:
+        if not reachable(url):
+            print(f"error: no server answers at {url} ({args.protocol}); start one with scripts/serve.sh, "
+                  "or give its address with --url HOST:PORT", file=sys.stderr)  # fmt: skip
+            return 1
+        if isinstance(err, GenerateError):
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        raise
     print()
     print(
         f"[{result.finish_reason}] {result.num_input_tokens} input + {result.num_output_tokens} output tokens "

@@ -56,7 +56,7 @@ def main() -> None:
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [str(REPO_ROOT / "scripts" / "serve.sh"), f"--http-port={http_port}", f"--grpc-port={grpc_port}",
-             f"--metrics-port={metrics_port}"],
+             f"--metrics-port={metrics_port}", "--openai-port=0"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:

@@ -11,11 +11,14 @@
 # and the project must be pip-installed into it (`pip install -e .`).
 #
 # Extra arguments go to tritonserver unchanged; a --model-repository among them
-# replaces the default one. --speculative-config '<json>' (or =<json>, or @file.json)
-# takes vLLM's speculative_config keys; it is checked before the server starts and
-# overrides the per-model keys (docs/speculative_config.md). Environment: VENV (default
-# <repo>/.venv); SPECDEC_MODELS_DIR (default <repo>/models: where the shipped configs'
-# ${SPECDEC_MODELS_DIR}/... checkpoints are); OMP_NUM_THREADS
+# replaces the default one. Options of this script's own:
+# --speculative-config '<json>' (or =<json>, or @file.json): vLLM's speculative_config keys,
+#   checked before the server starts, overriding the per-model keys (docs/speculative_config.md);
+# --openai-port N (or --openai-port=N): the OpenAI-compatible server (python -m specdec_openai)
+#   on that port, talking to this Triton over gRPC and stopping with it; default 9000 (or
+#   $SPECDEC_OPENAI_PORT), 0: off; --openai-chat-template FILE gives it a chat template.
+# Environment: VENV (default <repo>/.venv); SPECDEC_MODELS_DIR (default <repo>/models: where
+# the shipped configs' ${SPECDEC_MODELS_DIR}/... checkpoints are); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
 # faster single-threaded than with their threads competing for the cores).
 set -euo pipefail
@@ -37,16 +40,24 @@ if ! "$PYTHON" -c "import numpy, sys; sys.exit(int(numpy.__version__.split('.')[
     exit 1
 fi
 
-args=()
+# --openai-port and --speculative-config are ours; --grpc-port is read (not taken) to point the OpenAI server at Triton.
+OPENAI_PORT="${SPECDEC_OPENAI_PORT:-9000}"
+GRPC_PORT=8001
+openai_args=()
 passed=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --speculative-config=*) spec_config="${1#*=}"; shift ;;
-        --speculative-config)
-            [[ $# -ge 2 ]] || { echo "serve.sh: --speculative-config needs a JSON object or @file.json" >&2; exit 2; }
-            spec_config="$2"; shift 2 ;;
-        *) passed+=("$1"); shift ;;
+        --openai-port=*) OPENAI_PORT="${1#*=}" ;;
+        --openai-port) OPENAI_PORT="${2:?serve.sh: --openai-port needs a port (0: off)}"; shift ;;
+        --openai-chat-template=*) openai_args+=(--chat-template "${1#*=}") ;;
+        --openai-chat-template) openai_args+=(--chat-template "${2:?serve.sh: --openai-chat-template needs a file}"); shift ;;
+        --speculative-config=*) spec_config="${1#*=}" ;;
+        --speculative-config) spec_config="${2:?serve.sh: --speculative-config needs a JSON object or @file.json}"; shift ;;
+        --grpc-port=*) GRPC_PORT="${1#*=}"; passed+=("$1") ;;
+        --grpc-port) GRPC_PORT="${2:-}"; passed+=("$1" "${2:-}"); shift ;;
+        *) passed+=("$1") ;;
     esac
+    shift
 done
 set -- ${passed[@]+"${passed[@]}"}
 if [[ -n "${spec_config:-}" ]]; then
@@ -54,6 +65,27 @@ if [[ -n "${spec_config:-}" ]]; then
     export SPECDEC_SPECULATIVE_CONFIG
     echo "serve.sh: speculative_config $SPECDEC_SPECULATIVE_CONFIG" >&2
 fi
+if ! [[ "$OPENAI_PORT" =~ ^[0-9]+$ ]]; then
+    echo "serve.sh: --openai-port must be a port number (0: no OpenAI server), got '$OPENAI_PORT'" >&2
+    exit 1
+fi
+if [[ ${#openai_args[@]} -gt 0 && ! -f "${openai_args[1]}" ]]; then
+    echo "serve.sh: --openai-chat-template: no file '${openai_args[1]}'" >&2
+    exit 1
+fi
+if [[ "$OPENAI_PORT" != 0 ]]; then
+    if ! PYTHONPATH="$ROOT" "$PYTHON" -c "import specdec_openai, fastapi, uvicorn" 2>/dev/null; then
+        echo "serve.sh: the OpenAI server needs fastapi and uvicorn in $VENV: run scripts/setup.sh" \
+            "(or $VENV/bin/pip install -e '$ROOT[serve]'), or pass --openai-port=0" >&2
+        exit 1
+    fi
+    if ! "$PYTHON" -c "import socket, sys; s = socket.socket(); s.bind(('', int(sys.argv[1])))" "$OPENAI_PORT" 2>/dev/null; then
+        echo "serve.sh: port $OPENAI_PORT (the OpenAI server) is taken: pass --openai-port N, or 0 for none" >&2
+        exit 1
+    fi
+fi
+
+args=()
 if ! printf '%s\n' "$@" | grep -qE '^--model-(repository|store)(=|$)'; then
     args+=(--model-repository "$ROOT/model_repository")
 fi
@@ -77,4 +109,9 @@ fi
 export PATH="$VENV/bin:$PATH"
 export SPECDEC_MODELS_DIR="${SPECDEC_MODELS_DIR:-$ROOT/models}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [[ "$OPENAI_PORT" != 0 ]]; then
+    # This checkout's server, a child of this process, which becomes tritonserver: it exits when tritonserver does.
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m specdec_openai --triton-url "127.0.0.1:$GRPC_PORT" \
+        --port "$OPENAI_PORT" --exit-with $$ ${openai_args[@]+"${openai_args[@]}"} &
+fi
 exec "$SERVER" "${args[@]}" "$@"

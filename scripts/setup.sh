@@ -80,7 +80,7 @@ else
   took
 fi
 
-phase 3 "the project, tritonclient, nvidia-pytriton (tritonserver), test and benchmark tools"
+phase 3 "the project, tritonclient, nvidia-pytriton (tritonserver), the OpenAI server (fastapi, uvicorn), test and benchmark tools"
 run "${pip[@]}" "numpy<2" -e ".[serve,test,bench]"
 took
 

@@ -21,7 +21,7 @@ from specdec_triton.text import TextCodec
 sys.path.insert(0, str(REPO_ROOT))  # the command-line client is a top-level package, not installed
 
 
-def _start_server(tmp_path_factory, method: str, parameters: dict[str, str] | None = None):
+def _start_server(tmp_path_factory, method: str, parameters: dict[str, str] | None = None, openai: bool = False):
     models = models_dir()
     if not (models / "tiny-target").is_dir() or not (models / "tiny-draft").is_dir():
         pytest.skip(f"model pair not found under {models}")
@@ -30,15 +30,15 @@ def _start_server(tmp_path_factory, method: str, parameters: dict[str, str] | No
     repository = (
         REPO_ROOT / "model_repository" if committed else repository_copy(workdir, models, method, parameters=parameters)
     )
-    server = server_on_free_ports(workdir, repository)
+    server = server_on_free_ports(workdir, repository, openai)
     server.start()
     return server
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The committed repository: draft_model proposer, k = 4."""
-    server = _start_server(tmp_path_factory, "draft_model")
+    """The committed repository: draft_model proposer, k = 4; with the OpenAI API (``server.openai_url``)."""
+    server = _start_server(tmp_path_factory, "draft_model", openai=True)
     yield server
     server.stop()
 

@@ -34,8 +34,9 @@ def models_dir() -> Path:
 class Server(TritonServer):
     """``bench.server.TritonServer`` with failures reported as test failures, the server's log attached."""
 
-    def __init__(self, repository: Path, log_path: Path, serve_args: tuple[str, ...] = ()):
-        super().__init__(SERVE_SCRIPT, repository, log_path, startup_timeout_s=READY_TIMEOUT_S, serve_args=serve_args)
+    def __init__(self, repository: Path, log_path: Path, openai: bool = False, serve_args: tuple[str, ...] = ()):
+        super().__init__(SERVE_SCRIPT, repository, log_path, startup_timeout_s=READY_TIMEOUT_S, openai=openai,
+                         serve_args=serve_args)  # fmt: skip
 
     def start(self) -> Server:
         """Start the server and wait until it is ready; fails the test with the log if it is not."""
@@ -90,9 +91,10 @@ def repository_copy(
     return repository
 
 
-def server_on_free_ports(workdir: Path, repository: Path, serve_args: tuple[str, ...] = ()) -> Server:
-    """A server on free ports, not started."""
-    return Server(repository, workdir / "tritonserver.log", serve_args)
+def server_on_free_ports(workdir: Path, repository: Path, openai: bool = False,
+                         serve_args: tuple[str, ...] = ()) -> Server:  # fmt: skip
+    """A server on free ports, not started; ``openai``: with the OpenAI API on one more."""
+    return Server(repository, workdir / "tritonserver.log", openai, serve_args)
 
 
 @dataclass

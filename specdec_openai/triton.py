@@ -1,0 +1,205 @@
+"""The Triton side: one streamed generate request over gRPC, and what the server is asked once.
+
+Every request goes to Triton with ``stream`` set, also when the OpenAI client asked for
+one response: the pieces concatenate to the non-streamed text byte for byte (the
+model's contract), and only a stream shows when the first token came, which the
+latency histograms need. Closing the stream early (a client that went away) cancels the
+gRPC call, and Triton cancels the request: through ``speculative_decoding`` the
+sequence stops within a step; through ``ensemble`` Triton 2.51 drops the responses but
+the sequence runs on (``docs/serving.md``).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from specdec_openai.protocol import RequestError
+
+# Public inputs and their Triton datatypes (docs/serving.md).
+INPUT_TYPES = {
+    "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
+    "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "min_tokens": "INT32",
+    "num_speculative_tokens": "INT32",
+}  # fmt: skip
+_NUMPY = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
+ORCHESTRATOR = "speculative_decoding"  # holds num_speculative_tokens; the ensemble's one step
+
+
+@dataclass(frozen=True)
+class Step:
+    """One streamed Triton response: the new text and the request's counts so far."""
+
+    text: str
+    finish_reason: str | None  # "stop" | "length" on the last response, else None
+    num_input_tokens: int
+    num_output_tokens: int
+    total_draft_tokens: int
+    total_accepted_draft_tokens: int
+
+
+class TritonUnavailable(RuntimeError):
+    """Triton could not be reached or did not answer (HTTP 503 to the client)."""
+
+
+class Backend(Protocol):
+    """What the OpenAI server needs from Triton; a fake implements it in the tests."""
+
+    def generate(self, model: str, inputs: dict[str, Any]) -> AsyncIterator[Step]: ...
+    async def ready(self) -> bool: ...
+    async def tokenizer_dir(self) -> str: ...
+    async def num_speculative_tokens(self) -> int | None: ...
+    async def close(self) -> None: ...
+
+
+def step_of(outputs: dict[str, Any]) -> Step:
+    """A :class:`Step` from one response's outputs (name -> value)."""
+    return Step(
+        text=_text(outputs["text_output"]),
+        finish_reason=_text(outputs.get("finish_reason", "")) or None,
+        num_input_tokens=int(_scalar(outputs.get("num_input_tokens", 0))),
+        num_output_tokens=int(_scalar(outputs.get("num_output_tokens", 0))),
+        total_draft_tokens=int(_scalar(outputs.get("total_draft_tokens", 0))),
+        total_accepted_draft_tokens=int(_scalar(outputs.get("total_accepted_draft_tokens", 0))),
+    )
+
+
+def _scalar(value: Any) -> Any:
+    return np.asarray(value).reshape(-1)[0] if isinstance(value, np.ndarray) else value
+
+
+def _text(value: Any) -> str:
+    value = _scalar(value)
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class TritonBackend:
+    """``tritonclient.grpc.aio`` against one Triton server (``host:port`` of its gRPC endpoint)."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc.aio as grpcclient  # here: the unit tests use a fake backend
+
+        self._grpc = grpcclient
+        self.url = url
+        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
+
+    async def generate(self, model: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
+        """The request's responses until the final one; leaving early cancels the request."""
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": model, "inputs": self._inputs(inputs)}
+            await done.wait()  # keep the stream open until the last response: closing it may end the call
+
+        responses = self.client.stream_infer(requests())
+        try:
+            async for result, error in _guarded(responses):
+                if error is not None:
+                    raise RequestError(f"{model}: {error.message()}")
+                raw = result.get_response()
+                if not raw.outputs:  # an empty final response
+                    return
+                step = step_of({out.name: result.as_numpy(out.name) for out in raw.outputs})
+                yield step
+                if step.finish_reason is not None or _is_final(raw):
+                    return
+        finally:
+            done.set()
+            responses.cancel()  # a no-op once the call has ended; else Triton cancels the request
+
+    def _inputs(self, values: dict[str, Any]) -> list:
+        tensors = []
+        for name, value in values.items():
+            datatype = INPUT_TYPES[name]
+            items = value if isinstance(value, (list, tuple)) else [value]
+            if datatype == "BYTES":
+                items = [item.encode("utf-8") for item in items]
+            array = np.array(items, dtype=_NUMPY[datatype])  # [1], or [num stop words]
+            tensor = self._grpc.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        return tensors
+
+    async def ready(self) -> bool:
+        """Triton answers, over this client's channel, that it is ready."""
+        try:
+            return bool(await self.client.is_server_ready())
+        except Exception:  # not reachable yet: not ready
+            return False
+
+    async def tokenizer_dir(self) -> str:
+        """The directory the ``tokenizer`` model loaded (its ``describe`` answer)."""
+        describe = self._grpc.InferInput("describe", [1], "BOOL")
+        describe.set_data_from_numpy(np.array([True]))
+        output = self._grpc.InferRequestedOutput("describe_model")
+        result = await _call(self.client.infer("tokenizer", [describe], outputs=[output]))
+        return _text(result.as_numpy("describe_model"))
+
+    async def num_speculative_tokens(self) -> int | None:
+        """The orchestrator's configured k, the longest acceptance histogram; None if not readable."""
+        config = await _call(self.client.get_model_config(ORCHESTRATOR, as_json=True))
+        value = config.get("config", {}).get("parameters", {}).get("num_speculative_tokens", {})
+        text = value.get("string_value", "")
+        return int(text) if text.isdigit() else None
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's own channel options, and a reconnect backoff of at most a second.
+
+    Under serve.sh this server starts while Triton is still loading its models, and asks
+    it for the chat template's tokenizer meanwhile. gRPC's default backoff grows to two
+    minutes between connection attempts, and calls fail at once while it waits, so
+    requests would fail long after Triton is ready.
+    """
+    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
+
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+def _is_final(raw) -> bool:
+    param = raw.parameters.get("triton_final_response")
+    return bool(param is not None and param.bool_param)
+
+
+async def _guarded(responses) -> AsyncIterator:
+    """The stream's (result, error) pairs, with transport failures as :class:`TritonUnavailable`."""
+    import grpc
+
+    iterator = responses.__aiter__()
+    while True:
+        try:
+            item = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:
+                raise asyncio.CancelledError() from err
+            raise TritonUnavailable(f"Triton at the gRPC endpoint: {err.code().name}: {err.details()}") from None
+        yield item
+
+
+async def _call(awaitable):
+    """Await a unary Triton call; a server that cannot be reached becomes :class:`TritonUnavailable`."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return await awaitable
+    except InferenceServerException as err:
+        raise TritonUnavailable(str(err)) from None

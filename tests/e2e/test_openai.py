@@ -1,0 +1,142 @@
+"""Through a real server and the real ``openai`` client: the OpenAI API gives the ensemble's greedy text.
+
+The session's tritonserver runs with ``serve.sh --openai-port``; a second OpenAI server,
+started on its own (``python -m specdec_openai``) against the same Triton, has a chat
+template, which the shipped tokenizer lacks.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+from client.generate import generate_http
+from test_concurrency import output_tokens, wait_until_idle
+from triton_server import REPO_ROOT
+
+from bench.server import free_port
+
+pytestmark = pytest.mark.server
+
+MAX_TOKENS = 32
+PROMPTS = ["Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+           "Grüße aus München! Ça va très bien,", "1, 2, 3, 4, 5, 6, 7,", "<html><body><p>"]  # fmt: skip
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHATS = [[{"role": "user", "content": "Write a function that adds two numbers."}],
+         [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Once upon a time"}]]
+
+
+def rendered(messages: list[dict]) -> str:
+    """TEMPLATE by hand: the prompt the server must send to Triton."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+@pytest.fixture(scope="module")
+def openai_server(server):
+    """The session's server (conftest), which serves the OpenAI API too."""
+    return server
+
+
+@pytest.fixture(scope="module")
+def chat_url(openai_server, tmp_path_factory):
+    """A standalone OpenAI server with TEMPLATE, against the same Triton: its base URL."""
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(TEMPLATE)
+    port = free_port()
+    command = [sys.executable, "-m", "specdec_openai", "--triton-url", openai_server.grpc_url, "--port", str(port),
+               "--host", "127.0.0.1", "--chat-template", str(template), "--exit-with", str(os.getpid())]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=2).close()
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail(f"the standalone OpenAI server did not start (exit code {process.poll()})")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def generate_text(server, prompt: str) -> str:
+    """The reference: ``/v2/models/ensemble/generate``, greedy, the prompt left out."""
+    result = generate_http(server.http_url, "ensemble", prompt,
+                           {"max_tokens": MAX_TOKENS, "temperature": 0.0, "exclude_input_in_output": True})  # fmt: skip
+    return result.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_give_the_ensembles_greedy_text(openai_server, stream):
+    client = openai.OpenAI(base_url=openai_server.openai_url, api_key="unused")
+    drafted = 0
+    for prompt in PROMPTS:
+        kwargs = {"model": "ensemble", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        if stream:
+            chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+            figures, usage = final.model_extra["metrics"]["speculative_decoding"], chunks[-1].usage
+        else:
+            completion = client.completions.create(**kwargs)
+            text, usage = completion.choices[0].text, completion.usage
+            figures = completion.model_extra["metrics"]["speculative_decoding"]
+        assert text and text == generate_text(openai_server, prompt), prompt
+        assert usage.completion_tokens <= MAX_TOKENS and usage.prompt_tokens > 0
+        assert figures["num_spec_tokens"] == 4
+        assert 0 <= figures["num_accepted_draft_tokens"] <= figures["num_draft_tokens"]
+        drafted += figures["num_draft_tokens"]
+    assert drafted > 0
+    metrics = httpx.get(openai_server.openai_url.removesuffix("/v1") + "/metrics").text
+    assert 'specdec_openai_time_to_first_token_seconds_count{model="ensemble"}' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_gives_the_greedy_text_of_the_rendered_prompt(openai_server, chat_url, stream):
+    client = openai.OpenAI(base_url=chat_url, api_key="unused")
+    for messages in CHATS:
+        kwargs = {"model": "speculative_decoding", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+        if stream:
+            chunks = list(client.chat.completions.create(**kwargs, stream=True))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        else:
+            text = client.chat.completions.create(**kwargs).choices[0].message.content
+        assert text and text == generate_text(openai_server, rendered(messages))
+
+
+def test_errors_come_in_openais_shape(openai_server):
+    client = openai.OpenAI(base_url=openai_server.openai_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
+        client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        client.completions.create(model="ensemble", prompt="hi", n=2)
+    with pytest.raises(openai.NotFoundError, match="served models: ensemble, speculative_decoding"):
+        client.completions.create(model="gpt-4o", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="exceeds max_model_len"):  # Triton's refusal, streamed or not
+        client.completions.create(model="ensemble", prompt="hi", max_tokens=10**5, stream=True)
+    assert [m.id for m in client.models.list()] == ["ensemble", "speculative_decoding"]
+
+
+def test_a_client_that_goes_away_cancels_the_sequence(openai_server):
+    max_tokens = 1500
+    before = output_tokens(openai_server)
+    body = {"model": "speculative_decoding", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "num_speculative_tokens": 1}  # fmt: skip
+    with httpx.stream("POST", f"{openai_server.openai_url}/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(3):  # a few events, then hang up
+            next(line for line in lines if line.startswith("data: "))
+    wait_until_idle(openai_server, timeout_s=10)
+    generated = output_tokens(openai_server) - before
+    assert generated < max_tokens / 4, f"{generated} of {max_tokens} tokens generated after the client left"
