@@ -85,13 +85,22 @@ class TritonBackend:
         self._grpc = grpcclient
         self.url = url
         self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
+        self._batched: dict[str, bool] = {}  # model -> whether it takes a leading batch dimension
+
+    async def _takes_batch_dimension(self, model: str) -> bool:
+        """``ensemble`` (``max_batch_size`` 1, as TensorRT-LLM's) wants ``[1, n]``; ``speculative_decoding`` ``[n]``."""
+        if model not in self._batched:
+            config = await _call(self.client.get_model_config(model))
+            self._batched[model] = config.config.max_batch_size > 0
+        return self._batched[model]
 
     async def generate(self, model: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
         """The request's responses until the final one; leaving early cancels the request."""
         done = asyncio.Event()
+        tensors = self._inputs(inputs, await self._takes_batch_dimension(model))
 
         async def requests():
-            yield {"model_name": model, "inputs": self._inputs(inputs)}
+            yield {"model_name": model, "inputs": tensors}
             await done.wait()  # keep the stream open until the last response: closing it may end the call
 
         responses = self.client.stream_infer(requests())
@@ -110,7 +119,7 @@ class TritonBackend:
             done.set()
             responses.cancel()  # a no-op once the call has ended; else Triton cancels the request
 
-    def _inputs(self, values: dict[str, Any]) -> list:
+    def _inputs(self, values: dict[str, Any], batched: bool) -> list:
         tensors = []
         for name, value in values.items():
             datatype = INPUT_TYPES[name]
@@ -118,6 +127,7 @@ class TritonBackend:
             if datatype == "BYTES":
                 items = [item.encode("utf-8") for item in items]
             array = np.array(items, dtype=_NUMPY[datatype])  # [1], or [num stop words]
+            array = array.reshape(1, -1) if batched else array  # [1, 1], or [1, num stop words]
             tensor = self._grpc.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
