@@ -49,7 +49,7 @@ def test_torch_build_follows_the_machine_or_the_override(tmp_path, nvidia_smi, e
         f"[setup] ({i}/4) {what}" for i, what in enumerate([
             f"virtualenv {tmp_path / 'venv'}",
             f"torch 2.13.0 ({build} build)",
-            "the project, tritonclient, nvidia-pytriton (tritonserver), test and benchmark tools",
+            "the project, tritonclient, nvidia-pytriton (tritonserver), the OpenAI server (fastapi, uvicorn), test and benchmark tools",
             "check"], start=1)]  # fmt: skip
     assert lines[-1] == "[setup] dry run: nothing was installed"
     assert not (tmp_path / "venv").exists()
