@@ -17,12 +17,16 @@ from specdec.proposers.ngram import NgramConfig
 from specdec.rejection_sampler import METHODS
 from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec_triton.plumbing import ParameterError, Parameters
+from specdec_triton.recovery import ON_STUB_FAILURE
 
 DEFAULT_TARGET_MODEL = "../models/tiny-target"  # relative to the model repository directory
 DEFAULT_DRAFT_MODEL = "../models/tiny-draft"
 # ENGINES (specdec.build) fast: Llama-family checkpoints, every sequence of a dynamic batch in one forward
 # over a static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
 DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
+# A live sequence is stepped every scheduler step, so one untouched this long was lost by its caller
+# (a failed release): its slot is reclaimed. Far above any step's duration.
+DEFAULT_SEQUENCE_IDLE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class DraftProposerConfig:
     dtype: str  # auto: float32 on CPU, bfloat16 on CUDA
     engine: str  # draft_model only
     max_num_seqs: int  # draft_model only
+    sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -58,6 +63,7 @@ class DraftProposerConfig:
             dtype=params.get_str("dtype", "auto", choices=DTYPE_CHOICES),
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+            sequence_idle_timeout_s=_idle_timeout(params),
         )
         params.check_all_read()
         try:
@@ -88,6 +94,7 @@ class TargetVerifierConfig:
     max_model_len: int | None  # prompt + output tokens; None -> the model's max_position_embeddings
     engine: str
     max_num_seqs: int  # the orchestrator admits no more sequences than this at once
+    sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> TargetVerifierConfig:
@@ -97,9 +104,14 @@ class TargetVerifierConfig:
             max_model_len=params.get_int("max_model_len", None, minimum=1),
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+            sequence_idle_timeout_s=_idle_timeout(params),
         )
         params.check_all_read()
         return config
+
+
+def _idle_timeout(params: Parameters) -> float:
+    return params.get_float("sequence_idle_timeout_s", DEFAULT_SEQUENCE_IDLE_TIMEOUT_S, minimum=0.0)
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,9 @@ class OrchestratorConfig:
     speculation: SpeculationLength  # the most drafts a step allows, by the number of sequences in it
     # request parameters (forwarded headers) accepted and left unread; any other one is refused
     ignored_request_parameters: re.Pattern | None = None
+    on_stub_failure: str = "reload"  # a composing model's process died: reload it (else stop the server) | stop
+    health_check_interval_s: float = 0.5  # how often the composing models' processes are checked
+    max_request_seconds: float = 0.0  # a request still running after this long is cancelled; 0: no limit
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
@@ -144,6 +159,9 @@ class OrchestratorConfig:
             default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
             speculation=speculation,
             ignored_request_parameters=params.get_pattern("ignored_request_parameters"),
+            on_stub_failure=params.get_str("on_stub_failure", "reload", choices=ON_STUB_FAILURE),
+            health_check_interval_s=params.get_float("health_check_interval_s", 0.5, minimum=0.05, maximum=60.0),
+            max_request_seconds=params.get_float("max_request_seconds", 0.0, minimum=0.0),
         )
         params.check_all_read()
         return config

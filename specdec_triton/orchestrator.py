@@ -85,9 +85,44 @@ class Orchestrator:
         self.scheduler: StepScheduler | None = None
         self._codec: TextCodec | None = None
         self._describing: asyncio.Future | None = None  # the one describe in flight
+        self.unavailable: str | None = None  # why requests are refused now: a composing model stopped
+        self._background: set[asyncio.Task] = set()  # releases after a fault, kept until done
+
+    def stage_failed(self, models: list[str]) -> None:
+        """Composing models stopped: every request fails now, and new ones are refused until :meth:`recovered`."""
+        self.stop_serving(f"composing model(s) {', '.join(models)} stopped (the process died); "
+                          f"the server is recovering or shutting down")  # fmt: skip
+
+    def stop_serving(self, why: str) -> None:
+        """Every request in flight ends now with UNAVAILABLE and ``why``; new ones are refused with it.
+
+        The scheduler is rebuilt after recovery (the stages describe themselves again);
+        what the living stateful stages hold of the failed sequences is released in the
+        background, so the answer does not wait for a stage that may not answer.
+        """
+        self.unavailable = why
+        if self.scheduler is not None:
+            seq_ids = self.scheduler.fail_all(ServingError(f"{why}; the request was not finished"))
+            if seq_ids:
+                task = asyncio.ensure_future(self._release_quietly(seq_ids))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        self.scheduler, self.descriptions, self._describing = None, None, None
+        self._show_running()
+
+    def recovered(self) -> None:
+        self.unavailable = None
+
+    async def _release_quietly(self, seq_ids: list[str]) -> None:
+        try:
+            await self.stages.release(seq_ids)
+        except Exception:  # a stopped stage holds nothing; the stage itself logged what failed
+            pass
 
     async def _ensure_ready(self) -> None:
         """Describe the stages and build the scheduler, once; a failed attempt is retried by the next request."""
+        if self.unavailable is not None:
+            raise ServingError(self.unavailable)
         if self.scheduler is not None:
             return
         if self._describing is None or self._describing.done():
@@ -121,8 +156,8 @@ class Orchestrator:
     async def prepare(self, request: GenerateRequest) -> SequenceState:
         """Tokenize and validate; raises RequestError naming the bad input."""
         await self._ensure_ready()
-        tokenized = await self.stages.tokenize(request.text_input, request.stop_words)
         target = self.descriptions.target
+        tokenized = await self.stages.tokenize(request.text_input, request.stop_words)
         params = request.generation_params(
             self.config.default_max_tokens,
             self.config.num_speculative_tokens,
@@ -154,6 +189,8 @@ class Orchestrator:
 
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
         """Streams each step's new text while the scheduler runs the sequence; returns the final outputs."""
+        if self.unavailable is not None or self.scheduler is None:  # a stage stopped while this one was tokenized
+            raise ServingError(self.unavailable or "the server is recovering a composing model")
         detokenizer = IncrementalDetokenizer(self._codec.tokenizer.backend_tokenizer) if request.stream else None
         sequence = self.scheduler.submit(state, is_cancelled)
         try:

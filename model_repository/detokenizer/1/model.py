@@ -21,3 +21,6 @@ class TritonPythonModel:
     def _detokenize(self, inputs):
         texts = [self.codec.decode(token_ids) for token_ids in wire.token_id_lists_of(inputs)]
         return {"text_output": bytes_array(texts)}
+
+    def finalize(self):
+        self.logger.info("unloaded")

@@ -1,0 +1,112 @@
+"""Through a real server: a composing model's process killed under load fails its requests at once and is reloaded.
+
+Each stateful stub is SIGKILLed while eight streams decode through it. Every stream
+must end with an UNAVAILABLE error within seconds (not the 10-25 s Triton takes to
+notice on its own); the orchestrator then reloads the model (``scripts/serve.sh``
+runs Triton with explicit model control) and serves again, with output equal to the
+target's and no sequence held anywhere. At the end SIGTERM stops the server, which
+waits out its exit timeout for the dead stub's model, within 15 s.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from client.generate import GenerateError, generate_grpc
+from test_concurrency import PROMPTS, wait_until_idle
+from triton_server import REPO_ROOT, server_on_free_ports
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+NUM_STREAMS = 8
+LONG = {"stream": True, "max_tokens": 1500, "min_tokens": 1500, "exclude_input_in_output": True}  # never ends early
+ERROR_WITHIN_S = 5.0
+RECOVERY_TIMEOUT_S = 180.0
+STOP_WITHIN_S = 15.0
+
+
+def stub_pid(server, model: str) -> int:
+    """The process of ``model``'s Python stub: a child of tritonserver running its model.py."""
+    lines = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.pid)],
+                           capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    pids = [int(line.split()[0]) for line in lines if f"/{model}/1/model.py" in line and "<defunct>" not in line]
+    assert len(pids) == 1, f"expected one live stub of {model}, found {lines}"
+    return pids[0]
+
+
+def streams_killed_midway(server, model: str) -> list[tuple[float | None, str]]:
+    """Eight long streams; once each has sent text, kill ``model``'s stub: (seconds from the kill to each end, error)."""
+    started = threading.Barrier(NUM_STREAMS + 1, timeout=300)
+    killed_at: list[float] = []
+    ends: list[tuple[float | None, str]] = [(None, "")] * NUM_STREAMS
+
+    def run(i: int) -> None:
+        first = [True]
+
+        def on_chunk(_text: str) -> None:
+            if first[0]:
+                first[0] = False
+                started.wait()
+
+        try:
+            generate_grpc(server.grpc_url, "speculative_decoding", PROMPTS[i], LONG, on_chunk)
+            ends[i] = (time.monotonic() - killed_at[0], "finished")
+        except GenerateError as err:
+            ends[i] = (time.monotonic() - killed_at[0], str(err))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(NUM_STREAMS)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    killed_at.append(time.monotonic())
+    os.kill(stub_pid(server, model), signal.SIGKILL)
+    for thread in threads:
+        thread.join(120)
+    return ends
+
+
+def serves_again(server, reference, deadline_s: float) -> float:
+    """Seconds until a request succeeds again; its text must be the target's."""
+    start = time.monotonic()
+    params = {"max_tokens": 24, "exclude_input_in_output": True}
+    while time.monotonic() - start < deadline_s:
+        try:
+            text = generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], params).text
+        except GenerateError as err:
+            assert "stopped" in str(err) or "recovering" in str(err), str(err)
+            time.sleep(1.0)
+            continue
+        mismatch = reference.greedy_mismatch(PROMPTS[0], text, 24)
+        assert not mismatch, mismatch
+        return time.monotonic() - start
+    pytest.fail(f"no request succeeded within {deadline_s} s of the fault; log:\n{server.log_tail()}")
+
+
+@pytest.fixture
+def fault_server(tmp_path):
+    server = server_on_free_ports(tmp_path, REPO_ROOT / "model_repository")
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_killed_stub_fails_its_requests_at_once_and_is_reloaded(fault_server, reference):
+    server = fault_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})  # warm up every model
+    for model in ("target_verifier", "draft_proposer"):
+        ends = streams_killed_midway(server, model)
+        for seconds, error in ends:
+            assert seconds is not None and seconds < ERROR_WITHIN_S, (model, ends)
+            assert f"{model} stopped" in error, (model, error)
+        serves_again(server, reference, RECOVERY_TIMEOUT_S)
+        assert server.is_ready()
+        wait_until_idle(server, timeout_s=10)
+    proc = server.process
+    start = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+    assert time.monotonic() - start < STOP_WITHIN_S, f"SIGTERM took {time.monotonic() - start:.1f} s"
