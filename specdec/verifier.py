@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
-from specdec.sampling import greedy_tokens, process_logits
+from specdec.sampling import check_banned, greedy_tokens, process_logits
 from specdec.types import VerifyRequest, VerifyResult
 
 
@@ -36,5 +36,7 @@ class TargetVerifier(OwnsOneModel):
         self.lm = lm
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        for r in requests:
+            check_banned(r.banned_token_ids, self.lm.vocab_size)
         calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
         return [verify_result(logits, r) for logits, r in zip(self.lm.forward(calls), requests)]
