@@ -33,12 +33,35 @@ def pid_path(model: str, server_pid: int | None = None) -> Path:
     return secret.with_name(f"{secret.stem}.{model}.pid")
 
 
-def register_stub(model: str, server_pid: int | None = None) -> None:
-    """Called by a composing model at load; a reloaded model replaces the id of the stub before it."""
-    path = pid_path(model, server_pid)
+def config_path(model: str, server_pid: int | None = None) -> Path:
+    """Where ``model`` keeps the configuration it was loaded with, for a reload."""
+    return pid_path(model, server_pid).with_suffix(".json")
+
+
+def register_stub(model: str, model_config: str | None = None, server_pid: int | None = None) -> None:
+    """Called by a composing model at load; a reloaded model replaces the id of the stub before it.
+
+    ``model_config``: the model's configuration as Triton gave it (``args["model_config"]``,
+    JSON). A reload of an unchanged model from the Python backend is a no-op in Triton
+    2.51; one that passes the configuration loads the model again.
+    """
+    if model_config is not None:
+        _write(config_path(model, server_pid), model_config)
+    _write(pid_path(model, server_pid), str(os.getpid()))
+
+
+def loaded_config(model: str, server_pid: int | None = None) -> str:
+    """The configuration ``model`` registered; empty when it registered none."""
+    try:
+        return config_path(model, server_pid).read_text()
+    except OSError:
+        return ""
+
+
+def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}")
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, path)  # atomic: a reader never sees a half-written id
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
 def is_alive(pid: int) -> bool:

@@ -24,13 +24,14 @@ Inputs = Mapping[str, np.ndarray]
 
 
 class SequenceHost:
-    def __init__(self, name: str, holder, description: ModelDescription, idle_timeout_s: float, logger: ModelLogger):
+    def __init__(self, name: str, holder, description: ModelDescription, idle_timeout_s: float, logger: ModelLogger,
+                 model_config: str | None = None):  # fmt: skip
         self.name, self.holder, self.description, self.logger = name, holder, description, logger
         self.secret = boot_secret()  # only the orchestrator may call
         self.active = ActiveSequences(name)
         self.expired = ExpiredSequences(name)
         self.leases = SequenceLeases(idle_timeout_s, holder.release)
-        register_stub(name)  # the orchestrator watches this process
+        register_stub(name, model_config)  # the orchestrator watches this process, and reloads it with this
 
     def handle(self, batch: list[Inputs], requests_of: Callable[[Inputs], list], run: Callable[[list], list],
                outputs_of: Callable[[list], dict]) -> list[dict]:  # fmt: skip

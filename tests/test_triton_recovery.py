@@ -11,7 +11,7 @@ from test_triton_orchestrator import (  # noqa: F401 (codec, models: fixtures)
     PROMPTS, FakeFamily, codec, make_orchestrator, models, request, run, text_of,
 )
 
-from specdec_triton.health import StubWatch, dead_stub_in, is_alive, pid_path, register_stub
+from specdec_triton.health import StubWatch, dead_stub_in, is_alive, loaded_config, pid_path, register_stub
 from specdec_triton.leases import SequenceLeases
 from specdec_triton.plumbing import ServingError
 from specdec_triton.recovery import RecoveryActions, Supervisor
@@ -105,8 +105,9 @@ def test_a_process_is_dead_once_it_exits_even_before_it_is_reaped():
 
 def test_the_watch_reads_each_models_registered_process(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_SECRET_DIR", str(tmp_path))
-    register_stub("tokenizer", server_pid=7)
+    register_stub("tokenizer", '{"name": "tokenizer"}', server_pid=7)
     assert pid_path("tokenizer", 7).read_text() == str(os.getpid())
+    assert loaded_config("tokenizer", 7) == '{"name": "tokenizer"}' and loaded_config("draft_proposer", 7) == ""
     pid_path("target_verifier", 7).write_text("999999999")  # no such process
     watch = StubWatch(["tokenizer", "target_verifier", "draft_proposer"], server_pid=7)
     assert watch.dead() == ["target_verifier"]  # draft_proposer never registered: not watched

@@ -25,7 +25,7 @@ class TritonPythonModel:
             raise ParameterError(f"{args['model_name']}: parameter 'use_triton_kernel' needs a KIND_GPU instance")
         self.sampler = RejectionSampler(config.method, config.synthetic_acceptance_rate, config.use_triton_kernel)
         self.description = ModelDescription("", None, None, None, config.method)  # no checkpoint, no limits
-        register_stub(args["model_name"])  # the orchestrator watches this process
+        register_stub(args["model_name"], args["model_config"])  # the orchestrator watches this process
         self.logger.info(f"{config} on {self.device}")
 
     def finalize(self):

@@ -25,7 +25,7 @@ class TritonPythonModel:
         lm = build_lm(config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len)
         self.verifier, description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
         self.host = SequenceHost(args["model_name"], self.verifier, description, config.sequence_idle_timeout_s,
-                                 self.logger)  # fmt: skip
+                                 self.logger, args["model_config"])  # fmt: skip
         self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):

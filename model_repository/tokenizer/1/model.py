@@ -23,7 +23,7 @@ class TritonPythonModel:
         self.description = ModelDescription(
             os.path.realpath(config.tokenizer_dir), len(self.codec.tokenizer), None, None, "tokenizer"
         )
-        register_stub(args["model_name"])  # the orchestrator watches this process
+        register_stub(args["model_name"], args["model_config"])  # the orchestrator watches this process
         self.logger.info(f"tokenizer from {config.tokenizer_dir}, eos ids {self.codec.eos_token_ids}")
 
     def execute(self, requests):
