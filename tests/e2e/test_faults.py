@@ -40,6 +40,11 @@ def stub_pid(server, model: str) -> int:
 
 def streams_killed_midway(server, model: str) -> list[tuple[float | None, str]]:
     """Eight long streams; once each has sent text, kill ``model``'s stub: (seconds from the kill to each end, error)."""
+    return streams_interrupted(server, lambda: os.kill(stub_pid(server, model), signal.SIGKILL))
+
+
+def streams_interrupted(server, interrupt) -> list[tuple[float | None, str]]:
+    """Eight long streams; once each has sent text, ``interrupt()``: (seconds from it to each end, error)."""
     started = threading.Barrier(NUM_STREAMS + 1, timeout=300)
     killed_at: list[float] = []
     ends: list[tuple[float | None, str]] = [(None, "")] * NUM_STREAMS
@@ -63,14 +68,13 @@ def streams_killed_midway(server, model: str) -> list[tuple[float | None, str]]:
         thread.start()
     started.wait()
     killed_at.append(time.monotonic())
-    os.kill(stub_pid(server, model), signal.SIGKILL)
+    interrupt()
     for thread in threads:
         thread.join(120)
     return ends
 
 
-# while the model reloads: the orchestrator's refusal, or Triton reloading the ensemble with it
-RECOVERING = ("stopped", "recovering", "has no available versions")
+RECOVERING = ("stopped", "recovering")  # the orchestrator's answer while the model reloads
 
 
 def serves_again(server, reference, deadline_s: float) -> tuple[float, bool]:
@@ -112,8 +116,29 @@ def test_a_killed_stub_fails_its_requests_at_once_and_is_reloaded(fault_server, 
               f"serving again after {seconds:.1f} s; readiness false meanwhile: {unready}")
         assert server.is_ready()
         wait_until_idle(server, timeout_s=10)
-    proc = server.process
-    start = time.monotonic()
+    assert stop_seconds(server) < STOP_WITHIN_S
+
+
+def stop_seconds(server) -> float:
+    """SIGTERM to tritonserver; seconds until it exited."""
+    proc, start = server.process, time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
     proc.wait(60)
-    assert time.monotonic() - start < STOP_WITHIN_S, f"SIGTERM took {time.monotonic() - start:.1f} s"
+    seconds = time.monotonic() - start
+    print(f"SIGTERM: exited after {seconds:.1f} s")
+    return seconds
+
+
+def test_sigterm_with_streams_in_flight_answers_each_and_exits_quickly(fault_server):
+    """A healthy server: the streams in flight drain or get a final error; the server exits within 15 s."""
+    server = fault_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
+    exited: list[float] = []
+    ends = streams_interrupted(server, lambda: threading.Thread(target=lambda: exited.append(stop_seconds(server))).start())
+    for seconds, error in ends:
+        assert seconds is not None and seconds < STOP_WITHIN_S, ends
+    print("stream ends:", sorted({error[:80] for _, error in ends}))
+    deadline = time.monotonic() + 60
+    while not exited and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert exited and exited[0] < STOP_WITHIN_S, exited
