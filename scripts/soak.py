@@ -63,7 +63,8 @@ def cancelled_request(url: str, prompt: str, max_tokens: int) -> None:
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer("speculative_decoding", grpc_inputs(prompt, {"stream": True, "max_tokens": max_tokens}))
+        inputs = grpc_inputs(prompt, {"stream": True, "max_tokens": max_tokens})
+        client.async_stream_infer("speculative_decoding", inputs)
         _, error = responses.get(timeout=300)
         if error is not None:
             raise GenerateError(str(error))
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-tolerance", type=float, default=0.10, help="largest allowed RSS growth, a fraction")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="gRPC address of a running server (default: start one)")
-    parser.add_argument("--metrics-url", default=None, help="with --url: its /metrics (default: port 8002 of --url's host)")
+    parser.add_argument("--metrics-url", help="with --url: its /metrics (default: port 8002 of --url's host)")
     parser.add_argument("--pid", type=int, help="with --url: the tritonserver process, for RSS")
     parser.add_argument("--models", type=Path, default=ROOT / "models")
     args = parser.parse_args(argv)
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     growth = (rss_after / rss_before - 1) if rss_before else None
-    print(f"{args.requests} requests at concurrency {args.concurrency} in {seconds:.1f} s: {tally.completed} completed, "
-          f"{tally.cancelled} cancelled, {args.client_kills} clients killed")
+    print(f"{args.requests} requests at concurrency {args.concurrency} in {seconds:.1f} s: "
+          f"{tally.completed} completed, {tally.cancelled} cancelled, {args.client_kills} clients killed")
     print(f"errors {len(tally.errors)}, mismatches {len(tally.mismatches)}, leaked {int(sum(held.values()))} {held}")
     if growth is not None:
         print(f"RSS {rss_before:.0f} MiB after warm-up, {rss_after:.0f} MiB at the end ({100 * growth:+.1f} %)")

@@ -160,13 +160,17 @@ def nothing_held_between_tests(request):
                 (holder.verifier if name == "target_verifier" else holder.proposer).release(seq_id)
 
 
-@pytest.mark.parametrize("name, overrides", STATEFUL_CASES + VERIFY_CASES, ids=lambda x: x if isinstance(x, str) else "")
+def case_id(value) -> str:
+    return value if isinstance(value, str) else ""
+
+
+@pytest.mark.parametrize("name, overrides", STATEFUL_CASES + VERIFY_CASES, ids=case_id)
 def test_target_verifier_refuses_bad_input_naming_it(target_verifier, name, overrides):
     assert_invalid(answered(target_verifier._verify, sequence(**overrides)), name)
     assert target_verifier.verifier.num_active_sequences == 0
 
 
-@pytest.mark.parametrize("name, overrides", STATEFUL_CASES + PROPOSE_CASES, ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("name, overrides", STATEFUL_CASES + PROPOSE_CASES, ids=case_id)
 def test_draft_proposer_refuses_bad_input_naming_it(draft_proposer, name, overrides):
     assert_invalid(answered(draft_proposer._propose, sequence(**{"num_tokens": i32(2), **overrides})), name)
     assert draft_proposer.proposer.num_active_sequences == 0
@@ -215,13 +219,14 @@ def sample_request(**overrides) -> dict:
     return {k: v for k, v in inputs.items() if v is not None}
 
 
-@pytest.mark.parametrize("name, overrides", SAMPLER_CASES, ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("name, overrides", SAMPLER_CASES, ids=case_id)
 def test_rejection_sampler_refuses_bad_input_naming_it(rejection_sampler, name, overrides):
     assert_invalid(answered(lambda b: [rejection_sampler._sample(x) for x in b], sample_request(**overrides)), name)
 
 
 def test_rejection_sampler_accepts_a_good_request(rejection_sampler):
-    assert answered(lambda b: [rejection_sampler._sample(x) for x in b], sample_request(seed=np.array([3], np.uint64))) is None
+    good = sample_request(seed=np.array([3], np.uint64))
+    assert answered(lambda b: [rejection_sampler._sample(x) for x in b], good) is None
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ GAUGE = ("spec_decode_num_active_sequences", (("model", "sd"),))
 
 
 def hang_verify_after(stages, calls: int) -> asyncio.Event:
-    """From the ``calls``-th verify call on, verify never answers (a stage whose process died): returns the event it awaits."""
+    """From the ``calls``-th verify call on, verify never answers (a stage whose process died)."""
     never = asyncio.Event()
     verify, count = stages.verify, [0]
 

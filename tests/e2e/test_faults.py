@@ -39,7 +39,7 @@ def stub_pid(server, model: str) -> int:
 
 
 def streams_killed_midway(server, model: str) -> list[tuple[float | None, str]]:
-    """Eight long streams; once each has sent text, kill ``model``'s stub: (seconds from the kill to each end, error)."""
+    """Eight long streams; once each has sent text, kill ``model``'s stub: see :func:`streams_interrupted`."""
     return streams_interrupted(server, lambda: os.kill(stub_pid(server, model), signal.SIGKILL))
 
 
@@ -134,7 +134,8 @@ def test_sigterm_with_streams_in_flight_answers_each_and_exits_quickly(fault_ser
     server = fault_server
     generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
     exited: list[float] = []
-    ends = streams_interrupted(server, lambda: threading.Thread(target=lambda: exited.append(stop_seconds(server))).start())
+    stopping = threading.Thread(target=lambda: exited.append(stop_seconds(server)))
+    ends = streams_interrupted(server, stopping.start)
     for seconds, error in ends:
         assert seconds is not None and seconds < STOP_WITHIN_S, ends
     print("stream ends:", sorted({error[:80] for _, error in ends}))

@@ -24,7 +24,8 @@ class TritonPythonModel:
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         if config.method == "ngram":
-            self.proposer, description = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), NGRAM_DESCRIPTION
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            description = NGRAM_DESCRIPTION
         else:
             lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs)
             self.proposer, description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")

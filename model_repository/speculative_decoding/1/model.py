@@ -48,7 +48,7 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(
             BlsStages(self.logger, boot_secret()), config, counters, ActiveSequences(name), log=self.logger.info
         )
-        actions = RecoveryActions(reload=lambda model: pb_utils.load_model(model_name=model, config=loaded_config(model)),
+        actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=loaded_config(m)),
                                   stop_server=lambda: os.kill(os.getppid(), signal.SIGTERM),
                                   log=self.logger.info, log_error=self.logger.error)  # fmt: skip
         self.supervisor = Supervisor(self.orchestrator, StubWatch(WATCHED), actions, config.on_stub_failure,
