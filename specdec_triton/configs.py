@@ -141,6 +141,9 @@ class OrchestratorConfig:
     on_stub_failure: str = "reload"  # a composing model's process died: reload it (else stop the server) | stop
     health_check_interval_s: float = 0.5  # how often the composing models' processes are checked
     max_request_seconds: float = 0.0  # a request still running after this long is cancelled; 0: no limit
+    # the request parameter naming the client (a header the gateway sets and Triton forwards); None: not named
+    client_id_parameter: str | None = None
+    max_sequences_per_client: int = 0  # requests one client may have in flight; 0: no limit
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
@@ -162,6 +165,8 @@ class OrchestratorConfig:
             on_stub_failure=params.get_str("on_stub_failure", "reload", choices=ON_STUB_FAILURE),
             health_check_interval_s=params.get_float("health_check_interval_s", 0.5, minimum=0.05, maximum=60.0),
             max_request_seconds=params.get_float("max_request_seconds", 0.0, minimum=0.0),
+            client_id_parameter=params.get_str("client_id_parameter", None),
+            max_sequences_per_client=params.get_int("max_sequences_per_client", 0, minimum=0),
         )
         params.check_all_read()
         return config

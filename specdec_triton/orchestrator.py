@@ -17,6 +17,7 @@ Triton import: :class:`Stages` is the seam, implemented with BLS requests in
 from __future__ import annotations
 
 import asyncio
+import collections
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Orchestrator:
         self._describing: asyncio.Future | None = None  # the one describe in flight
         self.unavailable: str | None = None  # why requests are refused now: a composing model stopped
         self._background: set[asyncio.Task] = set()  # releases after a fault, kept until done
+        self._per_client: collections.Counter = collections.Counter()  # client id -> its requests in flight
 
     def stage_failed(self, models: list[str]) -> None:
         """Composing models stopped: every request fails now, and new ones are refused until :meth:`recovered`."""
@@ -175,17 +177,37 @@ class Orchestrator:
             raise RequestError(message) from None
         return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params)
 
-    async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool]) -> None:
-        """Decode ``request`` to the end: one response per step when streaming, else one in all."""
-        state = await self.prepare(request)
-        self._count_request(+1)
+    async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool],
+                       client: str | None = None) -> None:  # fmt: skip
+        """Decode ``request`` to the end: one response per step when streaming, else one in all.
+
+        ``client``: who sent it, when the deployment names clients (``client_id_parameter``);
+        each may have at most ``max_sequences_per_client`` requests in flight.
+        """
+        self._admit_client(client)
         try:
-            final_outputs = await self._decode(request, state, send, is_cancelled)
+            state = await self.prepare(request)
+            self._count_request(+1)
+            try:
+                final_outputs = await self._decode(request, state, send, is_cancelled)
+            finally:
+                self._count_request(-1)
+                if self.counters is not None:  # a client that hears of the end sees the request's steps counted
+                    self.counters.flush()
         finally:
-            self._count_request(-1)
-            if self.counters is not None:  # a client that hears of the end sees the request's steps counted
-                self.counters.flush()
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
         send(final_outputs, True)
+
+    def _admit_client(self, client: str | None) -> None:
+        """Counts the request against its client; refuses it when the client has its most in flight already."""
+        limit = self.config.max_sequences_per_client
+        if limit and self._per_client[client] >= limit:
+            who = "requests without a client id" if client is None else f"client {client!r}"
+            raise ServingError(f"{who}: {limit} requests already in flight, the most max_sequences_per_client "
+                               f"allows; retry when one has ended")  # fmt: skip
+        self._per_client[client] += 1
 
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
         """Streams each step's new text while the scheduler runs the sequence; returns the final outputs."""

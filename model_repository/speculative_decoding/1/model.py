@@ -72,11 +72,14 @@ class TritonPythonModel:
         limit = self.orchestrator.config.max_request_seconds
         deadline = time.monotonic() + limit if limit else float("inf")
         try:
-            ignored = self.orchestrator.config.ignored_request_parameters
-            check_parameters(json.loads(request.parameters() or "{}"), ignored)
+            config = self.orchestrator.config
+            parameters = json.loads(request.parameters() or "{}")
+            client = parameters.pop(config.client_id_parameter, None) if config.client_id_parameter else None
+            check_parameters(parameters, config.ignored_request_parameters)
             generate_request = GenerateRequest.from_inputs(request_inputs(request, GENERATE_INPUTS))
             cancelled = cancellation_check(request)
-            await self.orchestrator.generate(generate_request, send, lambda: cancelled() or time.monotonic() > deadline)
+            await self.orchestrator.generate(generate_request, send, lambda: cancelled() or time.monotonic() > deadline,
+                                             None if client is None else str(client))  # fmt: skip
         except Exception as err:
             self.supervisor.poke(str(err))
             if isinstance(err, SequenceCancelled) and time.monotonic() > deadline:
