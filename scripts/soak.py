@@ -26,6 +26,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -172,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     reference = Reference(model, TextCodec(str(target)), int(model.config.max_position_embeddings))
     server = None
     if args.url is None:
-        server = TritonServer(SERVE_SCRIPT, ROOT / "model_repository", Path("soak-tritonserver.log"), cwd=ROOT).start()
+        log = Path(tempfile.gettempdir()) / "specdec-soak-tritonserver.log"
+        print(f"starting a server; its log: {log}")
+        server = TritonServer(SERVE_SCRIPT, ROOT / "model_repository", log, cwd=ROOT).start()
         url, metrics_url, pid = server.grpc_url, f"http://localhost:{server.metrics_port}/metrics", server.pid
     else:
         url, pid = args.url, args.pid
