@@ -31,6 +31,7 @@ from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_param
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WATCHED = (wire.TOKENIZER, wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER, wire.REJECTION_SAMPLER)
+SERVER_STOPPING = "Server not ready"  # how Triton answers a BLS call after SIGTERM
 DRAIN_S = 5.0  # at shutdown, requests in flight this much longer get a final error; within Triton's exit timeout
 
 
@@ -84,6 +85,8 @@ class TritonPythonModel:
             self.supervisor.poke(str(err))
             if isinstance(err, SequenceCancelled) and time.monotonic() > deadline:
                 err = SequenceCancelled(f"{err}: it ran longer than max_request_seconds={limit:g}")
+            elif isinstance(err, BlsError) and SERVER_STOPPING in str(err):  # Triton refuses BLS calls once stopping
+                err = ServingError(f"the server is shutting down; the request was not finished ({err})")
             if not isinstance(err, (ValueError, BlsError, SequenceCancelled, ServingError)):
                 self.logger.error(f"request failed: {err!r}")
             if not finished:
