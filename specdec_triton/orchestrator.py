@@ -10,8 +10,11 @@ after the scheduler has released the sequence in every stage.
 Before the first request the stages describe themselves once (:class:`Descriptions`):
 the target's vocabulary and limits, the draft's vocabulary, the sampler's method, the
 tokenizer's directory. A draft whose vocabulary differs from the target's is refused
-there, naming both models. Like tensorrtllm_backend's ``decode.py`` this file has no
-Triton import: :class:`Stages` is the seam, implemented with BLS requests in
+there, naming both models. When a composing model's process dies,
+:meth:`Orchestrator.stage_failed` ends every request at once and refuses new ones
+until :meth:`Orchestrator.recovered` (:mod:`specdec_triton.recovery` decides which).
+Like tensorrtllm_backend's ``decode.py`` this file has no Triton import:
+:class:`Stages` is the seam, implemented with BLS requests in
 :mod:`specdec_triton.bls_stages` and with local objects in the tests.
 """
 from __future__ import annotations

@@ -40,7 +40,7 @@ from specdec.types import (
     VerifyResult,
 )
 from specdec_triton.packing import (
-    each, flat, i32, i64, one, required, split, stack_probs, unstack_probs,
+    each, flat, i32, i64, one, required, split, stack_probs, unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
@@ -166,13 +166,7 @@ def _sampling_of(inputs: Mapping[str, np.ndarray], count: int) -> list[SamplingP
     temperature = each(inputs, "temperature", count, float, 0.0)
     top_k = each(inputs, "top_k", count, int, 0)
     top_p = each(inputs, "top_p", count, float, 1.0)
-    sampling = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
-    for params in sampling:
-        try:
-            params.validate()
-        except ValueError as err:  # its message names the field, which is the input's name
-            raise RequestError(f"input {err}") from None
-    return sampling
+    return validated([SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)])
 
 
 def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[int, ...]]) -> dict[str, np.ndarray]:
