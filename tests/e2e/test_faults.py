@@ -16,9 +16,9 @@ import threading
 import time
 
 import pytest
-from client.generate import GenerateError, generate_grpc
+from client.generate import GenerateError, generate_grpc, generate_http
 from test_concurrency import PROMPTS, wait_until_idle
-from triton_server import REPO_ROOT, server_on_free_ports
+from triton_server import REPO_ROOT, models_dir, repository_copy, server_on_free_ports
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -143,3 +143,36 @@ def test_sigterm_with_streams_in_flight_answers_each_and_exits_quickly(fault_ser
     while not exited and time.monotonic() < deadline:
         time.sleep(0.1)
     assert exited and exited[0] < STOP_WITHIN_S, exited
+
+
+MAX_REQUEST_SECONDS = 3.0
+
+
+@pytest.fixture
+def stopping_server(tmp_path):
+    """A server whose orchestrator stops it when a model dies, and cancels requests after 3 s."""
+    parameters = {"on_stub_failure": "stop", "max_request_seconds": str(MAX_REQUEST_SECONDS)}
+    repository = repository_copy(tmp_path, models_dir(), "draft_model", parameters=parameters)
+    server = server_on_free_ports(tmp_path, repository)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_an_abandoned_http_request_is_cut_at_max_request_seconds_and_a_dead_model_stops_the_server(stopping_server):
+    server = stopping_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
+    start = time.monotonic()
+    with pytest.raises(GenerateError, match=r"max_request_seconds=3"):  # HTTP /generate: one response, never streamed
+        generate_http(server.http_url, "ensemble", PROMPTS[1], {"max_tokens": 1900, "min_tokens": 1900})
+    assert MAX_REQUEST_SECONDS <= time.monotonic() - start < MAX_REQUEST_SECONDS + 5
+    wait_until_idle(server)
+    killed_at = time.monotonic()
+    os.kill(stub_pid(server, "target_verifier"), signal.SIGKILL)
+    while server.is_ready() and time.monotonic() - killed_at < 5:
+        time.sleep(0.1)
+    unready_after = time.monotonic() - killed_at
+    server.process.wait(30)
+    print(f"on_stub_failure stop: not ready {unready_after:.1f} s after the kill, "
+          f"exited after {time.monotonic() - killed_at:.1f} s")
+    assert unready_after < 5 and time.monotonic() - killed_at < STOP_WITHIN_S + 5
