@@ -90,6 +90,21 @@ if ! printf '%s\n' "$@" | grep -qE '^--model-(repository|store)(=|$)'; then
     args+=(--model-repository "$ROOT/model_repository")
 fi
 
+# The orchestrator reloads a composing model whose process died (docs/reliability.md): that needs
+# explicit model control, with every model loaded at start. The model-repository API it opens is
+# restricted to a key (SPECDEC_ADMIN_KEY, default a random one per start), so no client can load or
+# unload models. A server stopped after a fault waits out --exit-timeout-secs for the dead model.
+has_arg() { printf '%s\n' "${@:2}" | grep -qE "^--$1(=|\$)"; }
+if ! has_arg model-control-mode "$@"; then
+    KEY="${SPECDEC_ADMIN_KEY:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
+    args+=(--model-control-mode=explicit "--load-model=*"
+           "--http-restricted-api=model-repository:specdec-admin-key=$KEY"
+           "--grpc-restricted-protocol=model-repository:specdec-admin-key=$KEY")
+fi
+if ! has_arg exit-timeout-secs "$@"; then
+    args+=(--exit-timeout-secs=10)
+fi
+
 SERVER="$(command -v tritonserver || true)"
 if [[ -z "$SERVER" ]]; then
     SITE="$("$PYTHON" -c 'import pytriton, os; print(os.path.dirname(os.path.dirname(pytriton.__file__)))')"

@@ -75,7 +75,7 @@ def check_forward_calls(lm: CachedLM, calls: list[ForwardCall], num_fresh: int) 
                 f"seq {call.seq_id!r}: {call.position + n} tokens exceed max_model_len={lm.max_model_len}"
             )
         if not all(0 <= t < lm.vocab_size for t in call.token_ids):
-            raise ValueError(f"seq {call.seq_id!r}: token ids must be in [0, {lm.vocab_size})")
+            raise ValueError(f"seq {call.seq_id!r}: token_ids must be in [0, {lm.vocab_size})")
     if lm.max_num_seqs is None:
         return
     free = lm.max_num_seqs - lm.num_active_sequences

@@ -38,11 +38,7 @@ def process_logits(
     Greedy params give a one-hot distribution at the argmax, so callers that need
     probabilities for a greedy request still get a valid ``p``.
     """
-    logits = logits.float()
-    if num_banned_rows and banned_token_ids:
-        logits = logits.clone()
-        rows = min(num_banned_rows, logits.shape[0])
-        logits[:rows, list(banned_token_ids)] = float("-inf")
+    logits = _ban(logits.float(), num_banned_rows, banned_token_ids)
     if params.greedy:
         probs = torch.zeros_like(logits)
         probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -69,10 +65,23 @@ def greedy_tokens(
     num_banned_rows: int = 0,
     banned_token_ids: tuple[int, ...] = (),
 ) -> torch.Tensor:  # [n] int64
-    if num_banned_rows and banned_token_ids:
-        logits = logits.clone()
-        logits[: min(num_banned_rows, logits.shape[0]), list(banned_token_ids)] = float("-inf")
-    return logits.argmax(dim=-1)
+    return _ban(logits, num_banned_rows, banned_token_ids).argmax(dim=-1)
+
+
+def check_banned(banned_token_ids: tuple[int, ...], vocab_size: int) -> None:
+    """Refuse ids outside the vocabulary before any forward runs (a cache moved for nothing otherwise)."""
+    if not all(0 <= t < vocab_size for t in banned_token_ids):
+        raise ValueError(f"banned_token_ids must be in [0, {vocab_size}), got {sorted(banned_token_ids)[-1]}")
+
+
+def _ban(logits: torch.Tensor, num_banned_rows: int, banned_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """``logits`` ([n, vocab]) with the banned ids at -inf in the first ``num_banned_rows`` rows (a copy if any)."""
+    if not (num_banned_rows and banned_token_ids):
+        return logits
+    check_banned(banned_token_ids, logits.shape[-1])
+    logits = logits.clone()
+    logits[: min(num_banned_rows, logits.shape[0]), list(banned_token_ids)] = float("-inf")
+    return logits
 
 
 def sample_from_probs(

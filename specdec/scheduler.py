@@ -142,6 +142,7 @@ class StepScheduler:
         self.on_step = on_step
         self._waiting: collections.deque[ScheduledSequence] = collections.deque()
         self._running: list[ScheduledSequence] = []
+        self._ending: list[ScheduledSequence] = []  # out of the step, their release in flight
         self._loop_task: asyncio.Task | None = None
 
     @property
@@ -159,6 +160,22 @@ class StepScheduler:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.ensure_future(self._run())
         return sequence
+
+    def fail_all(self, error: Exception) -> list[str]:
+        """Ends every sequence now with ``error``, without waiting for the call in flight; stops the loop.
+
+        For a stage whose process died: a call to it may not answer for many seconds,
+        and its readers must hear at once. Returns every seq_id the living stages may
+        still hold, for the caller to release.
+        """
+        everyone = [*self._running, *self._waiting, *self._ending]
+        self._running, self._waiting, self._ending = [], collections.deque(), []
+        if self._loop_task is not None and not self._loop_task.done():
+            self._loop_task.cancel()
+        for sequence in everyone:
+            sequence.deliver(error)
+            sequence.deliver(_RELEASED)
+        return [s.state.seq_id for s in everyone]
 
     async def _run(self) -> None:
         """Steps until no sequence runs or waits; a fault of the loop itself fails every sequence."""
@@ -287,11 +304,14 @@ class StepScheduler:
         if not ended:
             return
         release_error = None
+        self._ending = list(ended)
         try:
             await self.stages.release({s.state.seq_id: None if error else list(s.state.output_ids)
                                        for s, error in ended.items()})  # fmt: skip
         except Exception as err:  # the client hears of it: the server may still hold the sequence
             release_error = RuntimeError(f"releasing the sequence failed: {err}")
+        finally:
+            self._ending = []
         for sequence, error in ended.items():
             if (error or release_error) is not None:
                 sequence.deliver(error or release_error)

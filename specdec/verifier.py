@@ -17,7 +17,7 @@ import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.penalties import apply_penalties, log_kept_mass
-from specdec.sampling import greedy_tokens, process_logits
+from specdec.sampling import check_banned, greedy_tokens, process_logits
 from specdec.types import GREEDY_TEMPERATURE_BELOW, VerifyRequest, VerifyResult
 
 
@@ -60,6 +60,8 @@ class TargetVerifier(OwnsOneModel):
         self._tokens: dict[str, list[int]] = {}  # seq_id -> its tokens, for sequences with penalties
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        for r in requests:
+            check_banned(r.banned_token_ids, self.lm.vocab_size)
         tokens = [self._sequence_tokens(r) for r in requests]
         calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
         return [verify_result(logits, r, t) for logits, r, t in zip(self.lm.forward(calls), requests, tokens)]

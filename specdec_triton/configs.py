@@ -20,12 +20,16 @@ from specdec.rejection_sampler import METHODS
 from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec_triton.plumbing import ParameterError, Parameters
 from specdec_triton.speculative_config import PARAMETER
+from specdec_triton.recovery import ON_STUB_FAILURE
 
 DEFAULT_TARGET_MODEL = "${SPECDEC_MODELS_DIR}/tiny-target"  # scripts/serve.sh sets it to <checkout>/models
 DEFAULT_DRAFT_MODEL = "${SPECDEC_MODELS_DIR}/tiny-draft"
 # ENGINES (specdec.build) fast: Llama-family checkpoints, every sequence of a dynamic batch in one forward
 # over a static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
 DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
+# A live sequence is stepped every scheduler step, so one untouched this long was lost by its caller
+# (a failed release): its slot is reclaimed. Far above any step's duration.
+DEFAULT_SEQUENCE_IDLE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class DraftProposerConfig:
     max_num_seqs: int  # draft_model only
     suffix: SuffixConfig = SuffixConfig()  # suffix only: vLLM's suffix_decoding_* keys
     given: tuple[str, ...] = ()  # the method-specific settings given a value
+    sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -74,6 +79,7 @@ class DraftProposerConfig:
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
             suffix=_suffix_config(params),
             given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
+            sequence_idle_timeout_s=_idle_timeout(params),
         )
         params.check_all_read()
         try:
@@ -119,6 +125,7 @@ class TargetVerifierConfig:
     max_model_len: int | None  # prompt + output tokens; None -> the model's max_position_embeddings
     engine: str
     max_num_seqs: int  # the orchestrator admits no more sequences than this at once
+    sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> TargetVerifierConfig:
@@ -128,9 +135,14 @@ class TargetVerifierConfig:
             max_model_len=params.get_int("max_model_len", None, minimum=1),
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+            sequence_idle_timeout_s=_idle_timeout(params),
         )
         params.check_all_read()
         return config
+
+
+def _idle_timeout(params: Parameters) -> float:
+    return params.get_float("sequence_idle_timeout_s", DEFAULT_SEQUENCE_IDLE_TIMEOUT_S, minimum=0.0)
 
 
 @dataclass(frozen=True)
@@ -157,6 +169,12 @@ class OrchestratorConfig:
     speculation: SpeculationLength  # the most drafts a step allows, by the number of sequences in it
     # request parameters (forwarded headers) accepted and left unread; any other one is refused
     ignored_request_parameters: re.Pattern | None = None
+    on_stub_failure: str = "reload"  # a composing model's process died: reload it (else stop the server) | stop
+    health_check_interval_s: float = 0.5  # how often the composing models' processes are checked
+    max_request_seconds: float = 0.0  # a request still running after this long is cancelled; 0: no limit
+    # the request parameter naming the client (a header the gateway sets and Triton forwards); None: not named
+    client_id_parameter: str | None = None
+    max_sequences_per_client: int = 0  # requests one client may have in flight; 0: no limit
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
@@ -175,6 +193,11 @@ class OrchestratorConfig:
             default_max_tokens=params.get_int("default_max_tokens", 64, minimum=1),
             speculation=speculation,
             ignored_request_parameters=params.get_pattern("ignored_request_parameters"),
+            on_stub_failure=params.get_str("on_stub_failure", "reload", choices=ON_STUB_FAILURE),
+            health_check_interval_s=params.get_float("health_check_interval_s", 0.5, minimum=0.05, maximum=60.0),
+            max_request_seconds=params.get_float("max_request_seconds", 0.0, minimum=0.0),
+            client_id_parameter=params.get_str("client_id_parameter", None),
+            max_sequences_per_client=params.get_int("max_sequences_per_client", 0, minimum=0),
         )
         params.get_str(PARAMETER, "")  # vLLM's JSON: every model applied it to its own keys while loading
         params.check_all_read()

@@ -39,6 +39,8 @@ _PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accept
 # How stale the counters on the metrics port may be under load; Prometheus scrapes every 10-60 s.
 FLUSH_INTERVAL_S = 0.5
 _ACTIVE = ("spec_decode_num_active_sequences", "Sequences whose state this model holds")
+_EXPIRED = ("spec_decode_num_expired_sequences",
+            "Sequences this model released because no request used them for sequence_idle_timeout_s")
 
 
 def _family(name: str, description: str, kind: str, family_type=None):
@@ -57,6 +59,7 @@ class ActiveSequences:
         self._family = _family(*_ACTIVE, "GAUGE", family_type)  # must outlive its metrics
         self._gauge = self._family.Metric(labels={"model": model_name})
         self._count: int | None = None  # the value last sent
+        self.set(0)  # a reloaded model starts empty: the gauge must not keep the value of the stub before it
 
     def set(self, count: int) -> None:
         if count != self._count:
@@ -85,6 +88,18 @@ class SuffixCacheGauges:
             for gauge, value in zip(self._gauges, values):
                 gauge.set(value)
             self._values = values
+
+
+class ExpiredSequences:
+    """Counter of sequences a stateful model reclaimed after their idle timeout (``specdec_triton.leases``)."""
+
+    def __init__(self, model_name: str, family_type=None):
+        self._family = _family(*_EXPIRED, "COUNTER", family_type)
+        self._counter = self._family.Metric(labels={"model": model_name})
+
+    def add(self, count: int) -> None:
+        if count:
+            self._counter.increment(count)
 
 
 class SpecDecodeCounters:

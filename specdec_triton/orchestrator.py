@@ -10,13 +10,17 @@ after the scheduler has released the sequence in every stage.
 Before the first request the stages describe themselves once (:class:`Descriptions`):
 the target's vocabulary and limits, the draft's vocabulary, the sampler's method, the
 tokenizer's directory. A draft whose vocabulary differs from the target's is refused
-there, naming both models. Like tensorrtllm_backend's ``decode.py`` this file has no
-Triton import: :class:`Stages` is the seam, implemented with BLS requests in
+there, naming both models. When a composing model's process dies,
+:meth:`Orchestrator.stage_failed` ends every request at once and refuses new ones
+until :meth:`Orchestrator.recovered` (:mod:`specdec_triton.recovery` decides which).
+Like tensorrtllm_backend's ``decode.py`` this file has no Triton import:
+:class:`Stages` is the seam, implemented with BLS requests in
 :mod:`specdec_triton.bls_stages` and with local objects in the tests.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -85,9 +89,45 @@ class Orchestrator:
         self.scheduler: StepScheduler | None = None
         self._codec: TextCodec | None = None
         self._describing: asyncio.Future | None = None  # the one describe in flight
+        self.unavailable: str | None = None  # why requests are refused now: a composing model stopped
+        self._background: set[asyncio.Task] = set()  # releases after a fault, kept until done
+        self._per_client: collections.Counter = collections.Counter()  # client id -> its requests in flight
+
+    def stage_failed(self, models: list[str]) -> None:
+        """Composing models stopped: every request fails now, and new ones are refused until :meth:`recovered`."""
+        self.stop_serving(f"composing model(s) {', '.join(models)} stopped (the process died); "
+                          f"the server is recovering or shutting down")  # fmt: skip
+
+    def stop_serving(self, why: str) -> None:
+        """Every request in flight ends now with UNAVAILABLE and ``why``; new ones are refused with it.
+
+        The scheduler is rebuilt after recovery (the stages describe themselves again);
+        what the living stateful stages hold of the failed sequences is released in the
+        background, so the answer does not wait for a stage that may not answer.
+        """
+        self.unavailable = why
+        if self.scheduler is not None:
+            seq_ids = self.scheduler.fail_all(ServingError(f"{why}; the request was not finished"))
+            if seq_ids:
+                task = asyncio.ensure_future(self._release_quietly(seq_ids))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        self.scheduler, self.descriptions, self._describing = None, None, None
+        self._show_running()
+
+    def recovered(self) -> None:
+        self.unavailable = None
+
+    async def _release_quietly(self, seq_ids: list[str]) -> None:
+        try:
+            await self.stages.release(dict.fromkeys(seq_ids))  # failed requests: no responses to keep
+        except Exception:  # a stopped stage holds nothing; the stage itself logged what failed
+            pass
 
     async def _ensure_ready(self) -> None:
         """Describe the stages and build the scheduler, once; a failed attempt is retried by the next request."""
+        if self.unavailable is not None:
+            raise ServingError(self.unavailable)
         if self.scheduler is not None:
             return
         if self._describing is None or self._describing.done():
@@ -147,20 +187,42 @@ class Orchestrator:
             raise RequestError(message) from None
         return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params)
 
-    async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool]) -> None:
-        """Decode ``request`` to the end: one response per step when streaming, else one in all."""
-        state = await self.prepare(request)
-        self._count_request(+1)
+    async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool],
+                       client: str | None = None) -> None:  # fmt: skip
+        """Decode ``request`` to the end: one response per step when streaming, else one in all.
+
+        ``client``: who sent it, when the deployment names clients (``client_id_parameter``);
+        each may have at most ``max_sequences_per_client`` requests in flight.
+        """
+        self._admit_client(client)
         try:
-            final_outputs = await self._decode(request, state, send, is_cancelled)
+            state = await self.prepare(request)
+            self._count_request(+1)
+            try:
+                final_outputs = await self._decode(request, state, send, is_cancelled)
+            finally:
+                self._count_request(-1)
+                if self.counters is not None:  # a client that hears of the end sees the request's steps counted
+                    self.counters.flush()
         finally:
-            self._count_request(-1)
-            if self.counters is not None:  # a client that hears of the end sees the request's steps counted
-                self.counters.flush()
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
         send(final_outputs, True)
+
+    def _admit_client(self, client: str | None) -> None:
+        """Counts the request against its client; refuses it when the client has its most in flight already."""
+        limit = self.config.max_sequences_per_client
+        if limit and self._per_client[client] >= limit:
+            who = "requests without a client id" if client is None else f"client {client!r}"
+            raise ServingError(f"{who}: {limit} requests already in flight, the most max_sequences_per_client "
+                               f"allows; retry when one has ended")  # fmt: skip
+        self._per_client[client] += 1
 
     async def _decode(self, request: GenerateRequest, state: SequenceState, send: Send, is_cancelled) -> dict:
         """Streams each step's new text while the scheduler runs the sequence; returns the final outputs."""
+        if self.unavailable is not None or self.scheduler is None:  # a stage stopped while this one was tokenized
+            raise ServingError(self.unavailable or "the server is recovering a composing model")
         detokenizer = IncrementalDetokenizer(self._codec.tokenizer.backend_tokenizer) if request.stream else None
         sequence = self.scheduler.submit(state, is_cancelled)
         num_sent = 0  # output tokens whose log probs went out in streamed responses

@@ -49,6 +49,16 @@ def each(inputs: Mapping[str, np.ndarray], name: str, count: int, kind: type, de
     return [kind(v) for v in values.tolist()]
 
 
+def validated(items: list) -> list:
+    """``items``, each of whose ``validate()`` passed; its ValueError names a field, which is the input's name."""
+    for item in items:
+        try:
+            item.validate()
+        except ValueError as err:
+            raise RequestError(f"input {err}") from None
+    return items
+
+
 def flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
     return i64([value for values in lists for value in values])
 

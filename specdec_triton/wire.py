@@ -40,7 +40,7 @@ from specdec.types import (
     VerifyResult,
 )
 from specdec_triton.packing import (
-    each, flat, i32, i64, one, required, split, stack_probs, unstack_probs,
+    each, flat, i32, i64, one, required, split, stack_probs, unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.penalty_wire import (
@@ -181,7 +181,7 @@ def _sampling_of(inputs: Mapping[str, np.ndarray], count: int) -> list[SamplingP
     temperature = each(inputs, "temperature", count, float, 0.0)
     top_k = each(inputs, "top_k", count, int, 0)
     top_p = each(inputs, "top_p", count, float, 1.0)
-    return [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
+    return validated([SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)])
 
 
 def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[int, ...]]) -> dict[str, np.ndarray]:
@@ -195,6 +195,8 @@ def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[i
 
 def _bans_of(inputs: Mapping[str, np.ndarray], count_name: str, count: int) -> list[tuple[int, tuple[int, ...]]]:
     counts = each(inputs, count_name, count, int, 0)
+    if any(n < 0 for n in counts):
+        raise RequestError(f"input '{count_name}' must not be negative, got {counts}")
     if "banned_token_ids" not in inputs:
         return [(n, ()) for n in counts]
     banned = split(inputs, "banned_token_ids", "num_banned_token_ids", count)

@@ -64,7 +64,7 @@ def test_both_engines_keep_the_contract_and_agree(lm, checkpoint):
         ([ForwardCall("x", 0, [1, 2], 3)], r"seq 'x': num_logits must be in \[1, 2\]"),
         ([ForwardCall("x", 0, list(range(33)), 1)], "seq 'x': 33 tokens exceed max_model_len=32"),
         ([ForwardCall("x", 0, [1], 1), ForwardCall("x", 0, [2], 1)], "each seq_id once"),
-        ([ForwardCall("x", 0, [10**6], 1)], r"seq 'x': token ids must be in \[0, "),
+        ([ForwardCall("x", 0, [10**6], 1)], r"seq 'x': token_ids must be in \[0, "),
     ],
 )
 def test_bad_calls_are_refused_by_both_engines_alike(lm, calls, match):

@@ -183,7 +183,7 @@ def test_request_errors_leave_state_untouched(llama):
         lm.forward([ForwardCall("s", 3, [1], 2)])
     with pytest.raises(ValueError, match="exceed max_model_len=16"):
         lm.forward([ForwardCall("s", 3, [1] * 14, 1)])
-    with pytest.raises(ValueError, match="token ids must be in"):
+    with pytest.raises(ValueError, match="token_ids must be in"):
         lm.forward([ForwardCall("s", 3, [VOCAB], 1)])
     with pytest.raises(ValueError, match="each seq_id once"):
         lm.forward([ForwardCall("s", 3, [1], 1), ForwardCall("s", 3, [1], 1)])

@@ -202,3 +202,19 @@ def test_run_batch_isolates_the_failing_item():
     assert isinstance(results[1], ValueError) and "[-2]" in str(results[1])
     (only,) = run_batch([-1], handler)
     assert isinstance(only, ValueError)
+
+
+def test_recovery_and_expiry_settings_parse_and_reject(tmp_path):
+    config = OrchestratorConfig.from_parameters(params(on_stub_failure="stop", health_check_interval_s="2",
+                                                       max_request_seconds="30"))  # fmt: skip
+    assert (config.on_stub_failure, config.health_check_interval_s, config.max_request_seconds) == ("stop", 2.0, 30.0)
+    with pytest.raises(ParameterError, match=r"'on_stub_failure' must be one of \('reload', 'stop'\)"):
+        OrchestratorConfig.from_parameters(params(on_stub_failure="restart"))
+    with pytest.raises(ParameterError, match="'max_request_seconds' must be a number >= 0"):
+        OrchestratorConfig.from_parameters(params(max_request_seconds="-1"))
+    (tmp_path / "target").mkdir()
+    verifier = TargetVerifierConfig.from_parameters(params(str(tmp_path), target_model="target",
+                                                           sequence_idle_timeout_s="0"))  # fmt: skip
+    assert verifier.sequence_idle_timeout_s == 0.0
+    with pytest.raises(ParameterError, match="'sequence_idle_timeout_s' must be a number >= 0"):
+        TargetVerifierConfig.from_parameters(params(str(tmp_path), target_model="target", sequence_idle_timeout_s="x"))

@@ -22,7 +22,7 @@ import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.proposers.base import check_propose_requests
-from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.sampling import check_banned, greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 
@@ -71,6 +71,11 @@ class DraftModelProposer(OwnsOneModel):
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         check_propose_requests(requests, lambda s: self._seqs[s].sent if s in self._seqs else 0)
         self._check_length(requests)
+        vocab = self.lm.vocab_size
+        for r in requests:  # before any sequence is taken: a refused request leaves nothing held
+            if not all(0 <= t < vocab for t in r.token_ids):
+                raise ValueError(f"seq {r.seq_id!r}: token_ids must be in [0, {vocab})")
+            check_banned(r.banned_token_ids, vocab)
         for r in requests:
             self._take(r)
         drafting = [r for r in requests if r.num_tokens > 0]

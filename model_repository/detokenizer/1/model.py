@@ -4,7 +4,7 @@ A request carries one id list, or several packed ones (``num_token_ids``): one t
 """
 from specdec_triton import wire
 from specdec_triton.configs import TokenizerConfig
-from specdec_triton.plumbing import ModelLogger, Parameters, answer, bytes_array
+from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, bytes_array
 from specdec_triton.text import TextCodec
 
 
@@ -19,5 +19,11 @@ class TritonPythonModel:
         return answer(requests, wire.DETOKENIZE_INPUTS, self._detokenize)
 
     def _detokenize(self, inputs):
-        texts = [self.codec.decode(token_ids) for token_ids in wire.token_id_lists_of(inputs)]
+        lists, vocab = wire.token_id_lists_of(inputs), len(self.codec.tokenizer)
+        if any(t >= vocab for ids in lists for t in ids):
+            raise RequestError(f"input 'token_ids' must be < {vocab} (the tokenizer's vocabulary)")
+        texts = [self.codec.decode(token_ids) for token_ids in lists]
         return {"text_output": bytes_array(texts)}
+
+    def finalize(self):
+        self.logger.info("unloaded")

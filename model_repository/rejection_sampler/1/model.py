@@ -12,6 +12,7 @@ from specdec.rejection_sampler import RejectionSampler
 from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import RejectionSamplerConfig
+from specdec_triton.health import register_stub
 from specdec_triton.plumbing import ModelLogger, ParameterError, Parameters, answer, instance_device
 
 
@@ -24,7 +25,11 @@ class TritonPythonModel:
             raise ParameterError(f"{args['model_name']}: parameter 'use_triton_kernel' needs a KIND_GPU instance")
         self.sampler = RejectionSampler(config.method, config.synthetic_acceptance_rate, config.use_triton_kernel)
         self.description = ModelDescription("", None, None, None, config.method)  # no checkpoint, no limits
+        register_stub(args["model_name"], args["model_config"])  # the orchestrator watches this process
         self.logger.info(f"{config} on {self.device}")
+
+    def finalize(self):
+        self.logger.info("unloaded")
 
     def execute(self, requests):
         return answer(requests, wire.SAMPLE_INPUTS, self._sample)

@@ -2,28 +2,37 @@
 
 Decoupled and async: each request runs :class:`specdec_triton.orchestrator.Orchestrator`
 as its own coroutine, so many requests progress at once while each awaits its BLS
-calls (tokenizer, draft_proposer, target_verifier, rejection_sampler, detokenizer).
+calls (tokenizer, draft_proposer, target_verifier, rejection_sampler). A supervisor
+thread watches the composing models' processes (:mod:`specdec_triton.recovery`).
 """
 import asyncio
 import json
 import logging
 import os
+import signal
+import time
 
 import triton_python_backend_utils as pb_utils
 
+from specdec_triton import wire
 from specdec_triton.bls_stages import BlsStages
 from specdec_triton.configs import OrchestratorConfig
+from specdec_triton.health import StubWatch, loaded_config
 from specdec_triton.internal import boot_secret
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.orchestrator import Orchestrator
 from specdec_triton.plumbing import (
-    BlsError, ModelLogger, ParameterError, Parameters, cancellation_check, error_response, make_response,
+    BlsError, ModelLogger, ParameterError, Parameters, ServingError, cancellation_check, error_response, make_response,
     request_inputs,
 )  # fmt: skip
+from specdec_triton.recovery import RecoveryActions, Supervisor
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+WATCHED = (wire.TOKENIZER, wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER, wire.REJECTION_SAMPLER)
+SERVER_STOPPING = "Server not ready"  # how Triton answers a BLS call after SIGTERM
+DRAIN_S = 5.0  # at shutdown, requests in flight this much longer get a final error; within Triton's exit timeout
 
 
 class TritonPythonModel:
@@ -40,9 +49,15 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(
             BlsStages(self.logger, boot_secret()), config, counters, ActiveSequences(name), log=self.logger.info
         )
+        actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=loaded_config(m)),
+                                  stop_server=lambda: os.kill(os.getppid(), signal.SIGTERM),
+                                  log=self.logger.info, log_error=self.logger.error)  # fmt: skip
+        self.supervisor = Supervisor(self.orchestrator, StubWatch(WATCHED), actions, config.on_stub_failure,
+                                     config.health_check_interval_s).start()  # fmt: skip
         self.logger.info(str(config))
 
     async def execute(self, requests):
+        self.supervisor.loop = asyncio.get_running_loop()
         await asyncio.gather(*(self._serve(request) for request in requests))
 
     async def _serve(self, request):
@@ -55,13 +70,35 @@ class TritonPythonModel:
             sender.send(make_response(outputs), flags=FINAL if final else 0)
             finished = final
 
+        limit = self.orchestrator.config.max_request_seconds
+        deadline = time.monotonic() + limit if limit else float("inf")
         try:
-            ignored = self.orchestrator.config.ignored_request_parameters
-            check_parameters(json.loads(request.parameters() or "{}"), ignored)
+            config = self.orchestrator.config
+            parameters = json.loads(request.parameters() or "{}")
+            client = parameters.pop(config.client_id_parameter, None) if config.client_id_parameter else None
+            check_parameters(parameters, config.ignored_request_parameters)
             generate_request = GenerateRequest.from_inputs(request_inputs(request, GENERATE_INPUTS))
-            await self.orchestrator.generate(generate_request, send, cancellation_check(request))
+            cancelled = cancellation_check(request)
+            await self.orchestrator.generate(generate_request, send, lambda: cancelled() or time.monotonic() > deadline,
+                                             None if client is None else str(client))  # fmt: skip
         except Exception as err:
-            if not isinstance(err, (ValueError, BlsError, SequenceCancelled)):
+            self.supervisor.poke(str(err))
+            if isinstance(err, SequenceCancelled) and time.monotonic() > deadline:
+                err = SequenceCancelled(f"{err}: it ran longer than max_request_seconds={limit:g}")
+            elif isinstance(err, BlsError) and SERVER_STOPPING in str(err):  # Triton refuses BLS calls once stopping
+                err = ServingError(f"the server is shutting down; the request was not finished ({err})")
+            if not isinstance(err, (ValueError, BlsError, SequenceCancelled, ServingError)):
                 self.logger.error(f"request failed: {err!r}")
             if not finished:
                 sender.send(error_response(err), flags=FINAL)
+
+    def finalize(self):
+        """Stop watching; requests still running after ``DRAIN_S`` get a final error, so none waits forever."""
+        self.supervisor.close()
+        deadline = time.monotonic() + DRAIN_S
+        while self.orchestrator.num_active_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.orchestrator.num_active_requests:
+            self.logger.info(f"shutting down: ending {self.orchestrator.num_active_requests} request(s) in flight")
+            self.supervisor.call_on_loop(self.orchestrator.stop_serving, "the server is shutting down")
+        self.logger.info("unloaded")

@@ -5,7 +5,8 @@ A request carries one or more sequences (``wire``), and requests arrive in dynam
 batches, so with the fast engine all sequences verifying at the same moment share one
 forward. A request with ``describe`` set gets the target's ``ModelDescription``
 (checkpoint, vocabulary, ``max_model_len``, ``max_num_seqs``), which the orchestrator
-checks requests and the draft against.
+checks requests and the draft against. Callers, releases and expiry:
+:class:`specdec_triton.stateful.SequenceHost`.
 """
 
 from specdec.build import build_lm
@@ -13,9 +14,8 @@ from specdec.cached_lm import describe_lm
 from specdec.verifier import TargetVerifier
 from specdec_triton import wire
 from specdec_triton.configs import TargetVerifierConfig
-from specdec_triton.internal import boot_secret
-from specdec_triton.metrics import ActiveSequences
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
+from specdec_triton.stateful import SequenceHost
 
 
 class TritonPythonModel:
@@ -26,32 +26,18 @@ class TritonPythonModel:
             config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
             log=self.logger.info,
         )
-        self.verifier, self.description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
-        self.active = ActiveSequences(args["model_name"])
-        self.name, self.secret = args["model_name"], boot_secret()  # only the orchestrator may call
-        self.logger.info(f"{config} on {device}: {self.description}")
-
-    def finalize(self):
-        self.logger.info("unloaded")
+        self.verifier, description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
+        self.host = SequenceHost(args["model_name"], self.verifier, description, config.sequence_idle_timeout_s,
+                                 self.logger, args["model_config"])  # fmt: skip
+        self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):
         responses = answer_batch(requests, wire.VERIFY_INPUTS, self._verify)
-        self.active.set(self.verifier.num_active_sequences)
+        self.host.show_active()
         return responses
 
     def _verify(self, batch):
-        """Releases first, then every sequence of every verify request in one ``verify`` call."""
-        for inputs in batch:
-            if not wire.is_describe(inputs):
-                wire.check_caller(inputs, self.secret, self.name)
-        for inputs in batch:
-            if wire.is_release(inputs):
-                for seq_id in wire.seq_ids_of(inputs):
-                    self.verifier.release(seq_id)
-        requests = [[] if wire.is_describe(x) or wire.is_release(x) else wire.verify_requests_of(x) for x in batch]
-        results = iter(self.verifier.verify([r for group in requests for r in group]))
-        return [
-            wire.description_outputs(self.description) if wire.is_describe(inputs)
-            else wire.verify_outputs([next(results) for _ in group])
-            for inputs, group in zip(batch, requests)
-        ]  # fmt: skip
+        return self.host.handle(batch, wire.verify_requests_of, self.verifier.verify, wire.verify_outputs)
+
+    def finalize(self):
+        self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it

@@ -10,6 +10,7 @@ import numpy as np
 from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import TokenizerConfig
+from specdec_triton.health import register_stub
 from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, text, texts
 from specdec_triton.text import TextCodec
 
@@ -22,6 +23,7 @@ class TritonPythonModel:
         self.description = ModelDescription(
             os.path.realpath(config.tokenizer_dir), len(self.codec.tokenizer), None, None, "tokenizer"
         )
+        register_stub(args["model_name"], args["model_config"])  # the orchestrator watches this process
         self.logger.info(f"tokenizer from {config.tokenizer_dir}, eos ids {self.codec.eos_token_ids}")
 
     def execute(self, requests):

@@ -1,0 +1,68 @@
+"""What draft_proposer and target_verifier do alike around their model: callers, releases, expiry, gauge.
+
+Both hold one state per live sequence and answer the same three kinds of request
+(describe, release, work), so the checks live here once: every request but describe
+must carry the server's secret (:mod:`specdec_triton.internal`); releases run before
+the work of the batch; sequences idle past ``idle_timeout_s`` are reclaimed first
+(:mod:`specdec_triton.leases`); the active-sequences gauge follows every batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from specdec.types import ModelDescription
+from specdec_triton import wire
+from specdec_triton.health import register_stub
+from specdec_triton.internal import boot_secret
+from specdec_triton.leases import SequenceLeases
+from specdec_triton.metrics import ActiveSequences, ExpiredSequences
+from specdec_triton.plumbing import ModelLogger
+
+Inputs = Mapping[str, np.ndarray]
+
+
+class SequenceHost:
+    def __init__(self, name: str, holder, description: ModelDescription, idle_timeout_s: float, logger: ModelLogger,
+                 model_config: str | None = None):  # fmt: skip
+        self.name, self.holder, self.description, self.logger = name, holder, description, logger
+        self.secret = boot_secret()  # only the orchestrator may call
+        self.active = ActiveSequences(name)
+        self.expired = ExpiredSequences(name)
+        self.leases = SequenceLeases(idle_timeout_s, holder.release)
+        register_stub(name, model_config)  # the orchestrator watches this process, and reloads it with this
+
+    def handle(self, batch: list[Inputs], requests_of: Callable[[Inputs], list], run: Callable[[list], list],
+               outputs_of: Callable[[list], dict]) -> list[dict]:  # fmt: skip
+        """Checks, expiry and releases, then every sequence of every work request in one ``run`` call."""
+        for inputs in batch:
+            if not wire.is_describe(inputs):
+                wire.check_caller(inputs, self.secret, self.name)
+        reclaimed = self.leases.expire()
+        if reclaimed:
+            self.expired.add(reclaimed)
+            self.logger.warning(f"reclaimed {reclaimed} sequence(s) no request used for "
+                                f"{self.leases.idle_timeout_s:g} s (sequence_idle_timeout_s)")  # fmt: skip
+        for inputs in batch:
+            if wire.is_release(inputs):
+                seq_ids = wire.seq_ids_of(inputs)
+                # the proposer's releases carry the responses of completed requests (suffix decoding keeps them)
+                for seq_id, response in zip(seq_ids, wire.responses_of(inputs)):
+                    if response:
+                        self.holder.release(seq_id, response)
+                    else:
+                        self.holder.release(seq_id)
+                self.leases.forget(seq_ids)
+        requests = [[] if wire.is_describe(x) or wire.is_release(x) else requests_of(x) for x in batch]
+        flat = [r for group in requests for r in group]
+        self.leases.touch(r.seq_id for r in flat)  # before the run: a failed call may have taken a slot
+        results = iter(run(flat))
+        return [
+            wire.description_outputs(self.description) if wire.is_describe(inputs)
+            else outputs_of([next(results) for _ in group])
+            for inputs, group in zip(batch, requests)
+        ]  # fmt: skip
+
+    def show_active(self) -> None:
+        self.active.set(self.holder.num_active_sequences)

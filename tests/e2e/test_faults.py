@@ -1,0 +1,178 @@
+"""Through a real server: a composing model's process killed under load fails its requests at once and is reloaded.
+
+Each stateful stub is SIGKILLed while eight streams decode through it. Every stream
+must end with an UNAVAILABLE error within seconds (not the 10-25 s Triton takes to
+notice on its own); the orchestrator then reloads the model (``scripts/serve.sh``
+runs Triton with explicit model control) and serves again, with output equal to the
+target's and no sequence held anywhere. At the end SIGTERM stops the server, which
+waits out its exit timeout for the dead stub's model, within 15 s.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from client.generate import GenerateError, generate_grpc, generate_http
+from test_concurrency import PROMPTS, wait_until_idle
+from triton_server import REPO_ROOT, models_dir, repository_copy, server_on_free_ports
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+NUM_STREAMS = 8
+LONG = {"stream": True, "max_tokens": 1500, "min_tokens": 1500, "exclude_input_in_output": True}  # never ends early
+ERROR_WITHIN_S = 5.0
+RECOVERY_TIMEOUT_S = 180.0
+STOP_WITHIN_S = 15.0
+
+
+def stub_pid(server, model: str) -> int:
+    """The process of ``model``'s Python stub: a child of tritonserver running its model.py."""
+    lines = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.pid)],
+                           capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    pids = [int(line.split()[0]) for line in lines if f"/{model}/1/model.py" in line and "<defunct>" not in line]
+    assert len(pids) == 1, f"expected one live stub of {model}, found {lines}"
+    return pids[0]
+
+
+def streams_killed_midway(server, model: str) -> list[tuple[float | None, str]]:
+    """Eight long streams; once each has sent text, kill ``model``'s stub: see :func:`streams_interrupted`."""
+    return streams_interrupted(server, lambda: os.kill(stub_pid(server, model), signal.SIGKILL))
+
+
+def streams_interrupted(server, interrupt) -> list[tuple[float | None, str]]:
+    """Eight long streams; once each has sent text, ``interrupt()``: (seconds from it to each end, error)."""
+    started = threading.Barrier(NUM_STREAMS + 1, timeout=300)
+    killed_at: list[float] = []
+    ends: list[tuple[float | None, str]] = [(None, "")] * NUM_STREAMS
+
+    def run(i: int) -> None:
+        first = [True]
+
+        def on_chunk(_text: str) -> None:
+            if first[0]:
+                first[0] = False
+                started.wait()
+
+        try:
+            generate_grpc(server.grpc_url, "speculative_decoding", PROMPTS[i], LONG, on_chunk)
+            ends[i] = (time.monotonic() - killed_at[0], "finished")
+        except GenerateError as err:
+            ends[i] = (time.monotonic() - killed_at[0], str(err))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(NUM_STREAMS)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    killed_at.append(time.monotonic())
+    interrupt()
+    for thread in threads:
+        thread.join(120)
+    return ends
+
+
+RECOVERING = ("stopped", "recovering")  # the orchestrator's answer while the model reloads
+
+
+def serves_again(server, reference, deadline_s: float) -> tuple[float, bool]:
+    """Seconds until a request succeeds again (its text must be the target's), and whether readiness was ever false."""
+    start, unready = time.monotonic(), False
+    params = {"max_tokens": 24, "exclude_input_in_output": True}
+    while time.monotonic() - start < deadline_s:
+        unready = unready or not server.is_ready()
+        try:
+            text = generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], params).text
+        except GenerateError as err:
+            assert any(reason in str(err) for reason in RECOVERING), str(err)
+            time.sleep(0.5)
+            continue
+        mismatch = reference.greedy_mismatch(PROMPTS[0], text, 24)
+        assert not mismatch, mismatch
+        return time.monotonic() - start, unready
+    pytest.fail(f"no request succeeded within {deadline_s} s of the fault; log:\n{server.log_tail()}")
+
+
+@pytest.fixture
+def fault_server(tmp_path):
+    server = server_on_free_ports(tmp_path, REPO_ROOT / "model_repository")
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_killed_stub_fails_its_requests_at_once_and_is_reloaded(fault_server, reference):
+    server = fault_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})  # warm up every model
+    for model in ("target_verifier", "draft_proposer"):
+        ends = streams_killed_midway(server, model)
+        for seconds, error in ends:
+            assert seconds is not None and seconds < ERROR_WITHIN_S, (model, ends)
+            assert f"{model} stopped" in error, (model, error)
+        seconds, unready = serves_again(server, reference, RECOVERY_TIMEOUT_S)
+        print(f"{model}: every stream failed within {max(s for s, _ in ends):.1f} s of the kill; "
+              f"serving again after {seconds:.1f} s; readiness false meanwhile: {unready}")
+        assert server.is_ready()
+        wait_until_idle(server, timeout_s=10)
+    assert stop_seconds(server) < STOP_WITHIN_S
+
+
+def stop_seconds(server) -> float:
+    """SIGTERM to tritonserver; seconds until it exited."""
+    proc, start = server.process, time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+    seconds = time.monotonic() - start
+    print(f"SIGTERM: exited after {seconds:.1f} s")
+    return seconds
+
+
+def test_sigterm_with_streams_in_flight_answers_each_and_exits_quickly(fault_server):
+    """A healthy server: the streams in flight drain or get a final error; the server exits within 15 s."""
+    server = fault_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
+    exited: list[float] = []
+    stopping = threading.Thread(target=lambda: exited.append(stop_seconds(server)))
+    ends = streams_interrupted(server, stopping.start)
+    for seconds, error in ends:
+        assert seconds is not None and seconds < STOP_WITHIN_S, ends
+    print("stream ends:", sorted({error[:80] for _, error in ends}))
+    deadline = time.monotonic() + 60
+    while not exited and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert exited and exited[0] < STOP_WITHIN_S, exited
+
+
+MAX_REQUEST_SECONDS = 3.0
+
+
+@pytest.fixture
+def stopping_server(tmp_path):
+    """A server whose orchestrator stops it when a model dies, and cancels requests after 3 s."""
+    parameters = {"on_stub_failure": "stop", "max_request_seconds": str(MAX_REQUEST_SECONDS)}
+    repository = repository_copy(tmp_path, models_dir(), "draft_model", parameters=parameters)
+    server = server_on_free_ports(tmp_path, repository)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_an_abandoned_http_request_is_cut_at_max_request_seconds_and_a_dead_model_stops_the_server(stopping_server):
+    server = stopping_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
+    start = time.monotonic()
+    with pytest.raises(GenerateError, match=r"max_request_seconds=3"):  # HTTP /generate: one response, never streamed
+        generate_http(server.http_url, "ensemble", PROMPTS[1], {"max_tokens": 1900, "min_tokens": 1900})
+    assert MAX_REQUEST_SECONDS <= time.monotonic() - start < MAX_REQUEST_SECONDS + 5
+    wait_until_idle(server)
+    killed_at = time.monotonic()
+    os.kill(stub_pid(server, "target_verifier"), signal.SIGKILL)
+    while server.is_ready() and time.monotonic() - killed_at < 5:
+        time.sleep(0.1)
+    unready_after = time.monotonic() - killed_at
+    server.process.wait(30)
+    print(f"on_stub_failure stop: not ready {unready_after:.1f} s after the kill, "
+          f"exited after {time.monotonic() - killed_at:.1f} s")
+    assert unready_after < 5 and time.monotonic() - killed_at < STOP_WITHIN_S + 5
