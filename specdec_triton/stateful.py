@@ -25,8 +25,9 @@ Inputs = Mapping[str, np.ndarray]
 
 class SequenceHost:
     def __init__(self, name: str, holder, description: ModelDescription, idle_timeout_s: float, logger: ModelLogger,
-                 model_config: str | None = None):  # fmt: skip
+                 model_config: str | None = None, keeps_responses: bool = False):  # fmt: skip
         self.name, self.holder, self.description, self.logger = name, holder, description, logger
+        self.keeps_responses = keeps_responses  # the proposer: a release may carry completed responses
         self.secret = boot_secret()  # only the orchestrator may call
         self.active = ActiveSequences(name)
         self.expired = ExpiredSequences(name)
@@ -48,7 +49,8 @@ class SequenceHost:
             if wire.is_release(inputs):
                 seq_ids = wire.seq_ids_of(inputs)
                 # the proposer's releases carry the responses of completed requests (suffix decoding keeps them)
-                for seq_id, response in zip(seq_ids, wire.responses_of(inputs)):
+                responses = wire.responses_of(inputs) if self.keeps_responses else [[]] * len(seq_ids)
+                for seq_id, response in zip(seq_ids, responses):
                     if response:
                         self.holder.release(seq_id, response)
                     else:

@@ -33,7 +33,7 @@ class TritonPythonModel:
             lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, log=self.logger.info)
             self.proposer, description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.host = SequenceHost(args["model_name"], self.proposer, description, config.sequence_idle_timeout_s,
-                                 self.logger, args["model_config"])  # fmt: skip
+                                 self.logger, args["model_config"], keeps_responses=True)  # fmt: skip
         self.suffix_gauges = SuffixCacheGauges(args["model_name"]) if config.method == "suffix" else None
         self.logger.info(f"{config} on {device}: {description}")
         for warning in config.unread_settings():
