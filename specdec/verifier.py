@@ -8,6 +8,8 @@ for rejected drafts is discarded by the next call, whose ``position`` cuts it ba
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
@@ -37,4 +39,11 @@ class TargetVerifier(OwnsOneModel):
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
-        return [verify_result(logits, r) for logits, r in zip(self.lm.forward(calls), requests)]
+        layers = {r.hidden_layers for r in requests}
+        if len(layers) > 1:
+            raise ValueError(f"the requests of one verify call must ask for the same hidden_layers, got {layers}")
+        hidden_layers = layers.pop() if layers else ()
+        if not hidden_layers:
+            return [verify_result(logits, r) for logits, r in zip(self.lm.forward(calls), requests)]
+        logits, hidden = self.lm.forward_with_hidden(calls, hidden_layers)
+        return [replace(verify_result(row, r), hidden_states=h) for row, h, r in zip(logits, hidden, requests)]
