@@ -98,7 +98,10 @@ class StepOutput:
 class SequenceState:
     """Per-request decoding state; turns sampler results into emitted tokens."""
 
-    def __init__(self, seq_id: str, prompt_ids: list[int], params: GenerationParams):
+    def __init__(
+        self, seq_id: str, prompt_ids: list[int], params: GenerationParams, hidden_layers: tuple[int, ...] = ()
+    ):
+        """``hidden_layers``: the target hidden states a head proposer reads (``VerifyRequest.hidden_layers``)."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         self.seq_id = seq_id
@@ -112,6 +115,9 @@ class SequenceState:
         self._base_seed = seed if seed is not None else secrets.randbits(63)
         self._step = 0  # step 0 is the prefill
         self._num_sent_to_proposer = 0  # sequence length the proposer has been sent
+        self.hidden_layers = tuple(hidden_layers)
+        self._hidden: list[torch.Tensor] = []  # verified rows not yet sent to the proposer, each [n, features]
+        self._num_hidden_sent = 0  # positions whose hidden states the proposer has been sent
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
@@ -147,6 +153,10 @@ class SequenceState:
         banned = self._num_banned(k)  # draft i becomes output index len(output_ids) + i
         position = self._num_sent_to_proposer
         self._num_sent_to_proposer = len(self.prompt_ids) + len(self.output_ids)
+        hidden_position, hidden = self._num_hidden_sent, None
+        if self._hidden:
+            hidden = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]  # [n, features]
+            self._hidden, self._num_hidden_sent = [], hidden_position + hidden.shape[0]
         return ProposeRequest(
             seq_id=self.seq_id,
             position=position,
@@ -156,6 +166,8 @@ class SequenceState:
             seed=derive_seed(self._base_seed, self._step, PROPOSE_STREAM),
             num_banned_tokens=banned,
             banned_token_ids=self._banned_token_ids if banned else (),
+            hidden_states=hidden,
+            hidden_position=hidden_position,
         )
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
@@ -175,6 +187,7 @@ class SequenceState:
             sampling=self.params.sampling,
             num_banned_rows=banned_rows,
             banned_token_ids=self._banned_token_ids if banned_rows else (),
+            hidden_layers=self.hidden_layers,
         )
 
     def _num_banned(self, num_positions: int) -> int:
@@ -186,7 +199,10 @@ class SequenceState:
     def sample_seed(self) -> int:
         return derive_seed(self._base_seed, self._step, SAMPLE_STREAM)
 
-    def commit(self, proposal: Proposal | None, result: SampleResult) -> StepOutput:
+    def commit(
+        self, proposal: Proposal | None, result: SampleResult, hidden_states: torch.Tensor | None = None
+    ) -> StepOutput:
+        """Append the step's tokens; ``hidden_states``: the verify result's, kept for the accepted rows."""
         self._check_running()
         num_drafts = len(self._draft_ids(proposal))
         tokens = result.output_token_ids.tolist()
@@ -195,6 +211,8 @@ class SequenceState:
                 f"seq {self.seq_id!r}: sampler returned {len(tokens)} tokens with num_accepted="
                 f"{result.num_accepted} for {num_drafts} drafts"
             )
+        if self.hidden_layers:
+            self._keep_hidden(hidden_states, num_drafts, result.num_accepted)
         if self._step > 0:
             self._record(num_drafts, result.num_accepted)
         self._step += 1
@@ -207,6 +225,18 @@ class SequenceState:
                 self.finished = True
                 break
         return StepOutput(new_token_ids, self.finished, self.finish_reason, self.stats if self.finished else None)
+
+    def _keep_hidden(self, hidden_states: torch.Tensor | None, num_drafts: int, num_accepted: int) -> None:
+        """The rows of the tokens that stay in the sequence (all but the rejected drafts') await the proposer."""
+        if hidden_states is None:
+            raise ValueError(
+                f"seq {self.seq_id!r}: the verify result carries no hidden states, but the proposer reads "
+                f"layers {self.hidden_layers}"
+            )
+        fed = len(self.prompt_ids) if self._step == 0 else 1 + num_drafts  # the prompt, or [last, d1 .. dk']
+        if hidden_states.shape[0] != fed:
+            raise ValueError(f"seq {self.seq_id!r}: {hidden_states.shape[0]} hidden-state rows for {fed} tokens verified")
+        self._hidden.append(hidden_states[: fed - (num_drafts - num_accepted)])  # [kept, features]
 
     def _record(self, num_drafts: int, num_accepted: int) -> None:
         self.stats.num_steps += 1
@@ -269,7 +299,7 @@ def generate(
     check_token_ids(prompt_ids, params, verifier.vocab_size)
     if proposer is None and params.num_speculative_tokens > 0:
         raise ValueError("proposer is required when num_speculative_tokens > 0")
-    state = SequenceState(seq_id, prompt_ids, params)
+    state = SequenceState(seq_id, prompt_ids, params, getattr(proposer, "hidden_state_layers", ()))
     try:
         while not state.finished:
             propose_request = state.propose_request()
@@ -278,7 +308,7 @@ def generate(
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
             result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed())
-            yield state.commit(proposal, result)
+            yield state.commit(proposal, result, verify_result.hidden_states)
     finally:
         try:
             if proposer is not None:

@@ -129,10 +129,10 @@ class CachedCausalLM:
         """``forward``, and per call ``[len(token_ids), len(hidden_layers) * hidden]``: transformers' own
         ``output_hidden_states`` at those indices (None without ``hidden_layers``)."""
         num_states = getattr(self.model.config, "num_hidden_layers", 0) + 1
-        if any(not 0 <= i < num_states for i in hidden_layers) or len(set(hidden_layers)) != len(hidden_layers):
+        if any(not 0 <= i < num_states for i in hidden_layers):
             raise ValueError(
-                f"hidden_layers must be distinct ids in [0, {num_states - 1}] (the target has "
-                f"{num_states - 1} layers), got {hidden_layers}"
+                f"hidden_layers must be ids in [0, {num_states - 1}] (the target has {num_states - 1} layers), "
+                f"got {hidden_layers}"
             )
         check_forward_calls(self, calls, sum(1 for c in calls if c.seq_id not in self._caches))
         outs = [self._forward_one(call, hidden_layers) for call in calls]

@@ -197,7 +197,7 @@ class StepScheduler:
         steps, finished = [], []
         for sequence in (s for s in batch if s not in failed):
             try:
-                output = sequence.state.commit(proposals[sequence], results[sequence])
+                output = sequence.state.commit(proposals[sequence], results[sequence], verified[sequence].hidden_states)
             except ValueError as err:  # a result that does not fit the sequence's drafts
                 failed[sequence] = err
                 continue

@@ -239,11 +239,8 @@ def check_hidden_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, 
     ``i < num_layers`` is the input of decoder layer ``i`` (0: the embeddings; vLLM's
     ``aux_hidden_state_layers`` count the same way), ``num_layers`` the final normed state.
     """
-    bad = [i for i in layers if not 0 <= i <= num_layers]
-    if bad or len(set(layers)) != len(layers):
-        raise ValueError(
-            f"hidden_layers must be distinct ids in [0, {num_layers}] (the target has {num_layers} layers), got {layers}"
-        )
+    if any(not 0 <= i <= num_layers for i in layers):
+        raise ValueError(f"hidden_layers must be ids in [0, {num_layers}] (the target has {num_layers} layers), got {layers}")
     return tuple(layers)
 
 
