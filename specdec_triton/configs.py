@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from specdec.build import ENGINES
+from specdec.heads import HEAD_METHODS
 from specdec.models import DTYPE_CHOICES
 from specdec.proposers import PROPOSERS
 from specdec.proposers.ngram import NgramConfig
@@ -38,18 +39,21 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class DraftProposerConfig:
-    method: str  # draft_model: a small LM drafts; ngram: prompt lookup, no model
-    draft_model: str | None  # checkpoint directory; only read by method draft_model
+    method: str  # draft_model: a small LM drafts; ngram: prompt lookup, no model; eagle3, mlp_speculator: a head
+    draft_model: str | None  # checkpoint (or head) directory; not read by method ngram
     prompt_lookup_min: int | None  # ngram only; None -> vLLM's default rule
     prompt_lookup_max: int | None
     dtype: str  # auto: float32 on CPU, bfloat16 on CUDA
     engine: str  # draft_model only
     max_num_seqs: int  # draft_model only
+    # heads only: the target checkpoint the head drafts for (checked against it, and the
+    # embedding a head without its own shares); the target_verifier's target_model
+    target_model: str | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
         method = params.get_str("method", "draft_model", choices=tuple(PROPOSERS))
-        draft_model = params.get_path("draft_model", DEFAULT_DRAFT_MODEL, must_exist=method == "draft_model")
+        draft_model = params.get_path("draft_model", DEFAULT_DRAFT_MODEL, must_exist=method != "ngram")
         config = cls(
             method=method,
             draft_model=draft_model,
@@ -58,6 +62,7 @@ class DraftProposerConfig:
             dtype=params.get_str("dtype", "auto", choices=DTYPE_CHOICES),
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+            target_model=params.get_path("target_model", DEFAULT_TARGET_MODEL, must_exist=method in HEAD_METHODS),
         )
         params.check_all_read()
         try:
