@@ -1,4 +1,4 @@
-"""draft_proposer: k draft tokens per sequence from a draft model or n-gram lookup.
+"""draft_proposer: k draft tokens per sequence from a draft model, a draft head or n-gram lookup.
 
 Keeps each live sequence (its tokens, and a KV cache with method draft_model); a
 propose request carries only the tokens not sent before, at ``position``, and a
@@ -6,13 +6,15 @@ request with ``release`` set frees the sequence. A request carries one or more
 sequences (``wire``), and requests arrive in dynamic batches, so with the fast engine
 all sequences drafting at the same moment share each forward. A request with
 ``describe`` set gets the proposer's ``ModelDescription``, which the orchestrator
-checks against the target's.
+checks against the target's; a head (eagle3, mlp_speculator) names there the target hidden
+states it reads, which the orchestrator then asks target_verifier for and sends along.
 """
 
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
+from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.proposers import NGRAM_DESCRIPTION, DraftModelProposer, NgramProposer
-from specdec_triton import wire
+from specdec_triton import hidden_wire, wire
 from specdec_triton.configs import DraftProposerConfig
 from specdec_triton.internal import boot_secret
 from specdec_triton.metrics import ActiveSequences
@@ -26,6 +28,11 @@ class TritonPythonModel:
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
             self.description = NGRAM_DESCRIPTION
+        elif config.method in HEAD_METHODS:
+            self.proposer = build_head_proposer(
+                config.method, config.draft_model, config.target_model, config.dtype, device, config.max_num_seqs
+            )
+            self.description = describe_head(self.proposer, config.draft_model)
         else:
             lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs)
             self.proposer, self.description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
@@ -39,7 +46,7 @@ class TritonPythonModel:
         self.logger.info("unloaded")
 
     def execute(self, requests):
-        responses = answer_batch(requests, wire.PROPOSE_INPUTS, self._propose)
+        responses = answer_batch(requests, wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS, self._propose)
         self.active.set(self.proposer.num_active_sequences)
         return responses
 
@@ -52,10 +59,12 @@ class TritonPythonModel:
             if wire.is_release(inputs):
                 for seq_id in wire.seq_ids_of(inputs):
                     self.proposer.release(seq_id)
-        requests = [[] if wire.is_describe(x) or wire.is_release(x) else wire.propose_requests_of(x) for x in batch]
+        requests = [[] if wire.is_describe(x) or wire.is_release(x)
+                    else hidden_wire.with_hidden_states(wire.propose_requests_of(x), x) for x in batch]  # fmt: skip
         proposals = iter(self.proposer.propose([r for group in requests for r in group]))
         return [
-            wire.description_outputs(self.description) if wire.is_describe(inputs)
+            {**wire.description_outputs(self.description), **hidden_wire.description_hidden_outputs(self.description)}
+            if wire.is_describe(inputs)
             else wire.proposal_outputs([next(proposals) for _ in group])
             for inputs, group in zip(batch, requests)
         ]  # fmt: skip

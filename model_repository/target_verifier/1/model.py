@@ -11,11 +11,16 @@ checks requests and the draft against.
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.verifier import TargetVerifier
-from specdec_triton import wire
+from specdec_triton import hidden_wire, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.internal import boot_secret
 from specdec_triton.metrics import ActiveSequences
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
+
+
+def _outputs(results):
+    """A draft head's hidden states travel back only to a request that asked for them."""
+    return {**wire.verify_outputs(results), **hidden_wire.hidden_outputs(results)}
 
 
 class TritonPythonModel:
@@ -32,7 +37,7 @@ class TritonPythonModel:
         self.logger.info("unloaded")
 
     def execute(self, requests):
-        responses = answer_batch(requests, wire.VERIFY_INPUTS, self._verify)
+        responses = answer_batch(requests, wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS, self._verify)
         self.active.set(self.verifier.num_active_sequences)
         return responses
 
@@ -45,10 +50,11 @@ class TritonPythonModel:
             if wire.is_release(inputs):
                 for seq_id in wire.seq_ids_of(inputs):
                     self.verifier.release(seq_id)
-        requests = [[] if wire.is_describe(x) or wire.is_release(x) else wire.verify_requests_of(x) for x in batch]
+        requests = [[] if wire.is_describe(x) or wire.is_release(x)
+                    else hidden_wire.with_hidden_layers(wire.verify_requests_of(x), x) for x in batch]  # fmt: skip
         results = iter(self.verifier.verify([r for group in requests for r in group]))
         return [
             wire.description_outputs(self.description) if wire.is_describe(inputs)
-            else wire.verify_outputs([next(results) for _ in group])
+            else _outputs([next(results) for _ in group])
             for inputs, group in zip(batch, requests)
         ]  # fmt: skip
