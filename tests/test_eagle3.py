@@ -194,5 +194,6 @@ def test_speculative_sampling_with_the_head_matches_the_target_distribution(tmp_
                 break
         steps.close()
         counts[tuple(out[:NUM_TOKENS])] += 1
-    assert 0.05 < sampler.accepted / sampler.drafted < 0.95, "both accepted and rejected drafts must occur"
+    # a random head is accepted rarely, but hundreds of times: both paths of the sampler run
+    assert sampler.accepted > 200 and sampler.drafted - sampler.accepted > 200, (sampler.accepted, sampler.drafted)
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
