@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 from specdec.models import resolve_dtype
 from specdec.types import ModelDescription
 
@@ -38,7 +39,10 @@ def build_head_proposer(
         from specdec.heads.formats import load_eagle3
         from specdec.proposers.eagle3 import Eagle3Proposer
 
-        return Eagle3Proposer(load_eagle3(path, target_path, torch_dtype, device), max_num_seqs)
+        head = load_eagle3(path, target_path, torch_dtype, device)
+        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
+            pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
+        return Eagle3Proposer(head, max_num_seqs)
     from specdec.fast.checkpoint import read_config
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer

@@ -93,7 +93,11 @@ class Eagle3Head(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype  # the linears may be packed for oneDNN (no .weight)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [..., feature_size] -> [..., h]
         return self.fc(features.to(self.dtype))

@@ -40,7 +40,7 @@ class Eagle3Proposer:
     def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None):
         config = head.config
         self.head = head
-        self.device = head.fc.weight.device
+        self.device = head.device
         self.max_model_len = max_model_len or config.layer.max_position_embeddings
         self.max_num_seqs = max_num_seqs
         self.vocab_size = config.vocab_size
