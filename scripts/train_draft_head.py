@@ -17,7 +17,8 @@ target's rows.
 
 Then the head is written (speculators / MLPSpeculator format) and run in the real engine
 on held-out prompts at ``--k`` (greedy), beside ``--baseline-draft``: the report gives the
-mean tokens per verify step of both. Seeded; ``--threads`` as torch's.
+mean tokens per verify step of both. Seeded; the frozen target runs once over ``--windows``
+training windows and every step draws its batch from them.
 
     python scripts/train_draft_head.py --method eagle3 --target models/tiny-target --out models/tiny-eagle3
 """
@@ -37,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from eval_tiny_models import held_out_prompts, run  # noqa: E402
-from train_tiny_models import batches, corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
+from train_tiny_models import corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
 
 from specdec.build import build_lm  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
@@ -84,16 +85,31 @@ def build_eagle3(target, arch, args, train_ids: torch.Tensor) -> Eagle3Head:
     return head
 
 
-def eagle3_loss(head: Eagle3Head, target, window: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+@torch.no_grad()
+def target_outputs(target, data: torch.Tensor, args, layers: tuple[int, ...], kept: torch.Tensor | None):
+    """The target's hidden states ``layers`` and log-probabilities over ``kept`` ids for ``--windows`` windows.
+
+    Computed once: the frozen target's forward is most of a step's cost on a CPU, and
+    every epoch reuses it. Windows are ``seq_len + 2`` tokens from seeded random offsets.
+    """
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    starts = torch.randint(0, len(data) - args.seq_len - 2, (args.windows,), generator=gen).tolist()
+    windows = torch.stack([data[s : s + args.seq_len + 2] for s in starts])  # [W, T]
+    features, logps = [], []
+    for chunk in tqdm(windows.split(args.batch_size), desc="target outputs", mininterval=5):
+        out = target(chunk, output_hidden_states=True)
+        features.append(torch.cat([out.hidden_states[i] for i in layers], -1).to(torch.bfloat16))  # [b, T, F]
+        logits = out.logits if kept is None else out.logits[..., kept]
+        logps.append(logits.float().log_softmax(-1).to(torch.bfloat16))  # [b, T, vocab or draft_vocab]
+    return windows, torch.cat(features), torch.cat(logps)
+
+
+def eagle3_loss(head: Eagle3Head, window, features, target_logp, ttt_steps: int) -> torch.Tensor:
     """Row t reads token x_{t+1} and the features at t; it is scored on the target's distribution at t + 1."""
-    with torch.no_grad():
-        out = target(window, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in head.config.aux_layers], -1)[:, :-1]  # [B, T-1, F]
-        kept = head.t2d.nonzero().flatten()  # [draft_vocab] target ids, ascending = draft order
-        target_logp = out.logits[:, 1:, kept].float().log_softmax(-1)  # [B, T-1, draft_vocab]
-    steps = train_forward(head, window[:, 1:], features, ttt_steps)
+    steps = train_forward(head, window[:, 1:], features[:, :-1].float(), ttt_steps)
     rows = torch.arange(window.shape[1] - 1)[None, :]  # [1, T-1]
-    total = sum(STEP_DECAY**j * soft_ce(logits, target_logp, rows >= j) for j, logits in enumerate(steps))
+    labels = target_logp[:, 1:].float()  # [B, T-1, draft_vocab]
+    total = sum(STEP_DECAY**j * soft_ce(logits, labels, rows >= j) for j, logits in enumerate(steps))
     return total / sum(STEP_DECAY**j for j in range(ttt_steps))
 
 
@@ -109,36 +125,32 @@ def build_mlp(target, arch, args) -> MLPSpeculator:
     return model
 
 
-def mlp_loss(model: MLPSpeculator, target, window: torch.Tensor) -> torch.Tensor:
+def mlp_loss(model: MLPSpeculator, window, last, target_logp) -> torch.Tensor:
     """Stage i at base t reads token x_{t+1+i} and is scored on the target's distribution at t + 1 + i."""
     n = model.n_predict
-    with torch.no_grad():
-        out = target(window, output_hidden_states=True)
-        last = out.hidden_states[-1]  # [B, T, h]: the final normed state
-        target_logp = out.logits.float().log_softmax(-1)  # [B, T, vocab]
     span = window.shape[1] - n  # bases t = 0 .. span - 1
-    state = model.first_state(last[:, :span])  # [B, span, h]
+    state = model.first_state(last[:, :span].float())  # [B, span, h]
     losses = []
     for i in range(n):
         logits, state = model.stage(i, state, window[:, 1 + i : 1 + i + span])
         valid = torch.ones(window.shape[0], span, dtype=torch.bool)
-        losses.append(soft_ce(logits, target_logp[:, 1 + i : 1 + i + span], valid))
+        losses.append(soft_ce(logits, target_logp[:, 1 + i : 1 + i + span].float(), valid))
     return sum(losses) / n
 
 
-def train(args, head, loss_fn, data: torch.Tensor) -> list[float]:
+def train(args, head, loss_fn, pool) -> list[float]:
+    """``--steps`` AdamW steps over batches drawn (seeded) from the precomputed ``pool``."""
     gen = torch.Generator().manual_seed(args.seed)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     head.train()
     losses = []
-    progress = tqdm(zip(range(args.steps), batches(data, args.batch_size, args.seq_len + 1, gen)),
-                    total=args.steps, desc=f"train {args.method}", mininterval=5)  # fmt: skip
-    for step, (inputs, labels) in progress:
-        window = torch.cat([inputs, labels[:, -1:]], 1)  # [B, seq_len + 2]
+    progress = tqdm(range(args.steps), desc=f"train {args.method}", mininterval=5)
+    for step in progress:
+        rows = torch.randint(0, args.windows, (args.batch_size,), generator=gen)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, warmup=min(50, args.steps // 10))
-        loss = loss_fn(window)
+        loss = loss_fn(*(t[rows] for t in pool))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -173,6 +185,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--windows", type=int, default=256, help="training windows; the target runs once over each")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -186,8 +199,9 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=12)
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--baseline-draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    parser.add_argument("--baseline-draft", default=str(REPO_ROOT / "models" / "tiny-draft"), help="empty: none")
+    # one thread: on a shared CPU, torch's threads wait on each other at every op (ten times slower here)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0: torch's default")
     args = parser.parse_args()
     if args.method == "eagle3" and args.ttt_steps < 3:
         parser.error(f"--ttt-steps must be >= 3 for eagle3, got {args.ttt_steps}")
@@ -204,18 +218,21 @@ def main() -> None:
     print(f"[train] {len(data)} training tokens", flush=True)
     if args.method == "eagle3":
         head = build_eagle3(target, arch, args, data)
-        losses = train(args, head, lambda w: eagle3_loss(head, target, w, args.ttt_steps), data)
+        pool = target_outputs(target, data, args, head.config.aux_layers, head.t2d.nonzero().flatten())
+        losses = train(args, head, lambda *batch: eagle3_loss(head, *batch, args.ttt_steps), pool)
         save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k)
     else:
         head = build_mlp(target, arch, args)
-        losses = train(args, head, lambda w: mlp_loss(head, target, w), data)
+        pool = target_outputs(target, data, args, (arch.num_layers,), None)
+        losses = train(args, head, lambda *batch: mlp_loss(head, *batch), pool)
         save_mlp_speculator(head, args.out)
     train_seconds = time.time() - started
     results = evaluate(args, tokenizer)
     report = {
         "command": " ".join(sys.argv),
         "method": args.method,
-        "train_tokens_seen": args.steps * args.batch_size * (args.seq_len + 1),
+        "train_windows": args.windows,
+        "train_tokens_seen": args.steps * args.batch_size * (args.seq_len + 2),
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
         "train_seconds": round(train_seconds),
         "eval": {"num_prompts": args.eval_prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
