@@ -167,7 +167,8 @@ def evaluate(args, tokenizer) -> list[dict]:
     verifier = TargetVerifier(build_lm(args.target, "fast", "float32", "cpu", max_num_seqs=2))
     proposers = [(args.method, build_head_proposer(args.method, args.out, args.target, "float32", "cpu", 2))]
     if args.baseline_draft:
-        proposers.append(("draft_model", DraftModelProposer(build_lm(args.baseline_draft, "fast", "float32", "cpu", 2))))
+        draft = build_lm(args.baseline_draft, "fast", "float32", "cpu", max_num_seqs=2)
+        proposers.append(("draft_model", DraftModelProposer(draft)))
     results = []
     for name, proposer in proposers:
         result = run(name, proposer, verifier, RejectionSampler("strict"), prompts, args, tokenizer.eos_token_id)

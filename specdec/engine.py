@@ -235,7 +235,9 @@ class SequenceState:
             )
         fed = len(self.prompt_ids) if self._step == 0 else 1 + num_drafts  # the prompt, or [last, d1 .. dk']
         if hidden_states.shape[0] != fed:
-            raise ValueError(f"seq {self.seq_id!r}: {hidden_states.shape[0]} hidden-state rows for {fed} tokens verified")
+            raise ValueError(
+                f"seq {self.seq_id!r}: {hidden_states.shape[0]} hidden-state rows for {fed} tokens verified"
+            )
         self._hidden.append(hidden_states[: fed - (num_drafts - num_accepted)])  # [kept, features]
 
     def _record(self, num_drafts: int, num_accepted: int) -> None:

@@ -138,7 +138,9 @@ class CachedCausalLM:
         outs = [self._forward_one(call, hidden_layers) for call in calls]
         return [logits for logits, _ in outs], [hidden for _, hidden in outs]
 
-    def _forward_one(self, call: ForwardCall, hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_one(
+        self, call: ForwardCall, hidden_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache, length = self._caches.get(call.seq_id, (None, 0))
         if cache is None or call.position == 0:
             cache = DynamicCache()

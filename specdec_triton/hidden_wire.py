@@ -63,7 +63,9 @@ def attach_hidden(
     """The results with each sequence's rows (one per token it fed)."""
     hidden = np.asarray(outputs["hidden_states"])
     if hidden.shape[0] != sum(num_token_ids):
-        raise RuntimeError(f"target_verifier returned {hidden.shape[0]} hidden-state rows for {sum(num_token_ids)} tokens")
+        raise RuntimeError(
+            f"target_verifier returned {hidden.shape[0]} hidden-state rows for {sum(num_token_ids)} tokens"
+        )
     parts = torch.from_numpy(np.ascontiguousarray(hidden)).split(list(num_token_ids))
     return [replace(r, hidden_states=h) for r, h in zip(results, parts)]
 

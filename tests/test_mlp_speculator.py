@@ -81,7 +81,8 @@ def test_more_drafts_than_n_predict_and_another_target_are_refused_by_name(pair,
     request = ProposeRequest("s", 0, [1, 2], N_PREDICT + 1, SamplingParams(), 0, hidden_states=torch.zeros(1, HIDDEN))
     with pytest.raises(ValueError, match=rf"{N_PREDICT + 1} drafts asked of an MLP speculator with n_predict=3"):
         proposer.propose([request])
-    with pytest.raises(ValueError, match=r"drafting after 2 tokens needs the target's hidden state at position 0, the proposer has it at -1"):
+    with pytest.raises(ValueError, match=r"after 2 tokens needs the target's hidden state at position 0, the proposer "
+                                         r"has it at -1"):  # fmt: skip
         proposer.propose([ProposeRequest("s", 0, [1, 2], 2, SamplingParams(), 0)])
     other = tmp_path / "other"
     build_tiny_llama(seed=2, vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2).save_pretrained(other)

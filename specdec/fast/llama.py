@@ -240,7 +240,9 @@ def check_hidden_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, 
     ``aux_hidden_state_layers`` count the same way), ``num_layers`` the final normed state.
     """
     if any(not 0 <= i <= num_layers for i in layers):
-        raise ValueError(f"hidden_layers must be ids in [0, {num_layers}] (the target has {num_layers} layers), got {layers}")
+        raise ValueError(
+            f"hidden_layers must be ids in [0, {num_layers}] (the target has {num_layers} layers), got {layers}"
+        )
     return tuple(layers)
 
 

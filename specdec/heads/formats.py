@@ -28,6 +28,7 @@ from specdec.fast.checkpoint import LlamaArchConfig, read_config, safetensors_fi
 from specdec.heads.eagle3 import EAGLE3, Eagle3Config, Eagle3Head, default_aux_layers
 
 SPECULATORS_VERSION = "0.1.0"
+FUSED = (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj")))
 
 
 def read_head_config(path: str | os.PathLike) -> dict:
@@ -65,7 +66,9 @@ def eagle3_config(path: str | os.PathLike, target: LlamaArchConfig, target_path:
     """The head's config, checked against the target's; either layout."""
     raw = read_head_config(path)
     if head_kind(raw) != EAGLE3:
-        raise ValueError(f"draft head {os.fspath(path)!r} is not an EAGLE-3 head (config.json names {head_kind(raw)!r})")
+        raise ValueError(
+            f"draft head {os.fspath(path)!r} is not an EAGLE-3 head (its config.json names {head_kind(raw)!r})"
+        )
     layer_raw = dict(raw.get("transformer_layer_config") or raw)
     layer_raw.setdefault("model_type", "llama")
     layer = LlamaArchConfig.from_dict(layer_raw)
@@ -98,7 +101,7 @@ def _eagle3_state(raw: dict[str, torch.Tensor], config: Eagle3Config) -> dict[st
     for name, tensor in raw.items():
         name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
         state[name] = tensor
-    for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+    for fused, parts in FUSED:
         prefix = f"layers.0.{fused.split('.')[0]}."
         names = [f"{prefix}{p}.weight" for p in parts]
         if all(n in state for n in names):

@@ -98,23 +98,24 @@ class Eagle3Proposer:
                     f"seq {r.seq_id!r}: hidden_position {r.hidden_position} is past the {held} positions of "
                     f"hidden states the proposer holds"
                 )
-            num_rows = r.hidden_position + (0 if hidden is None else hidden.shape[0])
+            num_rows = held if hidden is None else r.hidden_position + hidden.shape[0]  # positions with features
             length = r.position + len(r.token_ids)
-            if r.num_tokens > 0 and max(num_rows, held if hidden is None else 0) < length - 1:
+            if r.num_tokens > 0 and num_rows < length - 1:
                 raise ValueError(
                     f"seq {r.seq_id!r}: {length} tokens need the target's hidden states at {length - 1} positions, "
-                    f"the proposer has {max(num_rows, held if hidden is None else 0)}"
+                    f"the proposer has {num_rows}"
                 )
             if r.num_tokens > 0 and length + r.num_tokens - 2 > self.max_model_len:
                 raise ValueError(
-                    f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed max_model_len={self.max_model_len}"
+                    f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed "
+                    f"max_model_len={self.max_model_len}"
                 )
 
     def _take(self, r: ProposeRequest) -> None:
         seq = self._seqs.get(r.seq_id)
         if seq is None:
-            seq = self._seqs[r.seq_id] = _Sequence([], torch.empty(0, self.head.config.hidden_size,
-                                                                   dtype=self.head.dtype, device=self.device))  # fmt: skip
+            empty = torch.empty(0, self.head.config.hidden_size, dtype=self.head.dtype, device=self.device)
+            seq = self._seqs[r.seq_id] = _Sequence([], empty)
         del seq.tokens[r.position :]
         seq.tokens.extend(r.token_ids)
         seq.rows = min(seq.rows, max(r.position - 1, 0))  # row t reads token t + 1
@@ -135,7 +136,8 @@ class Eagle3Proposer:
         num_new = torch.tensor([len(t) for t in token_lists], dtype=torch.long, device=self.device)  # [B]
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
-        logits, prenorm = self.head(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, int((starts_t + num_new).max()))
+        kv_len = int((starts_t + num_new).max())
+        logits, prenorm = self.head(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
         last = num_new - 1  # [B]
         rows = torch.arange(b, device=self.device)
         return self.head.target_logits(logits[rows, last]), prenorm[rows, last]  # [B, vocab], [B, h]
