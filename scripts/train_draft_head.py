@@ -66,6 +66,7 @@ def aux_layers_for(num_layers: int, given: str | None) -> tuple[int, ...]:
 def soft_ce(logits: torch.Tensor, target_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Cross-entropy to the target's distribution over the rows in ``valid`` ([B, T] bool)."""
     per_row = -(target_logp.exp() * logits.float().log_softmax(-1)).sum(-1)  # [B, T]
+    valid = valid.expand_as(per_row)
     return (per_row * valid).sum() / valid.sum().clamp(min=1)
 
 

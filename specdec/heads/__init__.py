@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from specdec.fast.checkpoint import read_config
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 from specdec.models import resolve_dtype
 from specdec.types import ModelDescription
@@ -42,8 +43,8 @@ def build_head_proposer(
         head = load_eagle3(path, target_path, torch_dtype, device)
         if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
             pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
-        return Eagle3Proposer(head, max_num_seqs)
-    from specdec.fast.checkpoint import read_config
+        # the head's cache spans the target's positions (as in vLLM), not those its layer config names
+        return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings)
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 
