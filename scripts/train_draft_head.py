@@ -222,7 +222,8 @@ def main() -> None:
         head = build_eagle3(target, arch, args, data)
         pool = target_outputs(target, data, args, head.config.aux_layers, head.t2d.nonzero().flatten())
         losses = train(args, head, lambda *batch: eagle3_loss(head, *batch, args.ttt_steps), pool)
-        save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k)
+        # the embedding is the target's, frozen: the loader shares it, as vLLM does
+        save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k, embedding=False)
     else:
         head = build_mlp(target, arch, args)
         pool = target_outputs(target, data, args, (arch.num_layers,), None)

@@ -145,12 +145,20 @@ def _target_embedding(target_path: str) -> torch.Tensor:
     raise ValueError(f"target {target_path!r} has no model.embed_tokens.weight for the draft head to share")
 
 
-def save_eagle3(head: Eagle3Head, out: str | os.PathLike, verifier: str, num_speculative_tokens: int = 4) -> None:
-    """Write ``head`` in the ``speculators`` format; ``verifier``: the target it was trained for."""
+def save_eagle3(
+    head: Eagle3Head, out: str | os.PathLike, verifier: str, num_speculative_tokens: int = 4, embedding: bool = True
+) -> None:
+    """Write ``head`` in the ``speculators`` format; ``verifier``: the target it was trained for.
+
+    ``embedding=False`` leaves ``embed_tokens`` out, for a head that uses the target's own
+    (the loader, like vLLM, then shares the target's).
+    """
     config = head.config
     layer = config.layer
     os.makedirs(out, exist_ok=True)
     state = {n: t.detach().contiguous().cpu() for n, t in head.state_dict().items()}
+    if not embedding:
+        del state["embed_tokens.weight"]
     for fused, parts, sizes in (
         ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"),
          (layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim)),
