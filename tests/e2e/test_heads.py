@@ -2,8 +2,8 @@
 
 Each server serves a copy of the repository whose draft_proposer loads a head built here
 with random weights for the shipped target (EAGLE-3 in the speculators format, an MLP
-speculator in its published layout), so the target's hidden states travel
-target_verifier -> orchestrator -> draft_proposer on every step.
+speculator in its published layout), or the shipped ``tiny-eagle3``, so the target's
+hidden states travel target_verifier -> orchestrator -> draft_proposer on every step.
 """
 from __future__ import annotations
 
@@ -25,13 +25,19 @@ N_PREDICT = 2
 
 
 def _serve(tmp_path_factory, method: str, write_head):
+    """A server whose draft_proposer loads the head ``write_head`` writes (None: the shipped ``tiny-eagle3``)."""
     models = models_dir()
     if not (models / "tiny-target").is_dir():
         pytest.skip(f"model pair not found under {models}")
     workdir = tmp_path_factory.mktemp(f"server_{method}")
-    torch.manual_seed(0)
-    write_head(read_config(models / "tiny-target"), workdir / "head")
-    repository = repository_copy(workdir, models, method, parameters={"draft_model": str(workdir / "head")})
+    head = models / "tiny-eagle3"
+    if write_head is not None:
+        torch.manual_seed(0)
+        head = workdir / "head"
+        write_head(read_config(models / "tiny-target"), head)
+    elif not head.is_dir():
+        pytest.skip(f"no tiny-eagle3 under {models}")
+    repository = repository_copy(workdir, models, method, parameters={"draft_model": str(head)})
     server = server_on_free_ports(workdir, repository)
     server.start()
     return server
@@ -60,6 +66,13 @@ def eagle3_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def shipped_eagle3_server(tmp_path_factory):
+    server = _serve(tmp_path_factory, "eagle3", None)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def mlp_server(tmp_path_factory):
     server = _serve(tmp_path_factory, "mlp_speculator", _mlp_speculator)
     yield server
@@ -78,6 +91,16 @@ def test_eagle3_greedy_output_equals_the_targets(eagle3_server, reference, proto
         assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
         drafted += result.total_draft_tokens
     assert drafted > 0  # the head drafted from the hidden states it was sent
+
+
+def test_the_shipped_eagle3_head_is_accepted_and_exact(shipped_eagle3_server, reference):
+    accepted = 0
+    for prompt in PROMPTS:
+        params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": False}
+        result = generate_http(shipped_eagle3_server.http_url, "ensemble", prompt, params)
+        assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
+        accepted += result.total_accepted_draft_tokens
+    assert accepted > 0  # a trained head: its drafts are accepted through the whole served path
 
 
 def test_eagle3_sampled_requests_are_served(eagle3_server):
