@@ -42,6 +42,16 @@ class CachedLM(Protocol):
         """One float32 ``[num_logits, vocab]`` tensor per call, in order; each seq_id at most once."""
         ...
 
+    def forward_with_hidden(
+        self, calls: list[ForwardCall], hidden_layers: tuple[int, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """``forward``, and per call the hidden states of every token fed: ``[n, len(hidden_layers) * hidden]``.
+
+        Ids index transformers' ``output_hidden_states``: ``i`` below the layer count is the
+        input of layer ``i``, the layer count itself the final normed state.
+        """
+        ...
+
     def cached_length(self, seq_id: str) -> int:
         """Tokens the cache holds for ``seq_id``; 0 for an unknown one."""
         ...

@@ -103,7 +103,10 @@ class StepOutput:
 class SequenceState:
     """Per-request decoding state; turns sampler results into emitted tokens."""
 
-    def __init__(self, seq_id: str, prompt_ids: list[int], params: GenerationParams):
+    def __init__(
+        self, seq_id: str, prompt_ids: list[int], params: GenerationParams, hidden_layers: tuple[int, ...] = ()
+    ):
+        """``hidden_layers``: the target hidden states a head proposer reads (``VerifyRequest.hidden_layers``)."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         self.seq_id = seq_id
@@ -118,6 +121,9 @@ class SequenceState:
         self._base_seed = seed if seed is not None else secrets.randbits(63)
         self._step = 0  # step 0 is the prefill
         self._num_sent_to_proposer = 0  # sequence length the proposer has been sent
+        self.hidden_layers = tuple(hidden_layers)
+        self._hidden: list[torch.Tensor] = []  # verified rows not yet sent to the proposer, each [n, features]
+        self._num_hidden_sent = 0  # positions whose hidden states the proposer has been sent
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
@@ -153,6 +159,10 @@ class SequenceState:
         banned = self._num_banned(k)  # draft i becomes output index len(output_ids) + i
         position = self._num_sent_to_proposer
         self._num_sent_to_proposer = len(self.prompt_ids) + len(self.output_ids)
+        hidden_position, hidden = self._num_hidden_sent, None
+        if self._hidden:
+            hidden = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]  # [n, features]
+            self._hidden, self._num_hidden_sent = [], hidden_position + hidden.shape[0]
         return ProposeRequest(
             seq_id=self.seq_id,
             position=position,
@@ -162,6 +172,8 @@ class SequenceState:
             seed=derive_seed(self._base_seed, self._step, PROPOSE_STREAM),
             num_banned_tokens=banned,
             banned_token_ids=self._banned_token_ids if banned else (),
+            hidden_states=hidden,
+            hidden_position=hidden_position,
         )
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
@@ -184,6 +196,7 @@ class SequenceState:
             penalties=self.params.penalties,
             num_prompt_tokens=len(self.prompt_ids),
             log_probs=self.params.return_log_probs,
+            hidden_layers=self.hidden_layers,
         )
 
     def _num_banned(self, num_positions: int) -> int:
@@ -198,7 +211,8 @@ class SequenceState:
     def commit(
         self, proposal: Proposal | None, result: SampleResult, verified: VerifyResult | None = None
     ) -> StepOutput:
-        """Append the sampler's tokens up to the first stop; ``verified`` (this step's) gives their log probs."""
+        """Append the sampler's tokens up to the first stop; ``verified`` (this step's verify result) gives
+        their log probs, and its hidden states are kept for the accepted rows."""
         self._check_running()
         num_drafts = len(self._draft_ids(proposal))
         tokens = result.output_token_ids.tolist()
@@ -207,6 +221,8 @@ class SequenceState:
                 f"seq {self.seq_id!r}: sampler returned {len(tokens)} tokens with num_accepted="
                 f"{result.num_accepted} for {num_drafts} drafts"
             )
+        if self.hidden_layers:
+            self._keep_hidden(verified.hidden_states if verified is not None else None, num_drafts, result.num_accepted)
         if self._step > 0:
             self._record(num_drafts, result.num_accepted)
         self._step += 1
@@ -230,6 +246,20 @@ class SequenceState:
         if verified is None or verified.log_mass is None:
             raise ValueError(f"seq {self.seq_id!r}: return_log_probs needs the verifier's log_mass, got none")
         return emitted_log_probs(tokens, verified.log_mass, verified.probs, verified.argmax)
+
+    def _keep_hidden(self, hidden_states: torch.Tensor | None, num_drafts: int, num_accepted: int) -> None:
+        """The rows of the tokens that stay in the sequence (all but the rejected drafts') await the proposer."""
+        if hidden_states is None:
+            raise ValueError(
+                f"seq {self.seq_id!r}: the verify result carries no hidden states, but the proposer reads "
+                f"layers {self.hidden_layers}"
+            )
+        fed = len(self.prompt_ids) if self._step == 0 else 1 + num_drafts  # the prompt, or [last, d1 .. dk']
+        if hidden_states.shape[0] != fed:
+            raise ValueError(
+                f"seq {self.seq_id!r}: {hidden_states.shape[0]} hidden-state rows for {fed} tokens verified"
+            )
+        self._hidden.append(hidden_states[: fed - (num_drafts - num_accepted)])  # [kept, features]
 
     def _record(self, num_drafts: int, num_accepted: int) -> None:
         self.stats.num_steps += 1
@@ -293,7 +323,7 @@ def generate(
     check_token_ids(prompt_ids, params, verifier.vocab_size)
     if proposer is None and params.num_speculative_tokens > 0:
         raise ValueError("proposer is required when num_speculative_tokens > 0")
-    state = SequenceState(seq_id, prompt_ids, params)
+    state = SequenceState(seq_id, prompt_ids, params, getattr(proposer, "hidden_state_layers", ()))
     completed = False  # a response that ran to its end may teach the proposer (suffix decoding)
     try:
         while not state.finished:

@@ -118,13 +118,29 @@ class CachedCausalLM:
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
 
-    @torch.inference_mode()
     def forward(self, calls: list[ForwardCall]) -> list[torch.Tensor]:  # each [num_logits, vocab] float32
         """Feed each call's ``token_ids`` at its ``position``, one sequence after another."""
-        check_forward_calls(self, calls, sum(1 for c in calls if c.seq_id not in self._caches))
-        return [self._forward_one(call) for call in calls]
+        return self.forward_with_hidden(calls, ())[0]
 
-    def _forward_one(self, call: ForwardCall) -> torch.Tensor:  # [num_logits, vocab]
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self, calls: list[ForwardCall], hidden_layers: tuple[int, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """``forward``, and per call ``[len(token_ids), len(hidden_layers) * hidden]``: transformers' own
+        ``output_hidden_states`` at those indices (None without ``hidden_layers``)."""
+        num_states = getattr(self.model.config, "num_hidden_layers", 0) + 1
+        if any(not 0 <= i < num_states for i in hidden_layers):
+            raise ValueError(
+                f"hidden_layers must be ids in [0, {num_states - 1}] (the target has {num_states - 1} layers), "
+                f"got {hidden_layers}"
+            )
+        check_forward_calls(self, calls, sum(1 for c in calls if c.seq_id not in self._caches))
+        outs = [self._forward_one(call, hidden_layers) for call in calls]
+        return [logits for logits, _ in outs], [hidden for _, hidden in outs]
+
+    def _forward_one(
+        self, call: ForwardCall, hidden_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache, length = self._caches.get(call.seq_id, (None, 0))
         if cache is None or call.position == 0:
             cache = DynamicCache()
@@ -132,10 +148,13 @@ class CachedCausalLM:
             cache.crop(call.position - length)  # a negative count removes that many trailing tokens
         input_ids = torch.tensor([call.token_ids], dtype=torch.long, device=self.device)  # [1, n]
         kwargs = {"logits_to_keep": call.num_logits} if self._logits_to_keep else {}
+        if hidden_layers:
+            kwargs["output_hidden_states"] = True
         try:
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
         except BaseException:
             self.release(call.seq_id)  # a half-updated cache must not be reused
             raise
         self._caches[call.seq_id] = (out.past_key_values, call.position + len(call.token_ids))
-        return out.logits[0, -call.num_logits :].float()  # [num_logits, vocab]
+        hidden = torch.cat([out.hidden_states[i][0] for i in hidden_layers], -1) if hidden_layers else None
+        return out.logits[0, -call.num_logits :].float(), hidden  # [num_logits, vocab], [n, layers * hidden]

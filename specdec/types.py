@@ -69,6 +69,11 @@ class ProposeRequest:
     # which the target cannot emit there either (a banned draft could only be rejected)
     num_banned_tokens: int = 0
     banned_token_ids: tuple[int, ...] = ()
+    # Heads that read the target's features (EAGLE-3, MLP speculator): the target's hidden
+    # states at positions hidden_position .. hidden_position + n - 1 that the proposer has not
+    # been sent, one row per verified token; None for proposers that need none.
+    hidden_states: torch.Tensor | None = None  # [n, num_layers * hidden]
+    hidden_position: int = 0
 
 
 @dataclass
@@ -94,6 +99,10 @@ class VerifyRequest:
     penalties: Penalties = NO_PENALTIES
     num_prompt_tokens: int = 0
     log_probs: bool = False  # also return log_mass, for the emitted tokens' log probabilities
+    # Hidden states to return for every token fed, concatenated in this order; indices into
+    # transformers' ``output_hidden_states`` tuple: i < num_layers is the input of layer i
+    # (0: the embeddings), num_layers the final normed state. Empty: none.
+    hidden_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -101,6 +110,7 @@ class VerifyResult:
     argmax: torch.Tensor  # [num_logits] int64: the target's greedy token at each position
     probs: torch.Tensor | None = None  # [num_logits, vocab] float32 p; None when greedy
     log_mass: torch.Tensor | None = None  # [num_logits] float32 (penalties.log_kept_mass); None unless asked
+    hidden_states: torch.Tensor | None = None  # [len(token_ids), len(hidden_layers) * hidden]; None: not asked
 
 
 @dataclass
@@ -141,7 +151,9 @@ class ModelDescription:
     vocab_size: int | None  # width of p or q; None: no vocabulary (n-gram, sampler)
     max_model_len: int | None  # tokens a sequence may hold; None: unbounded
     max_num_seqs: int | None  # sequences held at once; None: unbounded
-    method: str  # "target", "draft_model", "ngram", or the rejection sampler's method
+    method: str  # "target", "draft_model", "ngram", "eagle3", "mlp_speculator", or the sampler's method
+    # a head's: the target hidden states it reads (VerifyRequest.hidden_layers); () for the others
+    hidden_state_layers: tuple[int, ...] = ()
 
 
 @dataclass

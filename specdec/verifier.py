@@ -13,6 +13,8 @@ like the cache.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
@@ -64,7 +66,14 @@ class TargetVerifier(OwnsOneModel):
             check_banned(r.banned_token_ids, self.lm.vocab_size)
         tokens = [self._sequence_tokens(r) for r in requests]
         calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
-        return [verify_result(logits, r, t) for logits, r, t in zip(self.lm.forward(calls), requests, tokens)]
+        layers = {r.hidden_layers for r in requests}
+        if len(layers) > 1:
+            raise ValueError(f"the requests of one verify call must ask for the same hidden_layers, got {layers}")
+        hidden_layers = layers.pop() if layers else ()
+        if not hidden_layers:
+            return [verify_result(logits, r, t) for logits, r, t in zip(self.lm.forward(calls), requests, tokens)]
+        logits, hidden = self.lm.forward_with_hidden(calls, hidden_layers)
+        return [replace(verify_result(row, r, t), hidden_states=h) for row, h, r, t in zip(logits, hidden, requests, tokens)]
 
     def _sequence_tokens(self, request: VerifyRequest) -> list[int] | None:
         """The sequence through this request's tokens, kept for a request with penalties (checked first)."""

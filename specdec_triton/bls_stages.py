@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
-from specdec_triton import wire
+from specdec_triton import hidden_wire, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.plumbing import ModelLogger, bls, bytes_array, ensure_bls_threads
 
@@ -32,11 +33,12 @@ class BlsStages:
         probe = wire.describe_inputs()
         tokenizer, draft, target, sampler = await asyncio.gather(
             bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
-            bls(wire.DRAFT_PROPOSER, probe, wire.DESCRIBE_OUTPUTS, batched=True),
+            bls(wire.DRAFT_PROPOSER, probe, wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS, batched=True),
             bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS, batched=True),
             bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
         descriptions = Descriptions(*(wire.description_of(out) for out in (tokenizer, draft, target, sampler)))
+        descriptions = replace(descriptions, draft=hidden_wire.with_described_layers(descriptions.draft, draft))
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them
         ensure_bls_threads(2 * (descriptions.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
@@ -45,14 +47,19 @@ class BlsStages:
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         # greedy drafts have no q: ask for the ids alone, so no empty distribution travels back
         names = wire.GREEDY_PROPOSE_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.PROPOSE_OUTPUTS
-        out = await bls(wire.DRAFT_PROPOSER, {**wire.propose_inputs(requests), **self._secret}, names, batched=True)
+        inputs = {**wire.propose_inputs(requests), **hidden_wire.propose_hidden_inputs(requests), **self._secret}
+        out = await bls(wire.DRAFT_PROPOSER, inputs, names, batched=True)
         return wire.proposals_of(out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         names = wire.GREEDY_VERIFY_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.VERIFY_OUTPUTS
         names += wire.LOG_PROB_OUTPUTS if any(r.log_probs for r in requests) else ()
-        out = await bls(wire.TARGET_VERIFIER, {**wire.verify_inputs(requests), **self._secret}, names, batched=True)
-        return wire.verify_results_of(out, [r.num_logits for r in requests])
+        hidden = hidden_wire.verify_hidden_inputs(requests)  # the draft head's layers, if it reads any
+        names = names + hidden_wire.VERIFY_HIDDEN_OUTPUTS if hidden else names
+        inputs = {**wire.verify_inputs(requests), **hidden, **self._secret}
+        out = await bls(wire.TARGET_VERIFIER, inputs, names, batched=True)
+        results = wire.verify_results_of(out, [r.num_logits for r in requests])
+        return hidden_wire.attach_hidden(results, out, [len(r.token_ids) for r in requests]) if hidden else results
 
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
         out = await bls(wire.REJECTION_SAMPLER, wire.sample_inputs(calls), wire.SAMPLE_OUTPUTS)

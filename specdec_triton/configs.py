@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from specdec.build import ENGINES
+from specdec.heads import HEAD_METHODS
 from specdec.models import DTYPE_CHOICES
 from specdec.proposers import PROPOSERS
 from specdec.proposers.ngram import NgramConfig
@@ -52,8 +53,8 @@ _METHOD_SETTINGS = {
 
 @dataclass(frozen=True)
 class DraftProposerConfig:
-    method: str  # draft_model: a small LM drafts; ngram: prompt lookup; suffix: suffix trees; no model for either
-    draft_model: str | None  # checkpoint directory; only read by method draft_model
+    method: str  # draft_model: a small LM; ngram: prompt lookup; suffix: suffix trees; eagle3, mlp_speculator: a head
+    draft_model: str | None  # checkpoint (or head) directory; not read by methods ngram and suffix
     prompt_lookup_min: int | None  # ngram only; None -> vLLM's default rule
     prompt_lookup_max: int | None
     dtype: str  # auto: float32 on CPU, bfloat16 on CUDA
@@ -62,12 +63,15 @@ class DraftProposerConfig:
     suffix: SuffixConfig = SuffixConfig()  # suffix only: vLLM's suffix_decoding_* keys
     given: tuple[str, ...] = ()  # the method-specific settings given a value
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
+    # heads only: the target checkpoint the head drafts for (checked against it, and the
+    # embedding a head without its own shares); the target_verifier's target_model
+    target_model: str | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
         method = params.get_str("method", "draft_model", choices=tuple(PROPOSERS))
-        # under ngram the path is kept as written, unresolved: its variables need not be set
-        draft_model = (params.get_path("draft_model", DEFAULT_DRAFT_MODEL) if method == "draft_model"
+        # under ngram and suffix the path is kept as written, unresolved: its variables need not be set
+        draft_model = (params.get_path("draft_model", DEFAULT_DRAFT_MODEL) if method not in ("ngram", "suffix")
                        else params.get_str("draft_model", None))  # fmt: skip
         config = cls(
             method=method,
@@ -80,6 +84,7 @@ class DraftProposerConfig:
             suffix=_suffix_config(params),
             given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
             sequence_idle_timeout_s=_idle_timeout(params),
+            target_model=params.get_path("target_model", DEFAULT_TARGET_MODEL, must_exist=method in HEAD_METHODS),
         )
         params.check_all_read()
         try:

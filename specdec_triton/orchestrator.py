@@ -185,7 +185,8 @@ class Orchestrator:
             if request.max_tokens is None and "max_tokens" in message:
                 message += f" (the request sent no max_tokens: the model's default_max_tokens, {params.max_tokens})"
             raise RequestError(message) from None
-        return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params)
+        hidden_layers = self.descriptions.draft.hidden_state_layers  # a draft head's: the verifier returns them
+        return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params, hidden_layers)
 
     async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool],
                        client: str | None = None) -> None:  # fmt: skip

@@ -25,9 +25,11 @@ Inputs = Mapping[str, np.ndarray]
 
 class SequenceHost:
     def __init__(self, name: str, holder, description: ModelDescription, idle_timeout_s: float, logger: ModelLogger,
-                 model_config: str | None = None, keeps_responses: bool = False):  # fmt: skip
+                 model_config: str | None = None, keeps_responses: bool = False,
+                 describe_extra: dict | None = None):  # fmt: skip
         self.name, self.holder, self.description, self.logger = name, holder, description, logger
         self.keeps_responses = keeps_responses  # the proposer: a release may carry completed responses
+        self.describe_outputs = {**wire.description_outputs(description), **(describe_extra or {})}
         self.secret = boot_secret()  # only the orchestrator may call
         self.active = ActiveSequences(name)
         self.expired = ExpiredSequences(name)
@@ -61,7 +63,7 @@ class SequenceHost:
         self.leases.touch(r.seq_id for r in flat)  # before the run: a failed call may have taken a slot
         results = iter(run(flat))
         return [
-            wire.description_outputs(self.description) if wire.is_describe(inputs)
+            self.describe_outputs if wire.is_describe(inputs)
             else outputs_of([next(results) for _ in group])
             for inputs, group in zip(batch, requests)
         ]  # fmt: skip

@@ -152,7 +152,7 @@ def test_a_long_prefill_beside_decode_steps_runs_in_its_own_pass(llama, monkeypa
     ]
     pass_sizes = []
     run = batched._run
-    monkeypatch.setattr(batched, "_run", lambda calls: pass_sizes.append(len(calls)) or run(calls))
+    monkeypatch.setattr(batched, "_run", lambda calls, *layers: pass_sizes.append(len(calls)) or run(calls, *layers))
     together = batched.forward(batch)
     assert sorted(pass_sizes) == [1, 2]  # two passes: the decode steps, then the prefill
     for got, call in zip(together, batch):  # in call order, as if each had run alone

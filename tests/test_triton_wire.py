@@ -20,7 +20,7 @@ from specdec.types import (
     VerifyRequest,
     VerifyResult,
 )
-from specdec_triton import configs, trtllm, wire
+from specdec_triton import configs, hidden_wire, trtllm, wire
 from specdec_triton.plumbing import Parameters, RequestError
 from specdec_triton.request import GENERATE_INPUTS, GENERATE_OUTPUTS
 
@@ -40,9 +40,11 @@ SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in fl
 MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TokenizerConfig),
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
-    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS, wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
+    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS,
+                          wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS,
                           configs.DraftProposerConfig),
-    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS, wire.DECLARED_VERIFY_OUTPUTS + wire.DESCRIBE_OUTPUTS,
+    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS,
+                           wire.DECLARED_VERIFY_OUTPUTS + hidden_wire.VERIFY_HIDDEN_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                            configs.TargetVerifierConfig),
     wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS, wire.SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                              configs.RejectionSamplerConfig),

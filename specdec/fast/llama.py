@@ -202,19 +202,48 @@ class FastLlama(nn.Module):
         kv: torch.Tensor,  # [num_layers, 2, num_slots, kv_heads, max_model_len, head_dim]
         kv_len: int,
         logit_rows: torch.Tensor | None = None,  # [R] int64 indices into the flattened [B * S] rows; None = all
-    ) -> torch.Tensor:  # [R, vocab] (or [B * S, vocab]) in the model dtype
+        hidden_layers: tuple[int, ...] = (),
+        hidden_rows: torch.Tensor | None = None,  # [N] int64 indices into the flattened [B * S] rows; None = all
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[R, vocab]`` in the model dtype; with ``hidden_layers``, also ``[N, len(layers) * hidden]``.
+
+        ``hidden_layers`` index transformers' ``output_hidden_states`` tuple (``check_hidden_layers``):
+        the features EAGLE-3 and the MLP speculator read from the target.
+        """
         b, s = input_ids.shape
         batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4])
         freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, 1, S, head_dim]
-        for layer, layer_kv in zip(self.model.layers, kv):
+        taken: dict[int, torch.Tensor] = {}  # layer id -> [B, S, hidden]
+        for i, (layer, layer_kv) in enumerate(zip(self.model.layers, kv)):
+            if i in hidden_layers:
+                taken[i] = x
             x = layer(x, cos, sin, layer_kv, batch)
         x = x.reshape(b * s, -1)  # [B * S, hidden]
+        if hidden_layers:
+            taken[self.config.num_layers] = self.model.norm(x)  # [B * S, hidden]
+            hidden = torch.cat([taken[i].reshape(b * s, -1) for i in hidden_layers], dim=-1)  # [B * S, n * hidden]
+            if hidden_rows is not None:
+                hidden = hidden.index_select(0, hidden_rows)  # [N, n * hidden]
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [R, hidden]: the lm_head runs only where logits are wanted
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        return (logits, hidden) if hidden_layers else logits
+
+
+def check_hidden_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Hidden-state ids are transformers' ``output_hidden_states`` indices: 0 .. num_layers.
+
+    ``i < num_layers`` is the input of decoder layer ``i`` (0: the embeddings; vLLM's
+    ``aux_hidden_state_layers`` count the same way), ``num_layers`` the final normed state.
+    """
+    if any(not 0 <= i <= num_layers for i in layers):
+        raise ValueError(
+            f"hidden_layers must be ids in [0, {num_layers}] (the target has {num_layers} layers), got {layers}"
+        )
+    return tuple(layers)
 
 
 def load_fast_llama(

@@ -15,7 +15,7 @@ import torch
 from specdec.cached_lm import ForwardCall, check_forward_calls
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, StaticShapeRunner
 from specdec.fast.kv_cache import StaticKVCache
-from specdec.fast.llama import load_fast_llama
+from specdec.fast.llama import check_hidden_layers, load_fast_llama
 from specdec.models import resolve_dtype
 from specdec.progress import Log, timed_phase
 
@@ -99,14 +99,25 @@ class FastCausalLM:
     def release(self, seq_id: str) -> None:
         self.cache.release(seq_id)
 
-    @torch.inference_mode()
     def forward(self, calls: list[ForwardCall]) -> list[torch.Tensor]:  # each [num_logits, vocab] float32
         """Run the calls as batched passes (one, unless lengths differ widely: ``padding_bounded_passes``).
 
         A failure leaves each sequence at its ``position``.
         """
+        return self.forward_with_hidden(calls, ())[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self, calls: list[ForwardCall], hidden_layers: tuple[int, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """``forward``, and per call the hidden states ``hidden_layers`` of every token it fed.
+
+        Each hidden tensor is ``[len(token_ids), len(hidden_layers) * hidden]`` in the model
+        dtype, on the model's device (None without ``hidden_layers``).
+        """
         if not calls:
-            return []
+            return [], []
+        check_hidden_layers(hidden_layers, self.model.config.num_layers)
         fresh = [c.seq_id for c in calls if c.seq_id not in self.cache]
         check_forward_calls(self, calls, len(fresh))
         for call in calls:
@@ -116,18 +127,22 @@ class FastCausalLM:
                 self.cache.allocate(call.seq_id)
         try:
             logits: list[torch.Tensor | None] = [None] * len(calls)
+            hidden: list[torch.Tensor | None] = [None] * len(calls)
             for group in padding_bounded_passes([len(c.token_ids) for c in calls]):
-                for i, rows in zip(group, self._run([calls[i] for i in group])):
-                    logits[i] = rows
+                rows, states = self._run([calls[i] for i in group], hidden_layers)
+                for j, i in enumerate(group):
+                    logits[i], hidden[i] = rows[j], states[j]
         except BaseException:
             for seq_id in fresh:
                 self.cache.release(seq_id)
             raise
         for call in calls:
             self.cache.set_length(call.seq_id, call.position + len(call.token_ids))
-        return logits
+        return logits, hidden
 
-    def _run(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
+    def _run(
+        self, calls: list[ForwardCall], hidden_layers: tuple[int, ...] = ()
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         b, s = len(calls), max(len(c.token_ids) for c in calls)
         input_ids = torch.zeros((b, s), dtype=torch.long)  # [B, S], right-padded
         for i, call in enumerate(calls):
@@ -135,19 +150,29 @@ class FastCausalLM:
         starts = torch.tensor([c.position for c in calls], dtype=torch.long)  # [B]
         num_new = torch.tensor([len(c.token_ids) for c in calls], dtype=torch.long)  # [B]
         slots = torch.tensor([self.cache.slot(c.seq_id) for c in calls], dtype=torch.long)  # [B]
-        bucket = self.graphs.bucket(b, s) if self.graphs is not None else None
+        # The captured graphs return logits alone: a pass that wants hidden states runs eagerly.
+        bucket = self.graphs.bucket(b, s) if self.graphs is not None and not hidden_layers else None
         width = bucket[1] if bucket is not None else s  # padded tokens per row of the pass that runs
         rows = torch.tensor(
             [i * width + len(c.token_ids) - c.num_logits + j for i, c in enumerate(calls) for j in range(c.num_logits)],
             dtype=torch.long, device=self.device,
         )  # [R]: flattened [B, width] indices of the wanted logits
+        hidden = None
         if bucket is not None:
             logits = self.graphs.run(bucket, input_ids, starts, num_new, slots).index_select(0, rows)  # [R, vocab]
         else:
             kv_len = int((starts + num_new).max())
             to = dict(device=self.device, non_blocking=True)
-            logits = self.model(
+            hidden_rows = torch.tensor(
+                [i * width + j for i, c in enumerate(calls) for j in range(len(c.token_ids))],
+                dtype=torch.long, device=self.device,
+            )  # [N]: every token fed
+            out = self.model(
                 input_ids.to(**to), starts.to(**to), num_new.to(**to), slots.to(**to),
-                self.cache.kv, kv_len=kv_len, logit_rows=rows,
-            )  # [R, vocab]
-        return list(logits.float().split([c.num_logits for c in calls]))
+                self.cache.kv, kv_len=kv_len, logit_rows=rows, hidden_layers=hidden_layers, hidden_rows=hidden_rows,
+            )  # [R, vocab], or ([R, vocab], [N, n * hidden])
+            logits, hidden = out if hidden_layers else (out, None)
+        logits = list(logits.float().split([c.num_logits for c in calls]))
+        if hidden is None:
+            return logits, [None] * len(calls)
+        return logits, list(hidden.split([len(c.token_ids) for c in calls]))

@@ -3,10 +3,18 @@ from __future__ import annotations
 
 from specdec.proposers.base import Proposer, check_propose_requests
 from specdec.proposers.draft_model import DraftModelProposer, check_draft_compatible
+from specdec.proposers.eagle3 import Eagle3Proposer
+from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
 from specdec.proposers.suffix import SUFFIX_DESCRIPTION, SuffixConfig, SuffixProposer
 
-PROPOSERS = {"draft_model": DraftModelProposer, "ngram": NgramProposer, "suffix": SuffixProposer}
+PROPOSERS = {
+    "draft_model": DraftModelProposer,
+    "ngram": NgramProposer,
+    "suffix": SuffixProposer,
+    "eagle3": Eagle3Proposer,  # reads the target's hidden states (specdec.heads)
+    "mlp_speculator": MLPSpeculatorProposer,
+}
 
 
 def make_proposer(method: str, **kwargs) -> Proposer:
@@ -20,6 +28,8 @@ __all__ = [
     "NGRAM_DESCRIPTION",
     "PROPOSERS",
     "DraftModelProposer",
+    "Eagle3Proposer",
+    "MLPSpeculatorProposer",
     "NgramProposer",
     "SUFFIX_DESCRIPTION",
     "SuffixConfig",

@@ -1,19 +1,22 @@
-"""draft_proposer: k draft tokens per sequence from a draft model, n-gram lookup or suffix trees.
+"""draft_proposer: k draft tokens per sequence from a draft model, a draft head, n-gram lookup or suffix trees.
 
 Keeps each live sequence (its tokens, and a KV cache with method draft_model); a
 propose request carries only the tokens not sent before, at ``position``, and a
-request with ``release`` set frees the sequence. A request carries one or more
+request with ``release`` set frees the sequence (with method suffix, the responses of
+completed requests it carries join the global tree). A request carries one or more
 sequences (``wire``), and requests arrive in dynamic batches, so with the fast engine
 all sequences drafting at the same moment share each forward. A request with
 ``describe`` set gets the proposer's ``ModelDescription``, which the orchestrator
-checks against the target's. Callers, releases and expiry:
-:class:`specdec_triton.stateful.SequenceHost`.
+checks against the target's; a head (eagle3, mlp_speculator) names there the target
+hidden states it reads, which the orchestrator then asks target_verifier for and sends
+along. Callers, releases and expiry: :class:`specdec_triton.stateful.SequenceHost`.
 """
 
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
+from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.proposers import NGRAM_DESCRIPTION, SUFFIX_DESCRIPTION, DraftModelProposer, NgramProposer, SuffixProposer
-from specdec_triton import wire
+from specdec_triton import hidden_wire, wire
 from specdec_triton.configs import DraftProposerConfig
 from specdec_triton.metrics import SuffixCacheGauges
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
@@ -25,22 +28,27 @@ class TritonPythonModel:
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         if config.method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            description = NGRAM_DESCRIPTION
+            self.proposer, description = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), NGRAM_DESCRIPTION
         elif config.method == "suffix":
             self.proposer, description = SuffixProposer(config.suffix), SUFFIX_DESCRIPTION
+        elif config.method in HEAD_METHODS:
+            self.proposer = build_head_proposer(
+                config.method, config.draft_model, config.target_model, config.dtype, device, config.max_num_seqs
+            )
+            description = describe_head(self.proposer, config.draft_model)
         else:
             lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, log=self.logger.info)
             self.proposer, description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.host = SequenceHost(args["model_name"], self.proposer, description, config.sequence_idle_timeout_s,
-                                 self.logger, args["model_config"], keeps_responses=True)  # fmt: skip
+                                 self.logger, args["model_config"], keeps_responses=True,
+                                 describe_extra=hidden_wire.description_hidden_outputs(description))  # fmt: skip
         self.suffix_gauges = SuffixCacheGauges(args["model_name"]) if config.method == "suffix" else None
         self.logger.info(f"{config} on {device}: {description}")
         for warning in config.unread_settings():
             self.logger.warning(warning)
 
     def execute(self, requests):
-        responses = answer_batch(requests, wire.PROPOSE_INPUTS, self._propose)
+        responses = answer_batch(requests, wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS, self._propose)
         self.host.show_active()
         if self.suffix_gauges is not None:
             stats = self.proposer.stats()
@@ -48,7 +56,8 @@ class TritonPythonModel:
         return responses
 
     def _propose(self, batch):
-        return self.host.handle(batch, wire.propose_requests_of, self.proposer.propose, wire.proposal_outputs)
+        return self.host.handle(batch, lambda x: hidden_wire.with_hidden_states(wire.propose_requests_of(x), x),
+                                self.proposer.propose, wire.proposal_outputs)  # fmt: skip
 
     def finalize(self):
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it

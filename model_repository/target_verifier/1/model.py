@@ -12,10 +12,20 @@ checks requests and the draft against. Callers, releases and expiry:
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.verifier import TargetVerifier
-from specdec_triton import wire
+from specdec_triton import hidden_wire, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
+
+
+def _outputs(results):
+    """A draft head's hidden states travel back only to a request that asked for them."""
+    return {**wire.verify_outputs(results), **hidden_wire.hidden_outputs(results)}
+
+
+def _outputs(results):
+    """A draft head's hidden states travel back only to a request that asked for them."""
+    return {**wire.verify_outputs(results), **hidden_wire.hidden_outputs(results)}
 
 
 class TritonPythonModel:
@@ -32,12 +42,13 @@ class TritonPythonModel:
         self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):
-        responses = answer_batch(requests, wire.VERIFY_INPUTS, self._verify)
+        responses = answer_batch(requests, wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS, self._verify)
         self.host.show_active()
         return responses
 
     def _verify(self, batch):
-        return self.host.handle(batch, wire.verify_requests_of, self.verifier.verify, wire.verify_outputs)
+        return self.host.handle(batch, lambda x: hidden_wire.with_hidden_layers(wire.verify_requests_of(x), x),
+                                self.verifier.verify, _outputs)  # fmt: skip
 
     def finalize(self):
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it

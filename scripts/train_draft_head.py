@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Train a draft head (EAGLE-3 or MLP speculator) for a target by self-distillation, and measure it.
+
+The head learns the target's own next-token distributions (soft labels, as EAGLE does)
+from the target's hidden states over the training text of ``train_tiny_models.py`` (the
+standard library's ``.py`` files, the same held-out split). The target is frozen; the
+head's embedding is the target's (frozen, EAGLE-3's choice), its LM head starts from the
+target's rows.
+
+* ``eagle3``: layers ``--aux-layers`` (default vLLM's ``[2, L // 2, L - 3]``, spread out where
+  those collide), a draft vocabulary of the ``--draft-vocab-size`` most frequent training
+  tokens, and the training-time test: ``--ttt-steps`` (>= 3) passes in which the head reads
+  its own output for later positions (``specdec.heads.eagle3.train_forward``), weighted
+  ``0.8 ** step``.
+* ``mlp_speculator``: ``--n-predict`` stages over the target's final hidden state, stage
+  ``i`` fed the text's tokens and trained on the target's distribution ``i + 1`` tokens on.
+
+Then the head is written (speculators / MLPSpeculator format) and run in the real engine
+on held-out prompts at ``--k`` (greedy), beside ``--baseline-draft``: the report gives the
+mean tokens per verify step of both. Seeded; the frozen target runs once over ``--windows``
+training windows and every step draws its batch from them.
+
+    python scripts/train_draft_head.py --method eagle3 --target models/tiny-target --out models/tiny-eagle3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
+
+from eval_tiny_models import held_out_prompts, run  # noqa: E402
+from train_tiny_models import corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
+
+from specdec.build import build_lm  # noqa: E402
+from specdec.fast.checkpoint import read_config  # noqa: E402
+from specdec.heads import build_head_proposer  # noqa: E402
+from specdec.heads.eagle3 import Eagle3Head, default_aux_layers, eagle3_config_for, train_forward  # noqa: E402
+from specdec.heads.formats import save_eagle3  # noqa: E402
+from specdec.heads.mlp_speculator import MLPSpeculator, save_mlp_speculator  # noqa: E402
+from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
+from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
+from specdec.rejection_sampler import RejectionSampler  # noqa: E402
+from specdec.verifier import TargetVerifier  # noqa: E402
+
+STEP_DECAY = 0.8  # EAGLE-3's weight of training-time-test step j: 0.8 ** j
+
+
+def aux_layers_for(num_layers: int, given: str | None) -> tuple[int, ...]:
+    if given:
+        return tuple(int(x) for x in given.split(","))
+    layers = default_aux_layers(num_layers)
+    if len(set(layers)) == 3:
+        return layers
+    return (1, num_layers // 2, num_layers - 1)  # a shallow target: low, middle and last layer inputs, distinct
+
+
+def soft_ce(logits: torch.Tensor, target_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy to the target's distribution over the rows in ``valid`` ([B, T] bool)."""
+    per_row = -(target_logp.exp() * logits.float().log_softmax(-1)).sum(-1)  # [B, T]
+    valid = valid.expand_as(per_row)
+    return (per_row * valid).sum() / valid.sum().clamp(min=1)
+
+
+def build_eagle3(target, arch, args, train_ids: torch.Tensor) -> Eagle3Head:
+    counts = torch.bincount(train_ids, minlength=arch.vocab_size)  # [vocab]
+    draft_vocab = min(args.draft_vocab_size, arch.vocab_size)
+    kept = counts.topk(draft_vocab).indices.sort().values  # [draft_vocab]: the most frequent target ids
+    head = Eagle3Head(eagle3_config_for(arch, draft_vocab, aux_layers_for(arch.num_layers, args.aux_layers)))
+    with torch.no_grad():
+        head.d2t.copy_(kept - torch.arange(draft_vocab))
+        head.t2d.zero_()
+        head.t2d[kept] = True
+        head.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight[kept])
+        head.norm.weight.copy_(target.model.norm.weight)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+@torch.no_grad()
+def target_outputs(target, data: torch.Tensor, args, layers: tuple[int, ...], kept: torch.Tensor | None):
+    """The target's hidden states ``layers`` and log-probabilities over ``kept`` ids for ``--windows`` windows.
+
+    Computed once: the frozen target's forward is most of a step's cost on a CPU, and
+    every epoch reuses it. Windows are ``seq_len + 2`` tokens from seeded random offsets.
+    """
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    starts = torch.randint(0, len(data) - args.seq_len - 2, (args.windows,), generator=gen).tolist()
+    windows = torch.stack([data[s : s + args.seq_len + 2] for s in starts])  # [W, T]
+    features, logps = [], []
+    for chunk in tqdm(windows.split(args.batch_size), desc="target outputs", mininterval=5):
+        out = target(chunk, output_hidden_states=True)
+        features.append(torch.cat([out.hidden_states[i] for i in layers], -1).to(torch.bfloat16))  # [b, T, F]
+        logits = out.logits if kept is None else out.logits[..., kept]
+        logps.append(logits.float().log_softmax(-1).to(torch.bfloat16))  # [b, T, vocab or draft_vocab]
+    return windows, torch.cat(features), torch.cat(logps)
+
+
+def eagle3_loss(head: Eagle3Head, window, features, target_logp, ttt_steps: int) -> torch.Tensor:
+    """Row t reads token x_{t+1} and the features at t; it is scored on the target's distribution at t + 1."""
+    steps = train_forward(head, window[:, 1:], features[:, :-1].float(), ttt_steps)
+    rows = torch.arange(window.shape[1] - 1)[None, :]  # [1, T-1]
+    labels = target_logp[:, 1:].float()  # [B, T-1, draft_vocab]
+    total = sum(STEP_DECAY**j * soft_ce(logits, labels, rows >= j) for j, logits in enumerate(steps))
+    return total / sum(STEP_DECAY**j for j in range(ttt_steps))
+
+
+def build_mlp(target, arch, args) -> MLPSpeculator:
+    config = dict(n_predict=args.n_predict, emb_dim=arch.hidden_size, inner_dim=args.inner_dim or arch.hidden_size,
+                  vocab_size=arch.vocab_size, tie_weights=False, scale_input=True,
+                  top_k_tokens_per_head=[1] * args.n_predict, n_candidates=1)  # fmt: skip
+    model = MLPSpeculator(config)
+    if model.inner_dim == arch.hidden_size:
+        with torch.no_grad():
+            for head in model.head:
+                head.weight.copy_(target.lm_head.weight)
+    return model
+
+
+def mlp_loss(model: MLPSpeculator, window, last, target_logp) -> torch.Tensor:
+    """Stage i at base t reads token x_{t+1+i} and is scored on the target's distribution at t + 1 + i."""
+    n = model.n_predict
+    span = window.shape[1] - n  # bases t = 0 .. span - 1
+    state = model.first_state(last[:, :span].float())  # [B, span, h]
+    losses = []
+    for i in range(n):
+        logits, state = model.stage(i, state, window[:, 1 + i : 1 + i + span])
+        valid = torch.ones(window.shape[0], span, dtype=torch.bool)
+        losses.append(soft_ce(logits, target_logp[:, 1 + i : 1 + i + span].float(), valid))
+    return sum(losses) / n
+
+
+def train(args, head, loss_fn, pool) -> list[float]:
+    """``--steps`` AdamW steps over batches drawn (seeded) from the precomputed ``pool``."""
+    gen = torch.Generator().manual_seed(args.seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    head.train()
+    losses = []
+    progress = tqdm(range(args.steps), desc=f"train {args.method}", mininterval=5)
+    for step in progress:
+        rows = torch.randint(0, args.windows, (args.batch_size,), generator=gen)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, warmup=min(50, args.steps // 10))
+        loss = loss_fn(*(t[rows] for t in pool))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        progress.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    head.eval()
+    return losses
+
+
+def evaluate(args, tokenizer) -> list[dict]:
+    """Greedy mean tokens per verify step at k on held-out prompts: the new head and the baseline draft."""
+    prompts = held_out_prompts(tokenizer, args.eval_prompts, args.prompt_tokens)
+    verifier = TargetVerifier(build_lm(args.target, "fast", "float32", "cpu", max_num_seqs=2))
+    proposers = [(args.method, build_head_proposer(args.method, args.out, args.target, "float32", "cpu", 2))]
+    if args.baseline_draft:
+        draft = build_lm(args.baseline_draft, "fast", "float32", "cpu", max_num_seqs=2)
+        proposers.append(("draft_model", DraftModelProposer(draft)))
+    results = []
+    for name, proposer in proposers:
+        result = run(name, proposer, verifier, RejectionSampler("strict"), prompts, args, tokenizer.eos_token_id)
+        result.pop("outputs")
+        print(f"[eval] {name}: {result['mean_accepted_length']} tokens per step at k={args.k}, acceptance "
+              f"{result['acceptance_rate']}, per position {result['accepted_per_position']}", flush=True)
+        results.append(result)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", choices=("eagle3", "mlp_speculator"), required=True)
+    parser.add_argument("--target", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--windows", type=int, default=256, help="training windows; the target runs once over each")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--corpus-chars", type=int, default=4_000_000)
+    parser.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test passes (>= 3)")
+    parser.add_argument("--draft-vocab-size", type=int, default=2048, help="eagle3")
+    parser.add_argument("--aux-layers", help="eagle3: comma-separated target hidden-state ids")
+    parser.add_argument("--n-predict", type=int, default=4, help="mlp_speculator: stages")
+    parser.add_argument("--inner-dim", type=int, default=0, help="mlp_speculator: 0 = the target's hidden size")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--eval-prompts", type=int, default=12)
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--baseline-draft", default=str(REPO_ROOT / "models" / "tiny-draft"), help="empty: none")
+    # one thread: on a shared CPU, torch's threads wait on each other at every op (ten times slower here)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0: torch's default")
+    args = parser.parse_args()
+    if args.method == "eagle3" and args.ttt_steps < 3:
+        parser.error(f"--ttt-steps must be >= 3 for eagle3, got {args.ttt_steps}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.time()
+
+    tokenizer = load_tokenizer(args.target)
+    arch = read_config(args.target)
+    target = load_causal_lm(args.target, dtype="float32").requires_grad_(False)
+    train_files, _ = corpus_files()
+    data = encode_stream(tokenizer, read_texts(train_files, args.corpus_chars))
+    print(f"[train] {len(data)} training tokens", flush=True)
+    if args.method == "eagle3":
+        head = build_eagle3(target, arch, args, data)
+        pool = target_outputs(target, data, args, head.config.aux_layers, head.t2d.nonzero().flatten())
+        losses = train(args, head, lambda *batch: eagle3_loss(head, *batch, args.ttt_steps), pool)
+        # the embedding is the target's, frozen: the loader shares it, as vLLM does
+        save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k, embedding=False)
+    else:
+        head = build_mlp(target, arch, args)
+        pool = target_outputs(target, data, args, (arch.num_layers,), None)
+        losses = train(args, head, lambda *batch: mlp_loss(head, *batch), pool)
+        save_mlp_speculator(head, args.out)
+    train_seconds = time.time() - started
+    results = evaluate(args, tokenizer)
+    report = {
+        "command": " ".join(sys.argv),
+        "method": args.method,
+        "train_windows": args.windows,
+        "train_tokens_seen": args.steps * args.batch_size * (args.seq_len + 2),
+        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+        "train_seconds": round(train_seconds),
+        "eval": {"num_prompts": args.eval_prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                 "results": results},  # fmt: skip
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Draft heads that read the target's hidden states: EAGLE-3 and the MLP speculator.
+
+``build_head_proposer`` loads a head directory (``specdec.heads.formats``) for the target
+checkpoint it drafts for and wraps it in its proposer; ``describe_head`` is what the
+draft_proposer model tells the orchestrator, the target hidden states it reads included.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdec.fast.checkpoint import read_config
+from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
+from specdec.models import resolve_dtype
+from specdec.types import ModelDescription
+
+HEAD_METHODS = ("eagle3", "mlp_speculator")
+
+
+def build_head_proposer(
+    method: str,
+    path: str | os.PathLike,
+    target_path: str | os.PathLike,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    max_num_seqs: int = 8,
+):
+    """The proposer for the head at ``path``; refuses a head of another kind or for another target."""
+    from specdec.heads.formats import head_kind, read_head_config
+
+    kind = head_kind(read_head_config(path))
+    if kind != method:
+        raise ValueError(
+            f"draft head {os.fspath(path)!r} is a {kind or 'plain causal LM'} checkpoint, not {method}; "
+            f"set method to match it (one of {HEAD_METHODS}, or draft_model for a causal LM)"
+        )
+    torch_dtype = resolve_dtype(dtype, device)
+    if method == "eagle3":
+        from specdec.heads.formats import load_eagle3
+        from specdec.proposers.eagle3 import Eagle3Proposer
+
+        head = load_eagle3(path, target_path, torch_dtype, device)
+        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
+            pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
+        # the head's cache spans the target's positions (as in vLLM), not those its layer config names
+        return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings)
+    from specdec.heads.mlp_speculator import load_mlp_speculator
+    from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
+
+    model = load_mlp_speculator(path, target_path, torch_dtype, device)
+    return MLPSpeculatorProposer(model, read_config(target_path).num_layers)
+
+
+def describe_head(proposer, path: str | os.PathLike) -> ModelDescription:
+    return ModelDescription(
+        os.path.realpath(path), proposer.vocab_size, proposer.max_model_len, proposer.max_num_seqs,
+        proposer.method, tuple(proposer.hidden_state_layers),
+    )  # fmt: skip

@@ -1,0 +1,200 @@
+"""The EAGLE-3 draft head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
+Language Models via Training-Time Test"), laid out as vLLM's ``llama_eagle3.py`` loads it.
+
+The head reads three hidden states of the target at each position (low, middle and high
+layers, concatenated: ``features``), fuses them with ``fc`` (3h -> h), and runs one Llama
+decoder layer whose attention sees ``[input_layernorm(embed(token)); hidden_norm(hidden)]``
+(2h wide). Row ``t`` takes token ``x_{t+1}`` and the target's fused features at ``t`` and
+predicts ``x_{t+2}``. To draft further it feeds itself: the next row takes the drafted token
+and the head's own pre-norm output of the row before, which is why training runs the same
+recurrence ("training-time test"). Logits cover a reduced draft vocabulary; ``d2t`` maps a
+draft id to its target id (``target = draft + d2t[draft]``) and ``t2d`` marks the target ids
+the head can propose, so ``target_logits`` puts them back on the target's vocabulary (the
+others get ``-inf``) and the rejection sampler compares ``p`` and ``q`` token for token.
+
+Numerics and the slot KV cache are the fast engine's (``specdec.fast.llama``): the head's
+one layer writes its keys and values into its own ``StaticKVCache`` at each row's position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.fast.checkpoint import LlamaArchConfig
+from specdec.fast.llama import MLP, Attention, BatchIndex, RMSNorm, rope_inv_freq
+
+EAGLE3 = "eagle3"
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """vLLM's and the EAGLE-3 reference's choice: a low, a middle and a high layer's input."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    layer: LlamaArchConfig  # the decoder layer: hidden size, heads, rope; vocab_size is the target's
+    draft_vocab_size: int  # rows of lm_head; d2t maps them onto the target's vocabulary
+    target_hidden_size: int  # fc reads len(aux_layers) * target_hidden_size features
+    aux_layers: tuple[int, ...]  # the target hidden states read (VerifyRequest.hidden_layers ids)
+    norm_before_residual: bool = False  # the residual is the normed hidden (some published heads)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.aux_layers) * self.target_hidden_size
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """A Llama layer whose attention reads the normed embedding and normed hidden state side by side."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        layer, h = config.layer, config.hidden_size
+        self.self_attn = Attention(layer, set(), triton_attention=False)
+        self.self_attn.qkv_proj = nn.Linear(2 * h, self.self_attn.qkv_proj.out_features, bias=False)  # [emb; hidden]
+        self.mlp = MLP(layer, set())
+        self.input_layernorm = RMSNorm(h, layer.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, layer.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, layer.rms_norm_eps)
+        self.norm_before_residual = config.norm_before_residual
+
+    def forward(self, embeds, hidden, cos, sin, kv, batch) -> torch.Tensor:  # embeds, hidden: [B, S, h]
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2h]
+        x = residual + self.self_attn(x, cos, sin, kv, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, S, h], pre-norm
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.fc = nn.Linear(config.feature_size, h, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        self.norm = RMSNorm(h, config.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # [draft_vocab]
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))  # [vocab]
+        self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)  # [head_dim // 2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype  # the linears may be packed for oneDNN (no .weight)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [..., feature_size] -> [..., h]
+        return self.fc(features.to(self.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64, right-padded
+        hidden: torch.Tensor,  # [B, S, h]: fused target features, or the head's own pre-norm output
+        starts: torch.Tensor,  # [B] int64: the position of each row's first token
+        num_new: torch.Tensor,  # [B] int64
+        slots: torch.Tensor,  # [B] int64
+        kv: torch.Tensor,  # [1, 2, num_slots, kv_heads, max_model_len, head_dim]
+        kv_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [B, S, draft_vocab], pre-norm [B, S, h]
+        b, s = input_ids.shape
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4])
+        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
+        embeds = self.embed_tokens(input_ids)  # [B, S, h]
+        cos, sin = emb.cos().to(embeds.dtype), emb.sin().to(embeds.dtype)
+        prenorm = self.layers[0](embeds, hidden.to(embeds.dtype), cos, sin, kv[0], batch)  # [B, S, h]
+        return self.lm_head(self.norm(prenorm)), prenorm
+
+    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] -> [n, vocab] float32
+        """Draft logits on the target's vocabulary; ids the draft vocabulary lacks get ``-inf``."""
+        out = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32)
+        targets = torch.arange(self.config.draft_vocab_size, device=draft_logits.device) + self.d2t  # [draft_vocab]
+        out[:, targets] = draft_logits.float()
+        return out
+
+
+def train_forward(
+    head: Eagle3Head,
+    input_ids: torch.Tensor,  # [B, T]: row t's token x_{t+1}
+    features: torch.Tensor,  # [B, T, feature_size]: the target's at t
+    num_steps: int,
+) -> list[torch.Tensor]:  # num_steps x [B, T, draft_vocab]; step j's row t predicts x_{t+2}, valid for t >= j
+    """The training-time test: step j feeds each row the head's own output of step j - 1 at the row before.
+
+    At inference the head drafting ``j`` tokens past its last true row ``t0`` attends to the
+    true rows ``<= t0`` and to its own rows ``t0 + 1 .. t0 + j``. Step ``j``'s query at row
+    ``t`` (base ``t0 = t - j``) therefore sees step 0's keys at rows ``<= t - j`` and step
+    ``i``'s key at row ``t - j + i`` for ``1 <= i <= j``: the mask built here, so training
+    sees exactly the inputs inference will.
+    """
+    layer, config = head.layers[0], head.config
+    b, t = input_ids.shape
+    attn = layer.self_attn
+    positions = torch.arange(t, device=input_ids.device)  # [T]
+    freqs = positions[:, None].float() * head.inv_freq  # [T, head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(head.dtype), emb.sin().to(head.dtype)  # [T, head_dim]
+    embeds = layer.input_layernorm(head.embed_tokens(input_ids))  # [B, T, h]
+    hidden = head.fuse(features)  # [B, T, h]
+    keys, values, outputs = [], [], []
+    for j in range(num_steps):
+        normed = layer.hidden_norm(hidden)
+        residual = normed if config.norm_before_residual else hidden
+        q, k, v = attn.qkv_proj(torch.cat([embeds, normed], -1)).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+        q = q.reshape(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.reshape(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, KVH, T, D]
+        v = v.reshape(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys.append(k)
+        values.append(v)
+        mask = _ttt_mask(t, j, input_ids.device)  # [T, (j + 1) * T]
+        out = F.scaled_dot_product_attention(
+            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads
+        )  # [B, H, T, D]
+        x = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        prenorm = x + layer.mlp(layer.post_attention_layernorm(x))  # [B, T, h]
+        outputs.append(head.lm_head(head.norm(prenorm)))
+        hidden = torch.cat([prenorm[:, :1], prenorm[:, :-1]], 1)  # row t takes row t - 1's output (row 0: unused)
+    return outputs
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _ttt_mask(t: int, j: int, device) -> torch.Tensor:  # [T, (j + 1) * T] bool: True = visible
+    rows = torch.arange(t, device=device)[:, None]  # [T, 1]
+    cols = torch.arange(t, device=device)[None, :]  # [1, T]
+    blocks = [cols <= rows - j]  # step 0: the true rows up to the base
+    blocks += [cols == rows - j + i for i in range(1, j + 1)]  # step i: its own row at base + i
+    mask = torch.cat(blocks, 1)
+    return mask | ~mask.any(1, keepdim=True)  # rows t < j have no base: let them see anything (never scored)
+
+
+def eagle3_config_for(target: LlamaArchConfig, draft_vocab_size: int | None = None, aux_layers=None) -> Eagle3Config:
+    """A head shaped like one layer of ``target`` (what EAGLE-3 trains), over ``draft_vocab_size`` tokens."""
+    layer = LlamaArchConfig(**{**target.__dict__, "num_layers": 1, "tie_word_embeddings": False})
+    return Eagle3Config(
+        layer=layer,
+        draft_vocab_size=draft_vocab_size or target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        aux_layers=tuple(aux_layers) if aux_layers is not None else default_aux_layers(target.num_layers),
+    )

@@ -1,0 +1,193 @@
+"""EAGLE-3 proposer: the head (``specdec.heads.eagle3``) drafts k tokens from the target's own features.
+
+Each request brings the tokens and the target hidden states the proposer has not been sent
+(``ProposeRequest.hidden_states``: one row per verified position, the accepted ones only).
+With ``N`` tokens the target has verified positions ``0 .. N - 2`` (the last token, the
+recovered or bonus one, has not been through the target yet), so the head runs its rows
+``t <= N - 2`` (token ``x_{t+1}``, features at ``t``) that its cache lacks in one ragged
+forward, and the last row's logits give the first draft. Each further draft is one row per
+sequence that feeds the drafted token with the head's own pre-norm output of the row
+before. Those self-fed rows are never kept: the next call brings the target's features for
+the same positions, and the cache is cut back to the rows built from them (a length moves).
+
+``q`` is the head's processed distribution over the target's vocabulary (the draft
+vocabulary mapped through ``d2t``, every other id 0), so rejection sampling is unchanged
+and stays lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.fast.kv_cache import StaticKVCache
+from specdec.heads.eagle3 import Eagle3Head
+from specdec.proposers.base import check_propose_requests
+from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.types import Proposal, ProposeRequest
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int]  # every token sent
+    fused: torch.Tensor  # [F, h]: fc(target features) at positions 0 .. F - 1
+    rows: int = 0  # head rows the KV cache holds that were built from the target's features
+
+
+class Eagle3Proposer:
+    method = "eagle3"
+
+    def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None):
+        config = head.config
+        self.head = head
+        self.device = head.device
+        self.max_model_len = max_model_len or config.layer.max_position_embeddings
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = config.vocab_size
+        self.hidden_state_layers = config.aux_layers
+        layer = config.layer
+        self.cache = StaticKVCache(
+            1, layer.num_kv_heads, layer.head_dim, max_num_seqs, self.max_model_len, head.dtype, self.device
+        )
+        self._seqs: dict[str, _Sequence] = {}
+
+    @property
+    def num_active_sequences(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+        self.cache.release(seq_id)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        check_propose_requests(requests, lambda s: len(self._seqs[s].tokens) if s in self._seqs else 0)
+        self._check(requests)
+        for r in requests:
+            self._take(r)
+        drafting = [r for r in requests if r.num_tokens > 0]
+        try:
+            drafts, q_rows = self._draft(drafting)
+        except BaseException:
+            for r in drafting:  # the next call rebuilds the rows from the features kept
+                self._seqs[r.seq_id].rows = 0
+            raise
+        by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
+        proposals = []
+        for r in requests:
+            i = by_seq.get(r.seq_id)
+            ids = drafts[i] if i is not None else []
+            probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab] q
+            proposals.append(Proposal(torch.tensor(ids, dtype=torch.long, device=self.device), probs))
+        return proposals
+
+    def _check(self, requests: list[ProposeRequest]) -> None:
+        """Refuse, before any state moves, features that do not fit the head or leave a gap."""
+        width = self.head.config.feature_size
+        for r in requests:
+            held = self._seqs[r.seq_id].fused.shape[0] if r.seq_id in self._seqs else 0
+            hidden = r.hidden_states
+            if hidden is not None and (hidden.dim() != 2 or hidden.shape[1] != width):
+                raise ValueError(
+                    f"seq {r.seq_id!r}: hidden_states of shape {tuple(hidden.shape)}; the EAGLE-3 head reads "
+                    f"[n, {width}] (layers {self.hidden_state_layers} of a target with hidden size "
+                    f"{self.head.config.target_hidden_size})"
+                )
+            if not 0 <= r.hidden_position <= held:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: hidden_position {r.hidden_position} is past the {held} positions of "
+                    f"hidden states the proposer holds"
+                )
+            num_rows = held if hidden is None else r.hidden_position + hidden.shape[0]  # positions with features
+            length = r.position + len(r.token_ids)
+            if r.num_tokens > 0 and num_rows < length - 1:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: {length} tokens need the target's hidden states at {length - 1} positions, "
+                    f"the proposer has {num_rows}"
+                )
+            if r.num_tokens > 0 and length + r.num_tokens - 2 > self.max_model_len:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed "
+                    f"max_model_len={self.max_model_len}"
+                )
+
+    def _take(self, r: ProposeRequest) -> None:
+        seq = self._seqs.get(r.seq_id)
+        if seq is None:
+            empty = torch.empty(0, self.head.config.hidden_size, dtype=self.head.dtype, device=self.device)
+            seq = self._seqs[r.seq_id] = _Sequence([], empty)
+        del seq.tokens[r.position :]
+        seq.tokens.extend(r.token_ids)
+        seq.rows = min(seq.rows, max(r.position - 1, 0))  # row t reads token t + 1
+        if r.hidden_states is not None:
+            fused = self.head.fuse(r.hidden_states.to(self.device))  # [n, h]
+            seq.fused = torch.cat([seq.fused[: r.hidden_position], fused])
+            seq.rows = min(seq.rows, r.hidden_position)
+        seq.fused = seq.fused[: len(seq.tokens) - 1]  # features past the last token's predecessor are stale
+
+    def _forward(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ragged pass; each row's last logits on the target vocabulary [B, vocab] and pre-norm [B, h]."""
+        b, s = len(seq_ids), max(len(t) for t in token_lists)
+        input_ids = torch.zeros((b, s), dtype=torch.long, device=self.device)  # [B, S]
+        hidden = torch.zeros((b, s, self.head.config.hidden_size), dtype=self.head.dtype, device=self.device)
+        for i, (tokens, rows) in enumerate(zip(token_lists, hidden_lists)):
+            input_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            hidden[i, : len(tokens)] = rows
+        num_new = torch.tensor([len(t) for t in token_lists], dtype=torch.long, device=self.device)  # [B]
+        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)  # [B]
+        slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
+        kv_len = int((starts_t + num_new).max())
+        logits, prenorm = self.head(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
+        last = num_new - 1  # [B]
+        rows = torch.arange(b, device=self.device)
+        return self.head.target_logits(logits[rows, last]), prenorm[rows, last]  # [B, vocab], [B, h]
+
+    def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        if not requests:
+            return [], []
+        seqs = [self._seqs[r.seq_id] for r in requests]
+        for r in requests:
+            if r.seq_id not in self.cache:
+                self.cache.allocate(r.seq_id)
+        starts, tokens, hidden = [], [], []
+        for seq in seqs:
+            last_row = len(seq.tokens) - 2  # the last position the target has verified
+            start = min(seq.rows, last_row)
+            starts.append(start)
+            tokens.append(seq.tokens[start + 1 : last_row + 2])
+            hidden.append(seq.fused[start : last_row + 1])
+        logits, prenorm = self._forward([r.seq_id for r in requests], starts, tokens, hidden)
+        for seq in seqs:
+            seq.rows = len(seq.tokens) - 1
+        generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
+        drafts: list[list[int]] = [[] for _ in requests]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        live = list(range(len(requests)))
+        for step in range(max(r.num_tokens for r in requests)):
+            if step:
+                live = [i for i in live if requests[i].num_tokens > step]
+                rows = self._forward(
+                    [requests[i].seq_id for i in live], [len(seqs[i].tokens) - 2 + step for i in live],
+                    [[drafts[i][-1]] for i in live], [prenorm[i : i + 1] for i in live],
+                )  # fmt: skip
+                logits, prenorm = _scatter(logits, prenorm, live, rows)
+            picked = []
+            for i in live:
+                banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)
+                if generators[i] is None:
+                    picked.append(greedy_tokens(logits[i : i + 1], *banned))
+                else:
+                    q = process_logits(logits[i : i + 1], requests[i].sampling, *banned)  # [1, vocab]
+                    picked.append(sample_from_probs(q, generators[i]))
+                    q_rows[i].append(q)
+            for i, token in zip(live, torch.cat(picked).tolist()):
+                drafts[i].append(token)
+        return drafts, q_rows
+
+
+def _scatter(logits, prenorm, live, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the live sequences' new rows over their old ones (the others keep theirs, unread)."""
+    logits, prenorm = logits.clone(), prenorm.clone()
+    index = torch.tensor(live, dtype=torch.long, device=logits.device)
+    logits[index], prenorm[index] = rows[0], rows[1]
+    return logits, prenorm

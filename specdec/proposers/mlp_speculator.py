@@ -1,0 +1,110 @@
+"""MLP-speculator proposer: ``n_predict`` stages draft from the target's last hidden state.
+
+The state of a sequence is its tokens and the target's final hidden state at the last
+verified position (``N - 2`` for ``N`` tokens: the one the target's own prediction of
+token ``N - 1`` came from); stage ``i`` reads the state and the last token and drafts
+token ``i + 1``. ``q`` is the stage's processed distribution over the target's vocabulary.
+A request for more drafts than the model has stages is refused, naming ``n_predict``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.heads.mlp_speculator import MLPSpeculator
+from specdec.proposers.base import check_propose_requests
+from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.types import Proposal, ProposeRequest
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int]
+    last_hidden: torch.Tensor | None = None  # [emb_dim]: the target's final hidden state at last_position
+    last_position: int = -1
+
+
+class MLPSpeculatorProposer:
+    method = "mlp_speculator"
+    max_num_seqs = None  # no cache: any number of sequences
+    max_model_len = None
+
+    def __init__(self, model: MLPSpeculator, target_num_layers: int):
+        self.model = model
+        self.device = model.head[0].weight.device
+        self.vocab_size = model.vocab_size
+        self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
+        self._seqs: dict[str, _Sequence] = {}
+
+    @property
+    def num_active_sequences(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        check_propose_requests(requests, lambda s: len(self._seqs[s].tokens) if s in self._seqs else 0)
+        for r in requests:
+            if r.num_tokens > self.model.n_predict:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: {r.num_tokens} drafts asked of an MLP speculator with n_predict="
+                    f"{self.model.n_predict}; num_speculative_tokens must be at most n_predict"
+                )
+            if r.hidden_states is not None and r.hidden_states.shape[-1] != self.model.emb_dim:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: hidden_states of width {r.hidden_states.shape[-1]}; the MLP speculator "
+                    f"reads the target's last hidden state, emb_dim={self.model.emb_dim}"
+                )
+        for r in requests:
+            seq = self._seqs.setdefault(r.seq_id, _Sequence([]))
+            del seq.tokens[r.position :]
+            seq.tokens.extend(r.token_ids)
+            if r.hidden_states is not None and r.hidden_states.shape[0]:
+                seq.last_hidden = r.hidden_states[-1].to(self.device)
+                seq.last_position = r.hidden_position + r.hidden_states.shape[0] - 1
+        drafting = [r for r in requests if r.num_tokens > 0]
+        for r in drafting:
+            seq = self._seqs[r.seq_id]
+            if seq.last_position != len(seq.tokens) - 2:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: drafting after {len(seq.tokens)} tokens needs the target's hidden state at "
+                    f"position {len(seq.tokens) - 2}, the proposer has it at {seq.last_position}"
+                )
+        drafts, q_rows = self._draft(drafting) if drafting else ([], [])
+        by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
+        out = []
+        for r in requests:
+            i = by_seq.get(r.seq_id)
+            ids = drafts[i] if i is not None else []
+            probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab]
+            out.append(Proposal(torch.tensor(ids, dtype=torch.long, device=self.device), probs))
+        return out
+
+    def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        seqs = [self._seqs[r.seq_id] for r in requests]
+        state = self.model.first_state(torch.stack([s.last_hidden for s in seqs]))  # [B, emb_dim]
+        tokens = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=self.device)  # [B]
+        generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
+        drafts: list[list[int]] = [[] for _ in requests]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        for step in range(max(r.num_tokens for r in requests)):
+            logits, state = self.model.stage(step, state, tokens)  # [B, vocab], [B, inner]
+            logits = logits.float()
+            picked = []
+            for i, r in enumerate(requests):
+                banned = (int(step < r.num_banned_tokens), r.banned_token_ids)
+                if generators[i] is None:
+                    picked.append(greedy_tokens(logits[i : i + 1], *banned))
+                else:
+                    q = process_logits(logits[i : i + 1], r.sampling, *banned)  # [1, vocab]
+                    picked.append(sample_from_probs(q, generators[i]))
+                    if r.num_tokens > step:
+                        q_rows[i].append(q)
+            tokens = torch.cat(picked)  # [B]
+            for i, token in enumerate(tokens.tolist()):
+                if requests[i].num_tokens > step:
+                    drafts[i].append(token)
+        return drafts, q_rows

@@ -1,0 +1,120 @@
+"""Through a real server: draft heads that read the target's hidden states keep the output exact.
+
+Each server serves a copy of the repository whose draft_proposer loads a head built here
+with random weights for the shipped target (EAGLE-3 in the speculators format, an MLP
+speculator in its published layout), or the shipped ``tiny-eagle3``, so the target's
+hidden states travel target_verifier -> orchestrator -> draft_proposer on every step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from client.generate import generate_grpc, generate_http
+from triton_server import models_dir, repository_copy, server_on_free_ports
+
+from specdec.fast.checkpoint import read_config
+from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for
+from specdec.heads.formats import save_eagle3
+from specdec.heads.mlp_speculator import MLPSpeculator, save_mlp_speculator
+
+pytestmark = pytest.mark.server
+
+MAX_TOKENS = 24
+PROMPTS = ["Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return n\n    return", "1, 2, 3, 4, 5,"]
+N_PREDICT = 2
+
+
+def _serve(tmp_path_factory, method: str, write_head):
+    """A server whose draft_proposer loads the head ``write_head`` writes (None: the shipped ``tiny-eagle3``)."""
+    models = models_dir()
+    if not (models / "tiny-target").is_dir():
+        pytest.skip(f"model pair not found under {models}")
+    workdir = tmp_path_factory.mktemp(f"server_{method}")
+    head = models / "tiny-eagle3"
+    if write_head is not None:
+        torch.manual_seed(0)
+        head = workdir / "head"
+        write_head(read_config(models / "tiny-target"), head)
+    elif not head.is_dir():
+        pytest.skip(f"no tiny-eagle3 under {models}")
+    repository = repository_copy(workdir, models, method, parameters={"draft_model": str(head)})
+    server = server_on_free_ports(workdir, repository)
+    server.start()
+    return server
+
+
+def _eagle3(target, out):
+    head = Eagle3Head(eagle3_config_for(target, draft_vocab_size=target.vocab_size // 2))
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(head.config.draft_vocab_size))  # the even target ids
+        head.t2d.zero_()
+        head.t2d[::2] = True
+    save_eagle3(head, out, verifier="tiny-target")
+
+
+def _mlp_speculator(target, out):
+    config = dict(n_predict=N_PREDICT, emb_dim=target.hidden_size, inner_dim=64, vocab_size=target.vocab_size,
+                  tie_weights=False, scale_input=True)  # fmt: skip
+    save_mlp_speculator(MLPSpeculator(config), out)
+
+
+@pytest.fixture(scope="module")
+def eagle3_server(tmp_path_factory):
+    server = _serve(tmp_path_factory, "eagle3", _eagle3)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def shipped_eagle3_server(tmp_path_factory):
+    server = _serve(tmp_path_factory, "eagle3", None)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def mlp_server(tmp_path_factory):
+    server = _serve(tmp_path_factory, "mlp_speculator", _mlp_speculator)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_eagle3_greedy_output_equals_the_targets(eagle3_server, reference, protocol):
+    drafted = 0
+    for prompt in PROMPTS:
+        params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
+        if protocol == "grpc":
+            result = generate_grpc(eagle3_server.grpc_url, "ensemble", prompt, {"stream": True, **params})
+        else:
+            result = generate_http(eagle3_server.http_url, "ensemble", prompt, {"stream": False, **params})
+        assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
+        drafted += result.total_draft_tokens
+    assert drafted > 0  # the head drafted from the hidden states it was sent
+
+
+def test_the_shipped_eagle3_head_is_accepted_and_exact(shipped_eagle3_server, reference):
+    accepted = 0
+    for prompt in PROMPTS:
+        params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": False}
+        result = generate_http(shipped_eagle3_server.http_url, "ensemble", prompt, params)
+        assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
+        accepted += result.total_accepted_draft_tokens
+    assert accepted > 0  # a trained head: its drafts are accepted through the whole served path
+
+
+def test_eagle3_sampled_requests_are_served(eagle3_server):
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": 7, "stream": False}
+    first = generate_http(eagle3_server.http_url, "ensemble", PROMPTS[0], params)
+    again = generate_http(eagle3_server.http_url, "ensemble", PROMPTS[0], params)
+    assert first.text == again.text and first.total_draft_tokens > 0
+
+
+def test_mlp_speculator_serves_k_up_to_n_predict_and_refuses_more_by_name(mlp_server, reference):
+    params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": False}
+    result = generate_http(mlp_server.http_url, "ensemble", PROMPTS[1], {**params, "num_speculative_tokens": N_PREDICT})
+    assert reference.greedy_mismatch(PROMPTS[1], result.text, MAX_TOKENS) is None and result.total_draft_tokens > 0
+    with pytest.raises(Exception, match=rf"n_predict={N_PREDICT}"):  # the configured k is 4
+        generate_http(mlp_server.http_url, "ensemble", PROMPTS[1], params)
+    again = generate_http(mlp_server.http_url, "ensemble", PROMPTS[2], {**params, "num_speculative_tokens": 1})
+    assert reference.greedy_mismatch(PROMPTS[2], again.text, MAX_TOKENS) is None

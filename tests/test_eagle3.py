@@ -1,0 +1,220 @@
+"""EAGLE-3: the target's hidden states, the head's formats, its proposer, and losslessness with it.
+
+Every model here is random and built in the test: a Llama target and a head over a
+reduced draft vocabulary (``d2t`` / ``t2d`` a random subset of the target's), written in
+the ``speculators`` format and loaded back the way the server loads it.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import build_tiny_llama, hf_generate_greedy
+from specdec.cached_lm import ForwardCall
+from specdec.engine import GenerationParams, generate
+from specdec.fast.checkpoint import read_config
+from specdec.fast.runner import FastCausalLM
+from specdec.heads import build_head_proposer
+from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for, train_forward
+from specdec.heads.formats import load_eagle3, save_eagle3
+from specdec.models import CachedCausalLM
+from specdec.rejection_sampler import RejectionSampler
+from specdec.sampling import process_logits
+from specdec.types import ProposeRequest, SamplingParams
+from specdec.verifier import TargetVerifier
+from test_sampled_losslessness import (
+    NUM_SAMPLES, NUM_TOKENS, PROMPT, SAMPLING, CountingSampler, chisquare_pvalue, exact_joint,
+)  # fmt: skip
+
+VOCAB, DRAFT_VOCAB = 32, 24  # a small vocabulary: a random head agrees with the target often enough to be accepted
+PROMPTS = [[3, 7, 1, 12, 30], [5], [9, 9, 9, 2, 2, 2, 9, 9], list(range(1, 21))]  # no 0: hf_generate_greedy pads with id 0
+NUM_NEW_TOKENS = 20
+
+
+def random_head(target_dir, seed: int, draft_vocab: int, aux_layers=None, scale: float = 0.3) -> Eagle3Head:
+    config = eagle3_config_for(read_config(target_dir), draft_vocab, aux_layers)
+    torch.manual_seed(seed)
+    head = Eagle3Head(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, scale) if p.dim() > 1 else p.fill_(1.0)
+        kept = torch.randperm(config.vocab_size)[:draft_vocab].sort().values  # [draft_vocab] target ids
+        head.d2t.copy_(kept - torch.arange(draft_vocab))
+        head.t2d.zero_()
+        head.t2d[kept] = True
+    return head
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 6-layer target (EAGLE-3's default layers 2, 3, 3) and a random head in the speculators format."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, initializer_range=0.3)
+    target.save_pretrained(root / "target")
+    save_eagle3(random_head(root / "target", 1, DRAFT_VOCAB), root / "head", verifier=str(root / "target"))
+    return target, root / "target", root / "head"
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_hidden_states_are_transformers_own(pair, engine):
+    target, target_dir, _ = pair
+    lm = FastCausalLM(target_dir, max_num_seqs=2) if engine == "fast" else CachedCausalLM(target)
+    ids, layers = PROMPTS[3], (2, 3, 6)
+    with torch.inference_mode():
+        reference = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    expected = torch.cat([reference[i][0] for i in layers], -1)  # [len(ids), 3 * hidden]
+    _, first = lm.forward_with_hidden([ForwardCall("a", 0, ids[:12], 1), ForwardCall("b", 0, ids[:4], 2)], layers)
+    _, rest = lm.forward_with_hidden([ForwardCall("a", 12, ids[12:], 3)], layers)
+    torch.testing.assert_close(torch.cat([first[0], rest[0]]).float(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first[1].float(), expected[:4], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"hidden_layers must be ids in \[0, 6\] \(the target has 6 layers\)"):
+        lm.forward_with_hidden([ForwardCall("c", 0, ids, 1)], (7,))
+
+
+def test_speculators_format_round_trips_and_reads_the_original_layout(pair, tmp_path):
+    _, target_dir, head_dir = pair
+    raw = json.loads((head_dir / "config.json").read_text())
+    assert raw["speculators_model_type"] == "eagle3" and raw["draft_vocab_size"] == DRAFT_VOCAB
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
+    # The original EAGLE-3 release: a Llama config.json and the layer's weights under midlayer.*
+    original = tmp_path / "original"
+    original.mkdir()
+    weights = load_file(head_dir / "model.safetensors")
+    save_file({k.replace("layers.0.", "midlayer."): v for k, v in weights.items() if k != "embed_tokens.weight"},
+              original / "model.safetensors")  # fmt: skip
+    layer = dict(raw["transformer_layer_config"], architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB)
+    (original / "config.json").write_text(json.dumps(layer))
+    shared = load_eagle3(original, target_dir, torch.float32, "cpu")  # no embed_tokens: the target's
+    target_embedding = load_file(target_dir / "model.safetensors")["model.embed_tokens.weight"]
+    torch.testing.assert_close(shared.embed_tokens.weight, target_embedding)
+    for name, tensor in head.state_dict().items():
+        if name != "embed_tokens.weight":
+            torch.testing.assert_close(shared.state_dict()[name], tensor)
+
+
+def test_a_head_for_another_target_is_refused_naming_both(pair, tmp_path):
+    _, target_dir, head_dir = pair
+    other = tmp_path / "other"
+    build_tiny_llama(seed=2, vocab_size=VOCAB, hidden_size=48, num_hidden_layers=6).save_pretrained(other)
+    with pytest.raises(ValueError, match=rf"draft head '{head_dir}' does not fit target '{other}'.*hidden size 32 "
+                                         rf"\(target has 48\)"):  # fmt: skip
+        build_head_proposer("eagle3", head_dir, other)
+    bigger = tmp_path / "bigger"
+    build_tiny_llama(seed=2, vocab_size=64, hidden_size=32, num_hidden_layers=6).save_pretrained(bigger)
+    with pytest.raises(ValueError, match=r"vocabulary of 32 tokens \(target has 64\)"):
+        build_head_proposer("eagle3", head_dir, bigger)
+    with pytest.raises(ValueError, match=r"is a eagle3 checkpoint, not mlp_speculator"):
+        build_head_proposer("mlp_speculator", head_dir, target_dir)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        build_head_proposer("eagle3", tmp_path, target_dir)
+
+
+def test_drafts_equal_the_training_time_test_recurrence(pair):
+    """The cached, position-addressed proposer computes what ``train_forward`` trains, step for step."""
+    target, target_dir, head_dir = pair
+    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2)
+    lm = FastCausalLM(target_dir, max_num_seqs=2)
+    tokens = PROMPTS[3]  # the target verified tokens[:-1]; tokens[-1] is its latest output
+    _, hidden = lm.forward_with_hidden([ForwardCall("s", 0, tokens[:-1], 1)], head.config.aux_layers)
+    sampling = SamplingParams(temperature=1.0)
+    split = 9  # two requests: the features arrive in pieces, as they do step by step
+    proposer.propose([ProposeRequest("s", 0, tokens[:split + 1], 1, sampling, 1, hidden_states=hidden[0][:split])])
+    [proposal] = proposer.propose([ProposeRequest("s", split + 1, tokens[split + 1 :], 3, sampling, 2,
+                                                  hidden_states=hidden[0][split:], hidden_position=split)])  # fmt: skip
+    drafts = proposal.token_ids.tolist()
+    full = tokens + drafts
+    n = len(tokens)
+    features = torch.zeros(1, len(full) - 1, head.config.feature_size)
+    features[0, : n - 1] = hidden[0]
+    with torch.no_grad():
+        steps = train_forward(head, torch.tensor([full[1:]]), features, num_steps=3)
+    for j in range(3):
+        expected = process_logits(head.target_logits(steps[j][0, n - 2 + j : n - 1 + j]), sampling)  # [1, vocab]
+        torch.testing.assert_close(proposal.probs[j : j + 1], expected, atol=1e-4, rtol=1e-4)
+    assert proposal.probs[:, ~head.t2d].abs().max() == 0  # q only where the draft vocabulary reaches
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
+    target, target_dir, head_dir = pair
+    lm = FastCausalLM(target_dir, max_num_seqs=4) if engine == "fast" else CachedCausalLM(target)
+    verifier = TargetVerifier(lm)
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4)
+    accepted = 0
+    for k in range(1, 6):
+        for prompt in PROMPTS:
+            params = GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=k)
+            out, stats = [], None
+            for step in generate(proposer, verifier, RejectionSampler(), prompt, params):
+                out += step.new_token_ids
+                stats = step.stats or stats
+            assert out == hf_generate_greedy(target, prompt, NUM_NEW_TOKENS), (k, prompt)
+            accepted += stats.num_accepted_tokens
+    assert accepted > 0, "the accepted path must be exercised"
+    assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
+
+
+def test_missing_or_misfit_hidden_states_are_refused_by_name(pair):
+    _, target_dir, head_dir = pair
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2)
+    greedy = SamplingParams()
+    with pytest.raises(ValueError, match=r"5 tokens need the target's hidden states at 4 positions, the proposer has 0"):
+        proposer.propose([ProposeRequest("s", 0, [1, 2, 3, 4, 5], 2, greedy, 0)])
+    with pytest.raises(ValueError, match=r"hidden_states of shape \(4, 10\); the EAGLE-3 head reads \[n, 96\]"):
+        proposer.propose([ProposeRequest("s", 0, [1, 2, 3, 4, 5], 2, greedy, 0, hidden_states=torch.zeros(4, 10))])
+    assert proposer.num_active_sequences == 0
+
+
+@pytest.mark.slow
+def test_speculative_sampling_with_the_head_matches_the_target_distribution(tmp_path):
+    """The chi-square test of ``test_sampled_losslessness`` with an EAGLE-3 head's ``q``."""
+    target = build_tiny_llama(seed=0, vocab_size=16, hidden_size=16, num_hidden_layers=1, initializer_range=0.3)
+    target.save_pretrained(tmp_path / "target")
+    head = random_head(tmp_path / "target", 3, 12, aux_layers=(0, 1, 1), scale=0.5)
+    save_eagle3(head, tmp_path / "head", verifier="target")
+    verifier = TargetVerifier(CachedCausalLM(target))
+    proposer = build_head_proposer("eagle3", tmp_path / "head", tmp_path / "target", max_num_seqs=2)
+    sampler = CountingSampler(RejectionSampler("probabilistic"))
+    counts: Counter = Counter()
+    for seed in range(NUM_SAMPLES):
+        params = GenerationParams(max_tokens=NUM_TOKENS + 3, num_speculative_tokens=4,
+                                  sampling=SamplingParams(SAMPLING.temperature, SAMPLING.top_k, seed=seed))  # fmt: skip
+        out: list[int] = []
+        steps = generate(proposer, verifier, sampler, PROMPT, params)
+        for step in steps:
+            out += step.new_token_ids
+            if len(out) >= NUM_TOKENS:
+                break
+        steps.close()
+        counts[tuple(out[:NUM_TOKENS])] += 1
+    # a random head is accepted rarely, but hundreds of times: both paths of the sampler run
+    assert sampler.accepted > 200 and sampler.drafted - sampler.accepted > 200, (sampler.accepted, sampler.drafted)
+    assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
+
+
+def test_the_sequence_sends_the_proposer_the_rows_of_the_tokens_that_stay():
+    from specdec.engine import SequenceState
+    from specdec.types import Proposal, SampleResult
+
+    state = SequenceState("s", [4, 5, 6], GenerationParams(max_tokens=10, num_speculative_tokens=3), hidden_layers=(1,))
+    assert state.verify_request(None).hidden_layers == (1,)
+    rows = torch.arange(3.0)[:, None]  # [3, 1]: one row per prompt token, its position as the value
+    state.commit(None, SampleResult(torch.tensor([7]), 0), rows)
+    first = state.propose_request()
+    assert (first.hidden_position, first.hidden_states.flatten().tolist()) == (0, [0.0, 1.0, 2.0])
+    proposal = Proposal(torch.tensor([8, 9, 10]))
+    verify = state.verify_request(proposal)  # [7, 8, 9, 10] at position 3
+    fed = torch.arange(3.0, 7.0)[:, None]  # rows of positions 3 .. 6
+    state.commit(proposal, SampleResult(torch.tensor([8, 11]), 1), fed)  # 8 accepted, 9 and 10 rejected
+    second = state.propose_request()
+    assert verify.position == 3 and second.position == 4 and second.token_ids == [8, 11]
+    assert (second.hidden_position, second.hidden_states.flatten().tolist()) == (3, [3.0, 4.0])  # 7 and 8 stay
+    with pytest.raises(ValueError, match=r"carries no hidden states, but the proposer reads layers \(1,\)"):
+        state.commit(Proposal(torch.tensor([1])), SampleResult(torch.tensor([1, 2]), 1), None)
