@@ -201,18 +201,18 @@ def test_speculative_sampling_with_the_head_matches_the_target_distribution(tmp_
 
 def test_the_sequence_sends_the_proposer_the_rows_of_the_tokens_that_stay():
     from specdec.engine import SequenceState
-    from specdec.types import Proposal, SampleResult
+    from specdec.types import Proposal, SampleResult, VerifyResult
 
     state = SequenceState("s", [4, 5, 6], GenerationParams(max_tokens=10, num_speculative_tokens=3), hidden_layers=(1,))
     assert state.verify_request(None).hidden_layers == (1,)
     rows = torch.arange(3.0)[:, None]  # [3, 1]: one row per prompt token, its position as the value
-    state.commit(None, SampleResult(torch.tensor([7]), 0), rows)
+    state.commit(None, SampleResult(torch.tensor([7]), 0), VerifyResult(torch.tensor([7]), None, hidden_states=rows))
     first = state.propose_request()
     assert (first.hidden_position, first.hidden_states.flatten().tolist()) == (0, [0.0, 1.0, 2.0])
     proposal = Proposal(torch.tensor([8, 9, 10]))
     verify = state.verify_request(proposal)  # [7, 8, 9, 10] at position 3
     fed = torch.arange(3.0, 7.0)[:, None]  # rows of positions 3 .. 6
-    state.commit(proposal, SampleResult(torch.tensor([8, 11]), 1), fed)  # 8 accepted, 9 and 10 rejected
+    state.commit(proposal, SampleResult(torch.tensor([8, 11]), 1), VerifyResult(torch.tensor([8, 11, 0, 0]), None, hidden_states=fed))  # 8 accepted, 9 and 10 rejected
     second = state.propose_request()
     assert verify.position == 3 and second.position == 4 and second.token_ids == [8, 11]
     assert (second.hidden_position, second.hidden_states.flatten().tolist()) == (3, [3.0, 4.0])  # 7 and 8 stay

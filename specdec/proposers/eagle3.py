@@ -16,6 +16,8 @@ and stays lossless.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +57,7 @@ class Eagle3Proposer:
     def num_active_sequences(self) -> int:
         return len(self._seqs)
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:  # a response teaches a head nothing
         self._seqs.pop(seq_id, None)
         self.cache.release(seq_id)
 

@@ -8,6 +8,8 @@ A request for more drafts than the model has stages is refused, naming ``n_predi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +43,7 @@ class MLPSpeculatorProposer:
     def num_active_sequences(self) -> int:
         return len(self._seqs)
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:  # a response teaches a head nothing
         self._seqs.pop(seq_id, None)
 
     @torch.inference_mode()
