@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark proposers on workloads that repeat themselves: n-gram, suffix decoding, a draft model.
+"""Benchmark proposers on workloads that repeat themselves: n-gram, suffix decoding, a draft model, a head.
 
 One server per method (a copy of the model repository, k fixed for every batch size),
 all up at once, plus k = 0 requests on the n-gram server (n-gram lookup learns
@@ -34,6 +34,7 @@ from bench.repeat import COLUMNS, RepeatPhase, summary_rows, templated_prompts
 from bench.repository import make_variant
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.workload import held_out_texts, select_prompts
+from specdec.heads import HEAD_METHODS
 from specdec.models import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "tiny-target")
     p.add_argument("--draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
+    p.add_argument("--head", type=Path, default=REPO_ROOT / "models" / "tiny-eagle3",
+                   help="the head's directory for methods eagle3 / mlp_speculator")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--ks", default="ngram:8,suffix:8,draft_model:4",
                    help="method:k pairs; every method listed gets a server")
@@ -67,7 +70,8 @@ def parse_args() -> argparse.Namespace:
 
 def server_repository(args, method: str, k: int, workdir: Path) -> Path:
     edits = {
-        PROPOSER_MODEL: {"method": method, "draft_model": str(args.draft.resolve())},
+        PROPOSER_MODEL: {"method": method, "target_model": str(args.target.resolve()),
+                         "draft_model": str((args.head if method in HEAD_METHODS else args.draft).resolve())},
         "target_verifier": {"target_model": str(args.target.resolve())},
         "tokenizer": {"tokenizer_dir": str(args.target.resolve())},
         "detokenizer": {"tokenizer_dir": str(args.target.resolve())},

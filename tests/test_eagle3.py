@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import build_tiny_llama, hf_generate_greedy
+from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.cached_lm import ForwardCall
 from specdec.engine import GenerationParams, generate
 from specdec.fast.checkpoint import read_config

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import build_tiny_llama, hf_generate_greedy
+from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.engine import GenerationParams, generate
 from specdec.fast.runner import FastCausalLM
 from specdec.heads import build_head_proposer
