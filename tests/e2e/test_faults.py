@@ -74,7 +74,8 @@ def streams_interrupted(server, interrupt) -> list[tuple[float | None, str]]:
     return ends
 
 
-RECOVERING = ("stopped", "recovering")  # the orchestrator's answer while the model reloads
+# the orchestrator's answer while the model reloads; Triton's own while it reloads the ensemble composing it
+RECOVERING = ("stopped", "recovering", "has no available versions")
 
 
 def serves_again(server, reference, deadline_s: float) -> tuple[float, bool]:
