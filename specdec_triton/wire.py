@@ -30,7 +30,6 @@ import torch
 
 from specdec.rejection_sampler import METHODS
 from specdec.types import (
-    ModelDescription,
     Proposal,
     ProposeRequest,
     SampleCall,
@@ -47,6 +46,9 @@ from specdec_triton.penalty_wire import (
     LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs,
 )  # fmt: skip
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
+from specdec_triton.describe_wire import (  # noqa: F401  (part of this module's interface)
+    DESCRIBE_OUTPUTS, describe_inputs, description_of, description_outputs, is_describe,
+)  # fmt: skip
 
 TOKENIZER = "tokenizer"
 DETOKENIZER = "detokenizer"
@@ -65,9 +67,6 @@ VERIFY_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "tok
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + LOG_PROB_OUTPUTS when asked
 DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
-# answered, and only these, to a request with describe set; -1 encodes None (no limit, no vocabulary)
-DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model_len", "describe_max_num_seqs",
-                    "describe_method")  # fmt: skip
 SAMPLE_INPUTS = ("describe", "draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
                  "has_target_probs", "target_token_ids", "seed", "rejection_sample_method")  # fmt: skip
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", "rejection_sample_method")
@@ -117,45 +116,6 @@ def seq_ids_of(inputs: Mapping[str, np.ndarray]) -> list[str]:
 
 def is_release(inputs: Mapping[str, np.ndarray]) -> bool:
     return scalar(inputs, "release", bool, False)
-
-
-# --- describe: what a model is and its limits, asked once at load ------------------------------
-
-
-def describe_inputs() -> dict[str, np.ndarray]:
-    return {"describe": one(True, np.bool_)}
-
-
-def is_describe(inputs: Mapping[str, np.ndarray]) -> bool:
-    return scalar(inputs, "describe", bool, False)
-
-
-def _or_minus_one(value: int | None) -> np.ndarray:
-    return one(-1 if value is None else value, np.int64)
-
-
-def description_outputs(desc: ModelDescription) -> dict[str, np.ndarray]:
-    return {
-        "describe_model": bytes_array([desc.model]),  # [1]
-        "describe_vocab_size": _or_minus_one(desc.vocab_size),  # [1]
-        "describe_max_model_len": _or_minus_one(desc.max_model_len),  # [1]
-        "describe_max_num_seqs": _or_minus_one(desc.max_num_seqs),  # [1]
-        "describe_method": bytes_array([desc.method]),  # [1]
-    }
-
-
-def description_of(outputs: Mapping[str, np.ndarray]) -> ModelDescription:
-    def limit(name: str) -> int | None:
-        value = int(np.asarray(outputs[name]).reshape(-1)[0])
-        return None if value == -1 else value
-
-    return ModelDescription(
-        model=text(outputs, "describe_model"),
-        vocab_size=limit("describe_vocab_size"),
-        max_model_len=limit("describe_max_model_len"),
-        max_num_seqs=limit("describe_max_num_seqs"),
-        method=text(outputs, "describe_method"),
-    )
 
 
 def _is_default(sampling: SamplingParams) -> bool:

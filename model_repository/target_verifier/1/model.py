@@ -23,11 +23,6 @@ def _outputs(results):
     return {**wire.verify_outputs(results), **hidden_wire.hidden_outputs(results)}
 
 
-def _outputs(results):
-    """A draft head's hidden states travel back only to a request that asked for them."""
-    return {**wire.verify_outputs(results), **hidden_wire.hidden_outputs(results)}
-
-
 class TritonPythonModel:
     def initialize(self, args):
         self.logger = ModelLogger(args["model_name"])
