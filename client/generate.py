@@ -120,16 +120,26 @@ def generate_grpc(
 def grpc_stream(url: str, model: str, inputs: list, on_chunk: Callable[[str], None] | None = None) -> Result:
     """Send ``inputs`` (``tritonclient.grpc.InferInput``s) on a gRPC stream and collect the responses."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     client = grpcclient.InferenceServerClient(url)
-    if _takes_batch_dimension(client, url, model):
+    try:
+        batched = _takes_batch_dimension(client, url, model)
+    except InferenceServerException as err:  # e.g. the model is not loaded (now)
+        client.close()
+        raise GenerateError(str(err)) from None
+    if batched:
         for tensor in inputs:
             tensor.set_shape([1, *tensor.shape()])
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     result, started = Result(), time.perf_counter()
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        try:
+            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        except InferenceServerException as err:  # the stream ended before the request went out: its reason is queued
+            _, error = responses.get(timeout=5) if not responses.empty() else (None, err)
+            raise GenerateError(str(error or err)) from None
         while True:
             response, error = responses.get()
             if error is not None:
