@@ -16,7 +16,9 @@ What the orchestrator does about a dead stub is :mod:`specdec_triton.recovery`'s
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -56,6 +58,25 @@ def loaded_config(model: str, server_pid: int | None = None) -> str:
         return config_path(model, server_pid).read_text()
     except OSError:
         return ""
+
+
+RELOAD_PARAMETER = "specdec_reload"  # changed on every reload; Parameters.from_args drops it
+
+
+def reload_config(model: str, server_pid: int | None = None) -> str:
+    """The registered configuration with ``RELOAD_PARAMETER`` set to a fresh value.
+
+    Triton 2.51 answers a load whose configuration equals the loaded one as done at
+    once, without starting a new stub, and whether the registered JSON equals it
+    depends on how Triton completed it; a parameter that differs every time makes
+    each reload a real one.
+    """
+    text = loaded_config(model, server_pid)
+    if not text:
+        return ""
+    config = json.loads(text)
+    config.setdefault("parameters", {})[RELOAD_PARAMETER] = {"string_value": str(time.time_ns())}
+    return json.dumps(config)
 
 
 def _write(path: Path, text: str) -> None:

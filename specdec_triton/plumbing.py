@@ -64,7 +64,8 @@ class Parameters:
     def from_args(cls, args: Mapping[str, Any]) -> Parameters:
         """From ``initialize(args)``: relative paths resolve against the model repository directory."""
         config = json.loads(args["model_config"])
-        raw = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        raw = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()
+               if key != "specdec_reload"}  # health.RELOAD_PARAMETER: set by a reload, read by no model
         model_dir = os.path.normpath(args["model_repository"])
         raw = speculative_config.apply(args["model_name"], raw, os.path.dirname(model_dir))  # vLLM's JSON, if set
         return cls(raw, base_dir=os.path.dirname(model_dir), component=args["model_name"], model_dir=model_dir)

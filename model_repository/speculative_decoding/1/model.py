@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from specdec_triton import wire
 from specdec_triton.bls_stages import BlsStages
 from specdec_triton.configs import OrchestratorConfig
-from specdec_triton.health import StubWatch, loaded_config
+from specdec_triton.health import StubWatch, reload_config
 from specdec_triton.internal import boot_secret
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
 from specdec_triton.orchestrator import Orchestrator
@@ -49,7 +49,7 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(
             BlsStages(self.logger, boot_secret()), config, counters, ActiveSequences(name), log=self.logger.info
         )
-        actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=loaded_config(m)),
+        actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=reload_config(m)),
                                   stop_server=lambda: os.kill(os.getppid(), signal.SIGTERM),
                                   log=self.logger.info, log_error=self.logger.error)  # fmt: skip
         self.supervisor = Supervisor(self.orchestrator, StubWatch(WATCHED), actions, config.on_stub_failure,
