@@ -390,19 +390,16 @@ class ModelLogger:
             self._fallback = logging.getLogger(f"specdec_triton.{model_name}")
 
     def info(self, message: str) -> None:
-        if self._logger is not None:
-            self._logger.log_info(self.prefix + message)
-        else:
-            self._fallback.info(self.prefix + message)
+        self._emit("log_info", logging.INFO, message)
 
     def warning(self, message: str) -> None:
-        if self._logger is not None:
-            self._logger.log_warn(self.prefix + message)
-        else:
-            self._fallback.warning(self.prefix + message)
+        self._emit("log_warn", logging.WARNING, message)
 
     def error(self, message: str) -> None:
+        self._emit("log_error", logging.ERROR, message)
+
+    def _emit(self, triton_method: str, level: int, message: str) -> None:
         if self._logger is not None:
-            self._logger.log_error(self.prefix + message)
+            getattr(self._logger, triton_method)(self.prefix + message)
         else:
-            self._fallback.error(self.prefix + message)
+            self._fallback.log(level, self.prefix + message)
