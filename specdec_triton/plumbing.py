@@ -159,13 +159,8 @@ class Parameters:
 
 
 def _range_text(minimum: float | None, maximum: float | None) -> str:
-    if minimum is not None and maximum is not None:
-        return f" in [{minimum}, {maximum}]"
-    if minimum is not None:
-        return f" >= {minimum}"
-    if maximum is not None:
-        return f" <= {maximum}"
-    return ""
+    texts = {(True, True): f" in [{minimum}, {maximum}]", (True, False): f" >= {minimum}", (False, True): f" <= {maximum}"}
+    return texts.get((minimum is not None, maximum is not None), "")
 
 
 def instance_device(args: Mapping[str, Any]) -> str:

@@ -7,7 +7,6 @@ the ``speculators`` format and loaded back the way the server loads it.
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from specdec.sampling import process_logits
 from specdec.types import ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
 from test_sampled_losslessness import (
-    NUM_SAMPLES, NUM_TOKENS, PROMPT, SAMPLING, CountingSampler, chisquare_pvalue, exact_joint,
+    NUM_SAMPLES, CountingSampler, chisquare_pvalue, exact_joint, sample_first_tokens,
 )  # fmt: skip
 
 VOCAB, DRAFT_VOCAB = 32, 24  # a small vocabulary: a random head agrees with the target often enough to be accepted
@@ -179,21 +178,9 @@ def test_speculative_sampling_with_the_head_matches_the_target_distribution(tmp_
     target.save_pretrained(tmp_path / "target")
     head = random_head(tmp_path / "target", 3, 12, aux_layers=(0, 1, 1), scale=0.5)
     save_eagle3(head, tmp_path / "head", verifier="target")
-    verifier = TargetVerifier(CachedCausalLM(target))
     proposer = build_head_proposer("eagle3", tmp_path / "head", tmp_path / "target", max_num_seqs=2)
     sampler = CountingSampler(RejectionSampler("probabilistic"))
-    counts: Counter = Counter()
-    for seed in range(NUM_SAMPLES):
-        params = GenerationParams(max_tokens=NUM_TOKENS + 3, num_speculative_tokens=4,
-                                  sampling=SamplingParams(SAMPLING.temperature, SAMPLING.top_k, seed=seed))  # fmt: skip
-        out: list[int] = []
-        steps = generate(proposer, verifier, sampler, PROMPT, params)
-        for step in steps:
-            out += step.new_token_ids
-            if len(out) >= NUM_TOKENS:
-                break
-        steps.close()
-        counts[tuple(out[:NUM_TOKENS])] += 1
+    counts = sample_first_tokens(target, None, sampler, NUM_SAMPLES, proposer=proposer)  # 4 drafts a step
     # a random head is accepted rarely, but hundreds of times: both paths of the sampler run
     assert sampler.accepted > 200 and sampler.drafted - sampler.accepted > 200, (sampler.accepted, sampler.drafted)
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3

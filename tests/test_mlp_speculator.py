@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from specdec.rejection_sampler import RejectionSampler
 from specdec.types import ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
 from test_sampled_losslessness import (
-    NUM_SAMPLES, NUM_TOKENS, PROMPT, SAMPLING, CountingSampler, chisquare_pvalue, exact_joint,
+    NUM_SAMPLES, CountingSampler, chisquare_pvalue, exact_joint, sample_first_tokens,
 )  # fmt: skip
 
 VOCAB, HIDDEN, N_PREDICT = 12, 32, 3  # a small vocabulary: a random speculator is sometimes right
@@ -96,20 +95,8 @@ def test_speculative_sampling_with_the_speculator_matches_the_target_distributio
     target = build_tiny_llama(seed=0, vocab_size=16, hidden_size=16, num_hidden_layers=1, initializer_range=0.3)
     target.save_pretrained(tmp_path / "target")
     write_speculator(tmp_path / "head", 16, 16, 4, tie=False, seed=3)
-    verifier = TargetVerifier(CachedCausalLM(target))
     proposer = build_head_proposer("mlp_speculator", tmp_path / "head", tmp_path / "target")
     sampler = CountingSampler(RejectionSampler("probabilistic"))
-    counts: Counter = Counter()
-    for seed in range(NUM_SAMPLES):
-        params = GenerationParams(max_tokens=NUM_TOKENS + 3, num_speculative_tokens=4,
-                                  sampling=SamplingParams(SAMPLING.temperature, SAMPLING.top_k, seed=seed))  # fmt: skip
-        out: list[int] = []
-        steps = generate(proposer, verifier, sampler, PROMPT, params)
-        for step in steps:
-            out += step.new_token_ids
-            if len(out) >= NUM_TOKENS:
-                break
-        steps.close()
-        counts[tuple(out[:NUM_TOKENS])] += 1
+    counts = sample_first_tokens(target, None, sampler, NUM_SAMPLES, proposer=proposer)  # 4 drafts a step
     assert sampler.accepted > 200 and sampler.drafted - sampler.accepted > 200, (sampler.accepted, sampler.drafted)
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from specdec.types import Proposal, ProposeRequest
 
 
@@ -57,3 +59,21 @@ def check_propose_requests(requests: list[ProposeRequest], num_held: Callable[[s
                 f"seq {r.seq_id!r}: token_ids is empty at position 0 (the proposer holds {held} tokens); "
                 f"there is no sequence to draft from"
             )
+
+
+def proposals_in_order(
+    requests: list[ProposeRequest],
+    drafting: list[ProposeRequest],  # those of ``requests`` that drafted, in the order of ``drafts``
+    drafts: list[list[int]],
+    q_rows: list[list[torch.Tensor]],  # per drafting request, one [1, vocab] q row per draft
+    device: torch.device | str,
+) -> list[Proposal]:
+    """One proposal per request, in order: its drafts and q if it drafted, an empty proposal if not."""
+    by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
+    proposals = []
+    for r in requests:
+        i = by_seq.get(r.seq_id)
+        ids = drafts[i] if i is not None else []
+        probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab] q
+        proposals.append(Proposal(torch.tensor(ids, dtype=torch.long, device=device), probs))  # [k]
+    return proposals

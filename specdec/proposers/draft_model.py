@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
-from specdec.proposers.base import check_propose_requests
+from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.sampling import check_banned, greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import ModelDescription, Proposal, ProposeRequest
 
@@ -85,14 +85,7 @@ class DraftModelProposer(OwnsOneModel):
             for r in drafting:  # a half-extended cache costs only a re-prefill, never a wrong token
                 self._drop_cache(r.seq_id)
             raise
-        by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
-        proposals = []
-        for r in requests:
-            i = by_seq.get(r.seq_id)
-            ids = drafts[i] if i is not None else []
-            probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab] q
-            proposals.append(Proposal(torch.tensor(ids, dtype=torch.long, device=self.lm.device), probs))  # [k]
-        return proposals
+        return proposals_in_order(requests, drafting, drafts, q_rows, self.lm.device)
 
     def _take(self, request: ProposeRequest) -> None:
         """Append the request's tokens at its position; keep the cache up to the first token it changes."""

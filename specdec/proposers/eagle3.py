@@ -24,7 +24,7 @@ import torch
 
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.heads.eagle3 import Eagle3Head
-from specdec.proposers.base import check_propose_requests
+from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
@@ -74,14 +74,7 @@ class Eagle3Proposer:
             for r in drafting:  # the next call rebuilds the rows from the features kept
                 self._seqs[r.seq_id].rows = 0
             raise
-        by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
-        proposals = []
-        for r in requests:
-            i = by_seq.get(r.seq_id)
-            ids = drafts[i] if i is not None else []
-            probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab] q
-            proposals.append(Proposal(torch.tensor(ids, dtype=torch.long, device=self.device), probs))
-        return proposals
+        return proposals_in_order(requests, drafting, drafts, q_rows, self.device)
 
     def _check(self, requests: list[ProposeRequest]) -> None:
         """Refuse, before any state moves, features that do not fit the head or leave a gap."""
