@@ -36,7 +36,7 @@ KERNEL_VS_TORCH = textwrap.dedent(
     batch = BatchIndex(starts, num_new, slots, 5, max_len, num_slots - 1, max_len)
     q = torch.randn(4, 5, heads, head_dim, device=device).transpose(1, 2)  # [B, H, S, D], D contiguous
     got = slot_attention(q, kv[0], kv[1], slots, batch.write_pos, head_dim**-0.5)
-    want = torch_slot_attention(q, kv, batch, head_dim**-0.5)
+    want = torch_slot_attention(q, kv, batch, head_dim**-0.5, grouped=True)
     real = torch.arange(5, device=device)[None, :] < num_new[:, None]  # [B, S]: padded rows are garbage
     torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
     print("kernel ok")

@@ -118,6 +118,9 @@ def test_component_configs_parse_and_reject(tmp_path):
         TargetVerifierConfig.from_parameters(params(base, target_model="target", engine="vllm"))
     with pytest.raises(ParameterError, match=r"'dtype' must be one of \('auto', 'float32'"):
         TargetVerifierConfig.from_parameters(params(base, target_model="target", dtype="fp8"))
+    assert TargetVerifierConfig.from_parameters(params(base, target_model="target", cpu_compile="true")).cpu_compile
+    with pytest.raises(ParameterError, match=r"'cpu_compile' must be a boolean"):
+        TargetVerifierConfig.from_parameters(params(base, target_model="target", cpu_compile="fast"))
     tokenizer = TokenizerConfig.from_parameters(params(base, tokenizer_dir="target"))
     assert tokenizer.tokenizer_dir == str(tmp_path / "target")
     sampler = RejectionSamplerConfig.from_parameters(params(rejection_sample_method="strict"))

@@ -14,7 +14,6 @@ concatenates a Hugging Face state dict's weights to match.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -74,6 +73,7 @@ class Attention(nn.Module):
 
             self.kernel = slot_attention
         self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        self.grouped = config.num_heads != config.num_kv_heads  # GQA: a static flag, so a compiled graph need not branch
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bool({"q_proj", "k_proj", "v_proj"} & biases))
         self.o_proj = nn.Linear(config.num_heads * d, h, bias="o_proj" in biases)
 
@@ -82,7 +82,8 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, S, hidden]
         cos: torch.Tensor,  # [B, 1, S, head_dim]
         sin: torch.Tensor,  # [B, 1, S, head_dim]
-        kv: torch.Tensor,  # [2, num_slots, kv_heads, max_model_len, head_dim], this layer's cache
+        cache: torch.Tensor,  # [num_layers, 2, num_slots, kv_heads, max_model_len, head_dim], every layer's
+        layer: int,  # this attention's layer in the cache
         batch: BatchIndex,
     ) -> torch.Tensor:  # [B, S, hidden]
         b, s, _ = x.shape
@@ -92,13 +93,39 @@ class Attention(nn.Module):
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
         q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
         k = k * cos + rotate_half(k) * sin  # [B, KVH, S, D]
-        kv[0][batch.write_slot, :, batch.write_pos] = k.transpose(1, 2)  # [B, S, KVH, D] into the slots
-        kv[1][batch.write_slot, :, batch.write_pos] = v
+        write_kv(cache, layer, batch.write_slot, batch.write_pos, k.transpose(1, 2), v)  # [B, S, KVH, D] each
+        kv = cache[layer]  # [2, num_slots, KVH, max_model_len, D]
         if self.kernel is not None:
             out = self.kernel(q, kv[0], kv[1], batch.slots, batch.write_pos, self.head_dim**-0.5)  # [B, H, S, D]
         else:
-            out = torch_slot_attention(q, kv, batch, self.head_dim**-0.5)  # [B, H, S, D]
+            out = torch_slot_attention(q, kv, batch, self.head_dim**-0.5, self.grouped)  # [B, H, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+@torch.library.custom_op("specdec::write_kv", mutates_args=("cache",))
+def write_kv(
+    cache: torch.Tensor,  # [num_layers, 2, num_slots, KVH, max_model_len, D]
+    layer: int,
+    write_slot: torch.Tensor,  # [B, S] int64
+    write_pos: torch.Tensor,  # [B, S] int64
+    keys: torch.Tensor,  # [B, S, KVH, D]
+    values: torch.Tensor,  # [B, S, KVH, D]
+) -> None:
+    """Write a pass's new keys and values of one layer into their slots, in place.
+
+    An op of its own so that ``torch.compile`` sees one declared in-place write: traced
+    as indexing into a view of the cache, the write is functionalised into a copy of the
+    whole cache on every pass (``cpu_compile.py``). It takes the whole cache and the
+    layer, not the layer's view: inductor, with dynamic shapes, misplaced the writes of
+    an op that mutated a view of a graph input.
+    """
+    cache[layer, 0][write_slot, :, write_pos] = keys
+    cache[layer, 1][write_slot, :, write_pos] = values
+
+
+@write_kv.register_fake
+def _(cache, layer, write_slot, write_pos, keys, values) -> None:
+    return None
 
 
 def torch_slot_attention(
@@ -106,12 +133,13 @@ def torch_slot_attention(
     kv: torch.Tensor,  # [2, num_slots, KVH, max_model_len, D]
     batch: BatchIndex,
     scale: float,
+    grouped: bool,  # fewer key/value heads than query heads
 ) -> torch.Tensor:  # [B, H, S, D]
     """Gather each row's slot up to ``kv_len`` and attend causally by position (SDPA, as transformers does)."""
     keys = kv[0, :, :, : batch.kv_len].index_select(0, batch.slots)  # [B, KVH, kv_len, D]
     values = kv[1, :, :, : batch.kv_len].index_select(0, batch.slots)  # [B, KVH, kv_len, D]
     return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=batch.mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+        q, keys, values, attn_mask=batch.mask, scale=scale, enable_gqa=grouped
     )
 
 
@@ -137,8 +165,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, batch: BatchIndex) -> torch.Tensor:  # x: [B, S, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, batch)
+    def forward(self, x, cos, sin, cache, layer: int, batch: BatchIndex) -> torch.Tensor:  # x: [B, S, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -170,11 +198,10 @@ class BatchIndex:
         self.write_pos = self.positions.clamp(max=max_model_len - 1)  # [B, S]
         self.slots = slots  # [B]
         self.kv_len = kv_len
-
-    @functools.cached_property
-    def mask(self) -> torch.Tensor:  # [B, 1, S, kv_len]: key j is visible to the query at position p iff j <= p
-        key_pos = torch.arange(self.kv_len, device=self.positions.device)  # [kv_len]
-        return (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
+        key_pos = torch.arange(kv_len, device=starts.device)  # [kv_len]
+        # [B, 1, S, kv_len]: key j is visible to the query at position p iff j <= p (built here, not lazily:
+        # torch.compile traces no cached_property)
+        self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
 
 
 class FastLlama(nn.Module):
@@ -217,10 +244,10 @@ class FastLlama(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, 1, S, head_dim]
         taken: dict[int, torch.Tensor] = {}  # layer id -> [B, S, hidden]
-        for i, (layer, layer_kv) in enumerate(zip(self.model.layers, kv)):
+        for i, layer in enumerate(self.model.layers):
             if i in hidden_layers:
                 taken[i] = x
-            x = layer(x, cos, sin, layer_kv, batch)
+            x = layer(x, cos, sin, kv, i, batch)
         x = x.reshape(b * s, -1)  # [B * S, hidden]
         if hidden_layers:
             taken[self.config.num_layers] = self.model.norm(x)  # [B * S, hidden]

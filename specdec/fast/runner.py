@@ -13,6 +13,7 @@ import os
 import torch
 
 from specdec.cached_lm import ForwardCall, check_forward_calls
+from specdec.fast.cpu_compile import compile_forward, warm_up
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, StaticShapeRunner
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.llama import check_hidden_layers, load_fast_llama
@@ -62,15 +63,22 @@ class FastCausalLM:
         *,
         graph_num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS,
         triton_attention: bool = False,
+        cpu_compile: bool = False,
         log: Log | None = None,
     ):
+        """``cpu_compile``: run the forward compiled by ``torch.compile`` (``cpu_compile.py``), CPU only."""
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={str(self.device)!r}")
+        if cpu_compile and self.device.type != "cpu":
+            raise ValueError(f"cpu_compile is for CPU devices (CUDA captures graphs instead), got device={str(self.device)!r}")
         with timed_phase(log, f"loading weights of {path} to {self.device}"):
-            self.model = load_fast_llama(path, resolve_dtype(dtype, self.device), self.device, triton_attention)
+            self.model = load_fast_llama(
+                path, resolve_dtype(dtype, self.device), self.device, triton_attention,
+                pack_cpu_weights=False if cpu_compile else None,  # inductor calls the BLAS on plain weights
+            )
         config = self.model.config
         self.max_model_len = max_model_len if max_model_len is not None else config.max_position_embeddings
         config.check_max_model_len(self.max_model_len)
@@ -79,7 +87,12 @@ class FastCausalLM:
                 config.num_layers, config.num_kv_heads, config.head_dim, max_num_seqs, self.max_model_len,
                 self.model.dtype, self.device,
             )
+        self._forward = self.model  # what an eager-shaped pass calls: the module, or its compiled forward
         self.graphs: StaticShapeRunner | None = None
+        if cpu_compile:
+            with timed_phase(log, "compiling the forward for CPU (torch.compile; cached on disk for the next load)"):
+                self._forward = compile_forward(self.model)
+                warm_up(self)
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         if use_graphs:
             with timed_phase(log, f"capturing CUDA graphs (token counts {list(graph_num_tokens)})"):
@@ -167,7 +180,7 @@ class FastCausalLM:
                 [i * width + j for i, c in enumerate(calls) for j in range(len(c.token_ids))],
                 dtype=torch.long, device=self.device,
             )  # [N]: every token fed
-            out = self.model(
+            out = self._forward(
                 input_ids.to(**to), starts.to(**to), num_new.to(**to), slots.to(**to),
                 self.cache.kv, kv_len=kv_len, logit_rows=rows, hidden_layers=hidden_layers, hidden_rows=hidden_rows,
             )  # [R, vocab], or ([R, vocab], [N, n * hidden])

@@ -73,7 +73,7 @@ class Eagle3DecoderLayer(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2h]
-        x = residual + self.self_attn(x, cos, sin, kv, batch)
+        x = residual + self.self_attn(x, cos, sin, kv, 0, batch)  # kv: the head's one-layer cache
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, S, h], pre-norm
 
 
@@ -118,7 +118,7 @@ class Eagle3Head(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         embeds = self.embed_tokens(input_ids)  # [B, S, h]
         cos, sin = emb.cos().to(embeds.dtype), emb.sin().to(embeds.dtype)
-        prenorm = self.layers[0](embeds, hidden.to(embeds.dtype), cos, sin, kv[0], batch)  # [B, S, h]
+        prenorm = self.layers[0](embeds, hidden.to(embeds.dtype), cos, sin, kv, batch)  # [B, S, h]
         return self.lm_head(self.norm(prenorm)), prenorm
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] -> [n, vocab] float32

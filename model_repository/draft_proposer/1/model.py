@@ -37,7 +37,8 @@ class TritonPythonModel:
             )
             description = describe_head(self.proposer, config.draft_model)
         else:
-            lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, log=self.logger.info)
+            lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs,
+                          log=self.logger.info, cpu_compile=config.cpu_compile)
             self.proposer, description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.host = SequenceHost(args["model_name"], self.proposer, description, config.sequence_idle_timeout_s,
                                  self.logger, args["model_config"], keeps_responses=True,

@@ -29,7 +29,7 @@ class TritonPythonModel:
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         lm = build_lm(
             config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
-            log=self.logger.info,
+            log=self.logger.info, cpu_compile=config.cpu_compile,
         )
         self.verifier, description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
         self.host = SequenceHost(args["model_name"], self.verifier, description, config.sequence_idle_timeout_s,

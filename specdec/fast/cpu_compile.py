@@ -1,0 +1,95 @@
+"""The fast engine's forward compiled for CPU with ``torch.compile`` (inductor's C++ backend).
+
+On a GPU, CUDA graphs remove the per-op cost of a small decode step (``cuda_graphs.py``).
+On CPU that cost is the Python and dispatcher work around each of the few hundred small
+ops of a pass -- norms, rotary, reshapes, cache indexing -- and for a small model it
+outweighs the matrix products. Inductor fuses the pointwise ops into generated C++ loops
+and leaves the products to the BLAS, so a pass runs as one call.
+
+Shapes are compiled dynamic (batch, tokens per row and attended cache length are
+symbols), so a server compiles a handful of graphs at load -- one token or several per
+row, one row or several, as torch specialises sizes 0 and 1 -- instead of one per shape.
+:func:`warm_up` runs those passes once, so the compile time lands on the load, not on
+the first requests. The cache write is the op ``specdec::write_kv`` (``llama.py``), a
+declared in-place write: traced as indexing into a view of the cache, the write would be
+functionalised into a copy of the whole cache on every pass.
+
+Numerics are those of the eager forward up to the order of float sums, as with the
+packed linears of ``cpu_linear.py`` (which a compiled model does not use: inductor
+calls the BLAS itself).
+"""
+from __future__ import annotations
+
+import locale
+import shutil
+from collections.abc import Callable
+
+import torch
+
+from specdec.cached_lm import CachedLM, ForwardCall
+from specdec.fast.llama import FastLlama
+
+WARM_UP_PREFIX = 16  # tokens each warm-up sequence caches first (a prefill pass), as a prompt would
+WARM_UP_SHAPES = ((1, 1), (1, 5), (2, 1), (2, 5))  # (sequences, tokens each) after it: decode and verify passes
+_WARM_UP_SEQ = "\x00cpu-compile-warm-up"  # a seq_id no caller sends: it holds slots only during warm_up
+
+
+def check_compiler() -> None:
+    """Inductor's CPU backend builds C++ at load: name what is missing before it fails deep inside."""
+    from torch._inductor import config
+
+    candidates = [c for c in config.cpp.cxx if c]  # the compilers inductor tries, in order
+    if not any(shutil.which(c) for c in candidates):
+        raise RuntimeError(
+            f"cpu_compile needs a C++ compiler on PATH (inductor looks for {', '.join(candidates)}): "
+            "install g++, or set cpu_compile false"
+        )
+
+
+def use_utf8_text_files() -> None:
+    """Inductor reads its code templates with ``open()``'s default encoding, the locale's.
+
+    A Triton Python stub embeds its interpreter, which Python does not move from the C
+    locale to UTF-8 (PEP 538 applies to the ``python`` command only), so the templates'
+    non-ASCII bytes fail to decode there. The stub is this model's own process: switching
+    its character type to UTF-8 is local to it.
+    """
+    if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+    except locale.Error:
+        raise RuntimeError(
+            "cpu_compile needs a UTF-8 locale and C.UTF-8 is not installed: start tritonserver with "
+            "LANG set to a UTF-8 locale, or set cpu_compile false"
+        ) from None
+
+
+def compile_forward(model: FastLlama) -> Callable[..., torch.Tensor]:
+    """``model.forward`` compiled once for every shape (``dynamic=True``); one graph, no breaks."""
+    check_compiler()
+    use_utf8_text_files()
+    return torch.compile(model.forward, dynamic=True, fullgraph=True)
+
+
+def warm_up(lm: CachedLM) -> None:
+    """Run a prefill and each shape of ``WARM_UP_SHAPES`` through ``lm.forward``, on slots given back after.
+
+    Runs at load, before any sequence holds a slot, through the same calls requests make,
+    so every graph they need is compiled here; shapes of more sequences than the cache has
+    slots are left out, as no pass will have them.
+    """
+    longest = max(tokens for _, tokens in WARM_UP_SHAPES)
+    if lm.max_model_len < WARM_UP_PREFIX + longest:
+        return  # a model this short compiles on its first passes instead
+    free = lm.max_num_seqs - lm.num_active_sequences
+    shapes = [(rows, tokens) for rows, tokens in WARM_UP_SHAPES if rows <= free]
+    seq_ids = [f"{_WARM_UP_SEQ}-{i}" for i in range(max(rows for rows, _ in shapes))]
+    try:
+        for seq_id in seq_ids:
+            lm.forward([ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])
+        for rows, tokens in shapes:
+            lm.forward([ForwardCall(seq_id, WARM_UP_PREFIX, [0] * tokens, tokens) for seq_id in seq_ids[:rows]])
+    finally:
+        for seq_id in seq_ids:
+            lm.release(seq_id)
