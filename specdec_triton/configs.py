@@ -60,6 +60,7 @@ class DraftProposerConfig:
     dtype: str  # auto: float32 on CPU, bfloat16 on CUDA
     engine: str  # draft_model only
     max_num_seqs: int  # draft_model only
+    cpu_compile: bool = False  # draft_model on the fast engine, on CPU: the forward compiled by torch.compile
     suffix: SuffixConfig = SuffixConfig()  # suffix only: vLLM's suffix_decoding_* keys
     given: tuple[str, ...] = ()  # the method-specific settings given a value
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
@@ -81,6 +82,7 @@ class DraftProposerConfig:
             dtype=params.get_str("dtype", "auto", choices=DTYPE_CHOICES),
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+            cpu_compile=params.get_bool("cpu_compile", False),
             suffix=_suffix_config(params),
             given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
             sequence_idle_timeout_s=_idle_timeout(params),
@@ -130,6 +132,7 @@ class TargetVerifierConfig:
     max_model_len: int | None  # prompt + output tokens; None -> the model's max_position_embeddings
     engine: str
     max_num_seqs: int  # the orchestrator admits no more sequences than this at once
+    cpu_compile: bool = False  # fast engine on CPU: the forward compiled by torch.compile (slower load, faster steps)
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
 
     @classmethod
@@ -140,6 +143,7 @@ class TargetVerifierConfig:
             max_model_len=params.get_int("max_model_len", None, minimum=1),
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
+            cpu_compile=params.get_bool("cpu_compile", False),
             sequence_idle_timeout_s=_idle_timeout(params),
         )
         params.check_all_read()
