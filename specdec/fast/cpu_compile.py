@@ -32,6 +32,9 @@ from specdec.fast.llama import FastLlama
 WARM_UP_PREFIX = 16  # tokens each warm-up sequence caches first (a prefill pass), as a prompt would
 WARM_UP_SHAPES = ((1, 1), (1, 5), (2, 1), (2, 5))  # (sequences, tokens each) after it: decode and verify passes
 _WARM_UP_SEQ = "\x00cpu-compile-warm-up"  # a seq_id no caller sends: it holds slots only during warm_up
+# Graphs torch keeps per code object, and every FastLlama shares ``forward``'s: a draft and a
+# target in one process (tests, the benchmark) each need about four (sizes 0/1 specialised)
+GRAPHS_PER_FORWARD = 64
 
 
 def check_compiler() -> None:
@@ -69,6 +72,7 @@ def compile_forward(model: FastLlama) -> Callable[..., torch.Tensor]:
     """``model.forward`` compiled once for every shape (``dynamic=True``); one graph, no breaks."""
     check_compiler()
     use_utf8_text_files()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)
     return torch.compile(model.forward, dynamic=True, fullgraph=True)
 
 
