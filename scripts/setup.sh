@@ -90,4 +90,8 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 echo "$want" > "$stamp"
+if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null && ! command -v clang++ >/dev/null; then
+  echo "[setup] warning: no C++ compiler on PATH: the shipped configs' cpu_compile (on CPU) needs one;" \
+       "install g++ (apt-get install g++), or set cpu_compile false in target_verifier and draft_proposer" >&2
+fi
 echo "[setup] done in $((SECONDS - started)) s: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

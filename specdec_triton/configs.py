@@ -60,7 +60,7 @@ class DraftProposerConfig:
     dtype: str  # auto: float32 on CPU, bfloat16 on CUDA
     engine: str  # draft_model only
     max_num_seqs: int  # draft_model only
-    cpu_compile: bool = False  # draft_model on the fast engine, on CPU: the forward compiled by torch.compile
+    cpu_compile: bool = False  # on CPU, draft_model (fast engine) and eagle3: the forward compiled by torch.compile
     suffix: SuffixConfig = SuffixConfig()  # suffix only: vLLM's suffix_decoding_* keys
     given: tuple[str, ...] = ()  # the method-specific settings given a value
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim

@@ -114,11 +114,12 @@ def test_a_head_for_another_target_is_refused_naming_both(pair, tmp_path):
         build_head_proposer("eagle3", tmp_path, target_dir)
 
 
-def test_drafts_equal_the_training_time_test_recurrence(pair):
+@pytest.mark.parametrize("cpu_compile", [False, True], ids=["eager", "compiled"])
+def test_drafts_equal_the_training_time_test_recurrence(pair, cpu_compile):
     """The cached, position-addressed proposer computes what ``train_forward`` trains, step for step."""
     target, target_dir, head_dir = pair
     head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2)
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2, cpu_compile=cpu_compile)
     lm = FastCausalLM(target_dir, max_num_seqs=2)
     tokens = PROMPTS[3]  # the target verified tokens[:-1]; tokens[-1] is its latest output
     _, hidden = lm.forward_with_hidden([ForwardCall("s", 0, tokens[:-1], 1)], head.config.aux_layers)
@@ -140,12 +141,13 @@ def test_drafts_equal_the_training_time_test_recurrence(pair):
     assert proposal.probs[:, ~head.t2d].abs().max() == 0  # q only where the draft vocabulary reaches
 
 
-@pytest.mark.parametrize("engine", ["fast", "hf"])
+@pytest.mark.parametrize("engine", ["fast", "hf", "fast-compiled"])
 def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
     target, target_dir, head_dir = pair
-    lm = FastCausalLM(target_dir, max_num_seqs=4) if engine == "fast" else CachedCausalLM(target)
+    compiled = engine == "fast-compiled"  # the target and the head, each compiled for CPU
+    lm = FastCausalLM(target_dir, max_num_seqs=4, cpu_compile=compiled) if engine != "hf" else CachedCausalLM(target)
     verifier = TargetVerifier(lm)
-    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4)
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=compiled)
     accepted = 0
     for k in range(1, 6):
         for prompt in PROMPTS:

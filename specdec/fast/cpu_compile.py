@@ -26,8 +26,9 @@ from collections.abc import Callable
 
 import torch
 
+from torch import nn
+
 from specdec.cached_lm import CachedLM, ForwardCall
-from specdec.fast.llama import FastLlama
 
 WARM_UP_PREFIX = 16  # tokens each warm-up sequence caches first (a prefill pass), as a prompt would
 WARM_UP_SHAPES = ((1, 1), (1, 5), (2, 1), (2, 5))  # (sequences, tokens each) after it: decode and verify passes
@@ -68,8 +69,9 @@ def use_utf8_text_files() -> None:
         ) from None
 
 
-def compile_forward(model: FastLlama) -> Callable[..., torch.Tensor]:
-    """``model.forward`` compiled once for every shape (``dynamic=True``); one graph, no breaks."""
+def compile_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """``model.forward`` (a ``FastLlama``'s, an EAGLE-3 head's) compiled for every shape (``dynamic=True``);
+    one graph, no breaks."""
     check_compiler()
     use_utf8_text_files()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)

@@ -243,15 +243,19 @@ class FastLlama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, 1, S, head_dim]
-        taken: dict[int, torch.Tensor] = {}  # layer id -> [B, S, hidden]
+        # (id, [B, S, hidden]) for each id asked for; matched by comparison, not used as dict keys:
+        # torch.compile with dynamic shapes traces the ids as symbols, which compare but do not hash
+        taken: list[tuple[int, torch.Tensor]] = []
         for i, layer in enumerate(self.model.layers):
-            if i in hidden_layers:
-                taken[i] = x
+            if any(i == wanted for wanted in hidden_layers):
+                taken.append((i, x))
             x = layer(x, cos, sin, kv, i, batch)
         x = x.reshape(b * s, -1)  # [B * S, hidden]
         if hidden_layers:
-            taken[self.config.num_layers] = self.model.norm(x)  # [B * S, hidden]
-            hidden = torch.cat([taken[i].reshape(b * s, -1) for i in hidden_layers], dim=-1)  # [B * S, n * hidden]
+            taken.append((self.config.num_layers, self.model.norm(x)))  # [B * S, hidden]
+            hidden = torch.cat(
+                [next(state for i, state in taken if i == wanted).reshape(b * s, -1) for wanted in hidden_layers], dim=-1
+            )  # [B * S, n * hidden]
             if hidden_rows is not None:
                 hidden = hidden.index_select(0, hidden_rows)  # [N, n * hidden]
         if logit_rows is not None:

@@ -25,8 +25,13 @@ def build_head_proposer(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     max_num_seqs: int = 8,
+    cpu_compile: bool = False,
 ):
-    """The proposer for the head at ``path``; refuses a head of another kind or for another target."""
+    """The proposer for the head at ``path``; refuses a head of another kind or for another target.
+
+    ``cpu_compile``: an EAGLE-3 head's forward compiled on CPU (``specdec.fast.cpu_compile``);
+    ignored on GPU and for the MLP speculator, whose stages are a few plain ops.
+    """
     from specdec.heads.formats import head_kind, read_head_config
 
     kind = head_kind(read_head_config(path))
@@ -41,10 +46,11 @@ def build_head_proposer(
         from specdec.proposers.eagle3 import Eagle3Proposer
 
         head = load_eagle3(path, target_path, torch_dtype, device)
-        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
+        compiled = cpu_compile and torch.device(device).type == "cpu"
+        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype) and not compiled:
             pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
         # the head's cache spans the target's positions (as in vLLM), not those its layer config names
-        return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings)
+        return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings, compiled)
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.fast.cpu_compile import WARM_UP_PREFIX, WARM_UP_SHAPES, compile_forward
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
@@ -39,7 +40,9 @@ class _Sequence:
 class Eagle3Proposer:
     method = "eagle3"
 
-    def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None):
+    def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None,
+                 cpu_compile: bool = False):  # fmt: skip
+        """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only)."""
         config = head.config
         self.head = head
         self.device = head.device
@@ -52,6 +55,35 @@ class Eagle3Proposer:
             1, layer.num_kv_heads, layer.head_dim, max_num_seqs, self.max_model_len, head.dtype, self.device
         )
         self._seqs: dict[str, _Sequence] = {}
+        self._head_forward = head  # the module, or its compiled forward
+        if cpu_compile:
+            if self.device.type != "cpu":
+                raise ValueError(f"cpu_compile is for CPU devices, got {str(self.device)!r}")
+            self._head_forward = compile_forward(head)
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile every graph a request needs now: a prefill, then decode and verify passes through
+        ``_forward``, on slots given back after (as ``cpu_compile.warm_up`` does for a ``FastCausalLM``)."""
+        if self.max_model_len < WARM_UP_PREFIX + max(tokens for _, tokens in WARM_UP_SHAPES):
+            return  # a head this short compiles on its first passes instead
+        shapes = [(rows, tokens) for rows, tokens in WARM_UP_SHAPES if rows <= self.cache.num_free]
+        seq_ids = [f"\x00warm-up-{i}" for i in range(max(rows for rows, _ in shapes))]
+        width, dtype = self.head.config.hidden_size, self.head.dtype
+
+        def rows_of(n: int) -> torch.Tensor:  # [n, h]
+            return torch.zeros(n, width, dtype=dtype, device=self.device)
+
+        for seq_id in seq_ids:
+            self.cache.allocate(seq_id)
+        try:
+            self._forward(seq_ids, [0] * len(seq_ids), [[0] * WARM_UP_PREFIX] * len(seq_ids),
+                          [rows_of(WARM_UP_PREFIX)] * len(seq_ids))  # fmt: skip
+            for rows, tokens in shapes:
+                self._forward(seq_ids[:rows], [WARM_UP_PREFIX] * rows, [[0] * tokens] * rows, [rows_of(tokens)] * rows)
+        finally:
+            for seq_id in seq_ids:
+                self.cache.release(seq_id)
 
     @property
     def num_active_sequences(self) -> int:
@@ -132,7 +164,7 @@ class Eagle3Proposer:
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
         kv_len = int((starts_t + num_new).max())
-        logits, prenorm = self.head(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
+        logits, prenorm = self._head_forward(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
         last = num_new - 1  # [B]
         rows = torch.arange(b, device=self.device)
         return self.head.target_logits(logits[rows, last]), prenorm[rows, last]  # [B, vocab], [B, h]

@@ -33,7 +33,8 @@ class TritonPythonModel:
             self.proposer, description = SuffixProposer(config.suffix), SUFFIX_DESCRIPTION
         elif config.method in HEAD_METHODS:
             self.proposer = build_head_proposer(
-                config.method, config.draft_model, config.target_model, config.dtype, device, config.max_num_seqs
+                config.method, config.draft_model, config.target_model, config.dtype, device, config.max_num_seqs,
+                config.cpu_compile,
             )
             description = describe_head(self.proposer, config.draft_model)
         else:
