@@ -93,7 +93,9 @@ class Attention(nn.Module):
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
         q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
         k = k * cos + rotate_half(k) * sin  # [B, KVH, S, D]
-        write_kv(cache, layer, batch.write_slot, batch.write_pos, k.transpose(1, 2), v)  # [B, S, KVH, D] each
+        # the op only where torch.compile traces; eager passes (and CUDA graph captures) write directly
+        write = write_kv if torch.compiler.is_compiling() else write_kv_in_place
+        write(cache, layer, batch.write_slot, batch.write_pos, k.transpose(1, 2), v)  # [B, S, KVH, D] each
         kv = cache[layer]  # [2, num_slots, KVH, max_model_len, D]
         if self.kernel is not None:
             out = self.kernel(q, kv[0], kv[1], batch.slots, batch.write_pos, self.head_dim**-0.5)  # [B, H, S, D]
@@ -119,6 +121,10 @@ def write_kv(
     layer, not the layer's view: inductor, with dynamic shapes, misplaced the writes of
     an op that mutated a view of a graph input.
     """
+    write_kv_in_place(cache, layer, write_slot, write_pos, keys, values)
+
+
+def write_kv_in_place(cache, layer: int, write_slot, write_pos, keys, values) -> None:  # see write_kv
     cache[layer, 0][write_slot, :, write_pos] = keys
     cache[layer, 1][write_slot, :, write_pos] = values
 

@@ -75,7 +75,12 @@ def repository_copy(
     destination: Path, models: Path, method: str, only: tuple[str, ...] = (), parameters: dict[str, str] | None = None
 ) -> Path:
     """The committed repository (or just the models in ``only``) with model paths pointing into
-    ``models``, the proposer method set, and any other ``parameters`` (key -> value) replaced."""
+    ``models``, the proposer method set, and any other ``parameters`` (key -> value) replaced.
+
+    A copy runs its models eagerly (``cpu_compile`` false) unless ``parameters`` say otherwise:
+    copies test other features, each compile costs a server start tens of seconds on the
+    CI machine, and the committed repository (the ``server`` fixture) serves compiled.
+    """
     repository = destination / "model_repository"
     shutil.copytree(REPO_ROOT / "model_repository", repository)
     for model in repository.iterdir():
@@ -85,7 +90,7 @@ def repository_copy(
         text = config.read_text()
         for key in MODEL_PATH_KEYS:
             text = _set_parameter(text, key, lambda old: str(models / Path(old).name))
-        for key, value in {"method": method, **(parameters or {})}.items():
+        for key, value in {"method": method, "cpu_compile": "false", **(parameters or {})}.items():
             text = _set_parameter(text, key, lambda old, value=value: value)
         config.write_text(text)
     return repository
