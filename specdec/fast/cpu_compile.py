@@ -10,9 +10,9 @@ Shapes are compiled dynamic (batch, tokens per row and attended cache length are
 symbols), so a server compiles a handful of graphs at load -- one token or several per
 row, one row or several, as torch specialises sizes 0 and 1 -- instead of one per shape.
 :func:`warm_up` runs those passes once, so the compile time lands on the load, not on
-the first requests. The cache write is the op ``specdec::write_kv`` (``llama.py``), a
-declared in-place write: traced as indexing into a view of the cache, the write would be
-functionalised into a copy of the whole cache on every pass.
+the first requests. The cache write indexes the cache tensor itself (``llama.write_kv``):
+traced as indexing into a view of the cache, the write would be functionalised into a
+copy of the whole cache on every pass.
 
 Numerics are those of the eager forward up to the order of float sums, as with the
 packed linears of ``cpu_linear.py`` (which a compiled model does not use: inductor

@@ -93,8 +93,7 @@ class Attention(nn.Module):
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
         q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
         k = k * cos + rotate_half(k) * sin  # [B, KVH, S, D]
-        # the op only where torch.compile traces; eager passes (and CUDA graph captures) write directly
-        write = write_kv if torch.compiler.is_compiling() else write_kv_in_place
+        write = write_kv if torch.compiler.is_compiling() else write_kv_in_place  # the compiled form where traced
         write(cache, layer, batch.write_slot, batch.write_pos, k.transpose(1, 2), v)  # [B, S, KVH, D] each
         kv = cache[layer]  # [2, num_slots, KVH, max_model_len, D]
         if self.kernel is not None:
@@ -104,7 +103,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-@torch.library.custom_op("specdec::write_kv", mutates_args=("cache",))
 def write_kv(
     cache: torch.Tensor,  # [num_layers, 2, num_slots, KVH, max_model_len, D]
     layer: int,
@@ -113,25 +111,22 @@ def write_kv(
     keys: torch.Tensor,  # [B, S, KVH, D]
     values: torch.Tensor,  # [B, S, KVH, D]
 ) -> None:
-    """Write a pass's new keys and values of one layer into their slots, in place.
+    """Write a pass's new keys and values of one layer into their slots, indexing the whole cache.
 
-    An op of its own so that ``torch.compile`` sees one declared in-place write: traced
-    as indexing into a view of the cache, the write is functionalised into a copy of the
-    whole cache on every pass (``cpu_compile.py``). It takes the whole cache and the
-    layer, not the layer's view: inductor, with dynamic shapes, misplaced the writes of
-    an op that mutated a view of a graph input.
+    The form ``torch.compile`` needs (``cpu_compile.py``): a write into a view of the cache
+    (``cache[layer, 0][...]``) is functionalised into a copy of the whole cache on every
+    pass, while an index write into the cache tensor itself is done in place. So the layer
+    and the key/value half are index tensors too, broadcast against ``[B, S]``.
     """
-    write_kv_in_place(cache, layer, write_slot, write_pos, keys, values)
+    layer_index = torch.full((1,), layer, dtype=torch.long, device=cache.device)  # [1]
+    cache[layer_index, torch.zeros_like(layer_index), write_slot, :, write_pos] = keys
+    cache[layer_index, torch.ones_like(layer_index), write_slot, :, write_pos] = values
 
 
-def write_kv_in_place(cache, layer: int, write_slot, write_pos, keys, values) -> None:  # see write_kv
+def write_kv_in_place(cache, layer: int, write_slot, write_pos, keys, values) -> None:
+    """``write_kv`` through views: fewer small tensors, for eager passes and CUDA graph captures."""
     cache[layer, 0][write_slot, :, write_pos] = keys
     cache[layer, 1][write_slot, :, write_pos] = values
-
-
-@write_kv.register_fake
-def _(cache, layer, write_slot, write_pos, keys, values) -> None:
-    return None
 
 
 def torch_slot_attention(
