@@ -34,7 +34,7 @@ def target(tmp_path_factory):
 def test_warm_up_gives_every_slot_back(target):
     _, _, compiled, _ = target
     assert compiled.num_active_sequences == 0 and compiled.cache.num_free == 2
-    assert compiled.cached_length(f"{cpu_compile._WARM_UP_SEQ}-0") == 0
+    assert compiled.cached_length(f"{cpu_compile.WARM_UP_SEQ_ID}-0") == 0
 
 
 def test_compiled_logits_equal_eager_through_prefill_decode_verify_batch_and_rollback(target):

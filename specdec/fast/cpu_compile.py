@@ -25,14 +25,13 @@ import shutil
 from collections.abc import Callable
 
 import torch
-
 from torch import nn
 
 from specdec.cached_lm import CachedLM, ForwardCall
 
 WARM_UP_PREFIX = 16  # tokens each warm-up sequence caches first (a prefill pass), as a prompt would
 WARM_UP_SHAPES = ((1, 1), (1, 5), (2, 1), (2, 5))  # (sequences, tokens each) after it: decode and verify passes
-_WARM_UP_SEQ = "\x00cpu-compile-warm-up"  # a seq_id no caller sends: it holds slots only during warm_up
+WARM_UP_SEQ_ID = "\x00cpu-compile-warm-up"  # a seq_id no caller sends: it holds slots only during warm_up
 # Graphs torch keeps per code object, and every FastLlama shares ``forward``'s: a draft and a
 # target in one process (tests, the benchmark) each need about four (sizes 0/1 specialised)
 GRAPHS_PER_FORWARD = 64
@@ -90,7 +89,7 @@ def warm_up(lm: CachedLM) -> None:
         return  # a model this short compiles on its first passes instead
     free = lm.max_num_seqs - lm.num_active_sequences
     shapes = [(rows, tokens) for rows, tokens in WARM_UP_SHAPES if rows <= free]
-    seq_ids = [f"{_WARM_UP_SEQ}-{i}" for i in range(max(rows for rows, _ in shapes))]
+    seq_ids = [f"{WARM_UP_SEQ_ID}-{i}" for i in range(max(rows for rows, _ in shapes))]
     try:
         for seq_id in seq_ids:
             lm.forward([ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])
