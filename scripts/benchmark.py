@@ -70,6 +70,7 @@ from bench.workload import held_out_texts, select_prompts
 from specdec.fast import FastCausalLM
 from specdec.models import load_causal_lm, load_tokenizer
 from specdec.proposers import PROPOSERS
+from specdec_triton.plumbing import Parameters
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 Outputs = dict[tuple[str, int], list[str]]  # (config, concurrency) -> output texts in prompt order
@@ -144,7 +145,9 @@ def measure_step_times(args, target, draft, dtype: str, device: str, cuda_graphs
 
 
 def server_compiles(repository, model_name: str) -> bool:
-    return server_parameter(repository, model_name, "cpu_compile", "false").strip().lower() in ("true", "1", "yes", "on")
+    """The model's ``cpu_compile``, read as the model reads it."""
+    value = server_parameter(repository, model_name, "cpu_compile", "false")
+    return Parameters({"cpu_compile": value}, component=model_name).get_bool("cpu_compile", False)
 
 
 def in_process_timings(args, target, draft, dtype: str, device: str) -> tuple[dict, dict, dict | None, list[str]]:

@@ -77,19 +77,26 @@ def compile_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     return torch.compile(model.forward, dynamic=True, fullgraph=True)
 
 
+def warm_up_plan(free_slots: int, max_model_len: int) -> tuple[list[str], list[tuple[int, int]]]:
+    """The warm-up sequences' ids and the ``(sequences, tokens each)`` passes to run after their prefill.
+
+    Shapes of more sequences than there are free slots are left out, as no pass will have
+    them; a model too short for the prefill and the longest pass gets no plan (it compiles
+    on its first passes instead).
+    """
+    if max_model_len < WARM_UP_PREFIX + max(tokens for _, tokens in WARM_UP_SHAPES):
+        return [], []
+    shapes = [(rows, tokens) for rows, tokens in WARM_UP_SHAPES if rows <= free_slots]
+    return [f"{WARM_UP_SEQ_ID}-{i}" for i in range(max(rows for rows, _ in shapes))], shapes
+
+
 def warm_up(lm: CachedLM) -> None:
-    """Run a prefill and each shape of ``WARM_UP_SHAPES`` through ``lm.forward``, on slots given back after.
+    """Run a prefill and each pass of ``warm_up_plan`` through ``lm.forward``, on slots given back after.
 
     Runs at load, before any sequence holds a slot, through the same calls requests make,
-    so every graph they need is compiled here; shapes of more sequences than the cache has
-    slots are left out, as no pass will have them.
+    so every graph they need is compiled here.
     """
-    longest = max(tokens for _, tokens in WARM_UP_SHAPES)
-    if lm.max_model_len < WARM_UP_PREFIX + longest:
-        return  # a model this short compiles on its first passes instead
-    free = lm.max_num_seqs - lm.num_active_sequences
-    shapes = [(rows, tokens) for rows, tokens in WARM_UP_SHAPES if rows <= free]
-    seq_ids = [f"{WARM_UP_SEQ_ID}-{i}" for i in range(max(rows for rows, _ in shapes))]
+    seq_ids, shapes = warm_up_plan(lm.max_num_seqs - lm.num_active_sequences, lm.max_model_len)
     try:
         for seq_id in seq_ids:
             lm.forward([ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])

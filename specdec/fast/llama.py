@@ -191,6 +191,7 @@ class BatchIndex:
         kv_len: int,  # cache positions attended over (max_model_len for a static shape)
         scratch_slot: int,
         max_model_len: int,
+        with_mask: bool = True,  # False: the Triton attention kernel masks by position itself
     ):
         offsets = torch.arange(num_tokens, device=starts.device)  # [S]
         self.positions = starts[:, None] + offsets  # [B, S]
@@ -199,16 +200,19 @@ class BatchIndex:
         self.write_pos = self.positions.clamp(max=max_model_len - 1)  # [B, S]
         self.slots = slots  # [B]
         self.kv_len = kv_len
-        key_pos = torch.arange(kv_len, device=starts.device)  # [kv_len]
         # [B, 1, S, kv_len]: key j is visible to the query at position p iff j <= p (built here, not lazily:
         # torch.compile traces no cached_property)
-        self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
+        self.mask: torch.Tensor | None = None
+        if with_mask:
+            key_pos = torch.arange(kv_len, device=starts.device)  # [kv_len]
+            self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
 
 
 class FastLlama(nn.Module):
     def __init__(self, config: LlamaArchConfig, biases: set[str], triton_attention: bool = False):
         super().__init__()
         self.config = config
+        self.attention_mask = not triton_attention  # torch's attention reads BatchIndex.mask, the kernel does not
         self.model = Backbone(config, biases, triton_attention)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [head_dim // 2]
@@ -239,7 +243,7 @@ class FastLlama(nn.Module):
         the features EAGLE-3 and the MLP speculator read from the target.
         """
         b, s = input_ids.shape
-        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4])
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], self.attention_mask)
         freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.fast.cpu_compile import WARM_UP_PREFIX, WARM_UP_SEQ_ID, WARM_UP_SHAPES, compile_forward
+from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
@@ -65,10 +65,9 @@ class Eagle3Proposer:
     def _warm_up(self) -> None:
         """Compile every graph a request needs now: a prefill, then decode and verify passes through
         ``_forward``, on slots given back after (as ``cpu_compile.warm_up`` does for a ``FastCausalLM``)."""
-        if self.max_model_len < WARM_UP_PREFIX + max(tokens for _, tokens in WARM_UP_SHAPES):
+        seq_ids, shapes = warm_up_plan(self.cache.num_free, self.max_model_len)
+        if not seq_ids:
             return  # a head this short compiles on its first passes instead
-        shapes = [(rows, tokens) for rows, tokens in WARM_UP_SHAPES if rows <= self.cache.num_free]
-        seq_ids = [f"{WARM_UP_SEQ_ID}-{i}" for i in range(max(rows for rows, _ in shapes))]
         width, dtype = self.head.config.hidden_size, self.head.dtype
 
         def rows_of(n: int) -> torch.Tensor:  # [n, h]
