@@ -154,6 +154,9 @@ class ModelDescription:
     method: str  # "target", "draft_model", "ngram", "eagle3", "mlp_speculator", or the sampler's method
     # a head's: the target hidden states it reads (VerifyRequest.hidden_layers); () for the others
     hidden_state_layers: tuple[int, ...] = ()
+    # a model-free proposer's settings (n-gram, suffix; specdec.proposers.model_free): with them
+    # the orchestrator runs the proposer in its own process; () for everything that runs a model
+    settings: tuple[tuple[str, int | float], ...] = ()
 
 
 @dataclass

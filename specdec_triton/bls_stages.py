@@ -16,6 +16,7 @@ class BlsStages:
     def __init__(self, logger: ModelLogger, secret: str):
         self.logger = logger
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
+        self._stateful = (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)  # the models that hold sequences: released
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized:
         inputs = {"text_input": bytes_array([text])}
@@ -33,12 +34,17 @@ class BlsStages:
         probe = wire.describe_inputs()
         tokenizer, draft, target, sampler = await asyncio.gather(
             bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
-            bls(wire.DRAFT_PROPOSER, probe, wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS, batched=True),
+            bls(wire.DRAFT_PROPOSER, probe,
+                wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS,
+                batched=True),  # fmt: skip
             bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS, batched=True),
             bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
         descriptions = Descriptions(*(wire.description_of(out) for out in (tokenizer, draft, target, sampler)))
-        descriptions = replace(descriptions, draft=hidden_wire.with_described_layers(descriptions.draft, draft))
+        described_draft = wire.with_described_settings(hidden_wire.with_described_layers(descriptions.draft, draft), draft)
+        descriptions = replace(descriptions, draft=described_draft)
+        # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing
+        self._stateful = (wire.TARGET_VERIFIER,) if described_draft.settings else (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them
         ensure_bls_threads(2 * (descriptions.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
@@ -66,20 +72,20 @@ class BlsStages:
         return wire.sample_results_of(out)
 
     async def release(self, ended: dict[str, list[int] | None]) -> None:
-        """Frees the sequences in both models that hold state, one call each; a failure is logged and raised.
+        """Frees the sequences in the models that hold state, one call each; a failure is logged and raised.
 
         The proposer also gets the responses of the requests that completed (suffix decoding
         learns from them); the verifier needs the ids alone.
         """
         seq_ids = list(ended)
         inputs = {**wire.release_inputs(seq_ids), **self._secret}
-        results = await asyncio.gather(
-            bls(wire.DRAFT_PROPOSER, {**inputs, **wire.response_inputs(list(ended.values()))}, wire.PROPOSE_OUTPUTS,
-                batched=True),  # fmt: skip
-            bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),
-            return_exceptions=True,
-        )
-        failures = [f"{model}: {result}" for model, result in zip((wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER), results)
+        calls = {
+            wire.DRAFT_PROPOSER: lambda: bls(wire.DRAFT_PROPOSER, {**inputs, **wire.response_inputs(list(ended.values()))},
+                                             wire.PROPOSE_OUTPUTS, batched=True),
+            wire.TARGET_VERIFIER: lambda: bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),
+        }  # fmt: skip
+        results = await asyncio.gather(*(calls[model]() for model in self._stateful), return_exceptions=True)
+        failures = [f"{model}: {result}" for model, result in zip(self._stateful, results)
                     if isinstance(result, BaseException)]  # fmt: skip
         if failures:
             self.logger.error(f"releasing {len(seq_ids)} sequence(s) failed: {'; '.join(failures)}")

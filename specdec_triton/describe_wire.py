@@ -2,11 +2,15 @@
 
 A request with ``describe`` set gets the model's ``ModelDescription`` as the
 ``describe_*`` outputs and nothing else; -1 encodes None (no limit, no vocabulary).
-Re-exported by :mod:`specdec_triton.wire`.
+Re-exported by :mod:`specdec_triton.wire`. The draft proposer also answers
+``describe_settings``: a model-free method's settings, which the orchestrator runs it
+with in its own process (:mod:`specdec.proposers.model_free`).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -16,6 +20,7 @@ from specdec_triton.plumbing import bytes_array, scalar, text
 
 DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model_len", "describe_max_num_seqs",
                     "describe_method")  # fmt: skip
+DESCRIBE_SETTINGS_OUTPUTS = ("describe_settings",)  # [1] JSON object; "{}" for a proposer that runs a model
 
 
 def describe_inputs() -> dict[str, np.ndarray]:
@@ -52,3 +57,21 @@ def description_of(outputs: Mapping[str, np.ndarray]) -> ModelDescription:
         max_num_seqs=limit("describe_max_num_seqs"),
         method=text(outputs, "describe_method"),
     )
+
+
+def settings_outputs(desc: ModelDescription) -> dict[str, np.ndarray]:
+    return {"describe_settings": bytes_array([json.dumps(dict(desc.settings))])}  # [1]
+
+
+def with_described_settings(desc: ModelDescription, outputs: Mapping[str, np.ndarray]) -> ModelDescription:
+    """``desc`` with the settings the draft proposer described; refuses anything but names with numbers."""
+    described = text(outputs, "describe_settings")
+    try:
+        settings = json.loads(described)
+    except json.JSONDecodeError:
+        settings = None
+    if not isinstance(settings, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in settings.values()
+    ):
+        raise ValueError(f"describe_settings must be a JSON object of numbers, got {described!r}")
+    return replace(desc, settings=tuple(settings.items()))

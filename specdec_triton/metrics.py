@@ -75,15 +75,22 @@ _SUFFIX_GAUGES = {
 
 
 class SuffixCacheGauges:
-    """What suffix decoding keeps in memory, so its bound can be watched; only changes are sent."""
+    """What suffix decoding keeps in memory, so its bound can be watched; only changes are sent.
+
+    The families are made on the first ``set``: a server that runs another method shows none.
+    """
 
     def __init__(self, model_name: str, family_type=None):
-        self._families = [_family(name, text, "GAUGE", family_type) for name, text in _SUFFIX_GAUGES.items()]
-        self._gauges = [family.Metric(labels={"model": model_name}) for family in self._families]
+        self._model_name, self._family_type = model_name, family_type
+        self._families: list = []  # must outlive their metrics
+        self._gauges: list = []
         self._values: tuple[int, ...] | None = None
 
     def set(self, cached_responses: int, tree_nodes: int, tree_bytes: int) -> None:
         values = (cached_responses, tree_nodes, tree_bytes)
+        if not self._gauges:
+            self._families = [_family(name, text, "GAUGE", self._family_type) for name, text in _SUFFIX_GAUGES.items()]
+            self._gauges = [family.Metric(labels={"model": self._model_name}) for family in self._families]
         if values != self._values:
             for gauge, value in zip(self._gauges, values):
                 gauge.set(value)

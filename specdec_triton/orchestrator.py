@@ -28,12 +28,13 @@ from typing import Protocol
 
 from specdec.detokenize import IncrementalDetokenizer
 from specdec.engine import SequenceState, check_token_ids
-from specdec.proposers import check_draft_compatible
+from specdec.propose_in_process import ProposeInProcess
+from specdec.proposers import Proposer, SuffixProposer, check_draft_compatible, model_free_proposer
 from specdec.scheduler import ScheduledStep, StepReport, StepScheduler
 from specdec.scheduler import Stages as StepStages
 from specdec.types import ModelDescription, RequestStats
 from specdec_triton.configs import OrchestratorConfig
-from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
+from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
 from specdec_triton.plumbing import RequestError, ServingError
 from specdec_triton.request import GenerateRequest, generate_outputs
 from specdec_triton.text import TextCodec
@@ -78,12 +79,16 @@ class Orchestrator:
         counters: SpecDecodeCounters | None = None,
         active: ActiveSequences | None = None,
         log: Callable[[str], None] | None = None,
+        suffix_gauges: SuffixCacheGauges | None = None,  # what a suffix proposer run here keeps
     ):
         self.stages = stages
         self.config = config
         self.counters = counters
         self.active = active
         self.log = log
+        self.suffix_gauges = suffix_gauges
+        self._proposer_here: Proposer | None = None  # a model-free method's proposer, run in this process
+        self._proposer_described: ModelDescription | None = None  # the description it was built from
         self.num_active_requests = 0  # tokenized and not yet answered: running or waiting for a slot
         self.descriptions: Descriptions | None = None
         self.scheduler: StepScheduler | None = None
@@ -109,7 +114,7 @@ class Orchestrator:
         if self.scheduler is not None:
             seq_ids = self.scheduler.fail_all(ServingError(f"{why}; the request was not finished"))
             if seq_ids:
-                task = asyncio.ensure_future(self._release_quietly(seq_ids))
+                task = asyncio.ensure_future(self._release_quietly(self.scheduler.stages, seq_ids))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         self.scheduler, self.descriptions, self._describing = None, None, None
@@ -118,9 +123,10 @@ class Orchestrator:
     def recovered(self) -> None:
         self.unavailable = None
 
-    async def _release_quietly(self, seq_ids: list[str]) -> None:
+    @staticmethod
+    async def _release_quietly(stages: StepStages, seq_ids: list[str]) -> None:
         try:
-            await self.stages.release(dict.fromkeys(seq_ids))  # failed requests: no responses to keep
+            await stages.release(dict.fromkeys(seq_ids))  # failed requests: no responses to keep
         except Exception:  # a stopped stage holds nothing; the stage itself logged what failed
             pass
 
@@ -139,6 +145,10 @@ class Orchestrator:
             check_draft_compatible(descriptions.draft, descriptions.target)
         except ValueError as err:
             raise ServingError(f"draft_proposer does not fit target_verifier: {err}") from None
+        try:
+            self._proposer_here = self._proposer_for(descriptions.draft)
+        except ValueError as err:
+            raise ServingError(f"draft_proposer: {err}") from None
         tokenizer, target = descriptions.tokenizer, descriptions.target
         if tokenizer.vocab_size is not None and tokenizer.vocab_size > target.vocab_size:
             raise ServingError(
@@ -148,15 +158,38 @@ class Orchestrator:
         self._codec = TextCodec(descriptions.tokenizer.model)
         self.descriptions = descriptions
         self.scheduler = StepScheduler(
-            self.stages,
+            self._step_stages(),
             self.config.speculation,
             descriptions.max_num_seqs,
             match_greedy_here=descriptions.sampler.method != "synthetic",
             on_step=self._record_step,
         )
         if self.log is not None:
+            where = "run in this process" if self._proposer_here is not None else descriptions.draft.model
             self.log(f"serving {descriptions.target.model} with {descriptions.draft.method} "
-                     f"({descriptions.draft.model}), {descriptions.max_num_seqs} sequences at once")
+                     f"({where}), {descriptions.max_num_seqs} sequences at once")
+
+    def _proposer_for(self, draft: ModelDescription) -> Proposer | None:
+        """The model-free proposer this process runs for ``draft``, or None when the draft_proposer model proposes.
+
+        The one built before is kept while the description is the same, so suffix
+        decoding's global tree outlives the recovery of another composing model.
+        """
+        if self._proposer_here is not None and self._proposer_described == draft:
+            return self._proposer_here
+        proposer = model_free_proposer(draft)
+        self._proposer_described = draft
+        return proposer
+
+    def _step_stages(self) -> StepStages:
+        if self._proposer_here is None:
+            return self.stages
+        return ProposeInProcess(self.stages, self._proposer_here, on_release=self._show_proposer_memory)
+
+    def _show_proposer_memory(self, proposer) -> None:
+        if self.suffix_gauges is not None and isinstance(proposer, SuffixProposer):
+            stats = proposer.stats()
+            self.suffix_gauges.set(stats.cached_responses, stats.tree_nodes, stats.approx_bytes)
 
     async def prepare(self, request: GenerateRequest) -> SequenceState:
         """Tokenize and validate; raises RequestError naming the bad input."""

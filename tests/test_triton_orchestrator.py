@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,14 +17,14 @@ from byte_tokenizer import byte_level_tokenizer
 
 from specdec.engine import generate
 from specdec.models import CachedCausalLM
-from specdec.proposers import NGRAM_DESCRIPTION, DraftModelProposer, NgramProposer
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import SequenceCancelled
 from specdec.speculation_length import SpeculationLength
 from specdec.types import ModelDescription
 from specdec.verifier import TargetVerifier
 from specdec_triton.configs import OrchestratorConfig
-from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
+from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
 from specdec_triton.orchestrator import Descriptions, Orchestrator, Tokenized
 from specdec_triton.plumbing import RequestError, ServingError
 from specdec_triton.request import GenerateRequest, check_parameters
@@ -68,6 +69,7 @@ class LocalStages:
         self.max_num_seqs: int | None = None
         self.draft_vocab_size: int | None = None  # what the draft describes, if not its own
         self.tokenizer_vocab_size: int | None = None  # what the tokenizer describes, if not its own
+        self.describe_settings: tuple | None = None  # what a model-free proposer describes, if not its own
         self.describe_failures = 0  # describe calls still to fail
         self.peak_sequences = 0
         self.sent: list[tuple[str, int]] = []  # (stage, sequences) of each propose / verify / sample call, in order
@@ -86,8 +88,10 @@ class LocalStages:
             self.describe_failures -= 1
             raise RuntimeError("target_verifier is not ready")
         vocab = self.verifier.vocab_size
-        if isinstance(self.proposer, NgramProposer):
-            draft = NGRAM_DESCRIPTION
+        if isinstance(self.proposer, (NgramProposer, SuffixProposer)):
+            draft = describe_model_free(self.proposer)  # the orchestrator runs its own from these settings
+            if self.describe_settings is not None:
+                draft = replace(draft, settings=self.describe_settings)
         else:
             draft = ModelDescription("/models/draft", self.draft_vocab_size or vocab, None, None, "draft_model")
         return Descriptions(
@@ -139,7 +143,8 @@ def models(codec, tiny_llama):
 
 def make_pair(models, method):
     target, draft = models
-    proposer = DraftModelProposer(CachedCausalLM(draft)) if method == "draft_model" else NgramProposer(1, 3)
+    proposer = {"draft_model": lambda: DraftModelProposer(CachedCausalLM(draft)), "ngram": lambda: NgramProposer(1, 3),
+                "suffix": SuffixProposer}[method]()  # fmt: skip
     return proposer, TargetVerifier(CachedCausalLM(target, max_model_len=MAX_MODEL_LEN))
 
 
@@ -150,7 +155,8 @@ def make_orchestrator(codec, models, method="draft_model", k=K, sampler=None, sp
     counters = SpecDecodeCounters("sd", k, family_type=FakeFamily)
     active = ActiveSequences("sd", family_type=FakeFamily)
     config = OrchestratorConfig(k, 16, speculation or SpeculationLength(k))
-    return Orchestrator(stages, config, counters, active), stages
+    suffix_gauges = SuffixCacheGauges("sd", family_type=FakeFamily)
+    return Orchestrator(stages, config, counters, active, suffix_gauges=suffix_gauges), stages
 
 
 def request(text, **overrides):
@@ -283,10 +289,46 @@ def test_greedy_steps_are_matched_without_the_sampler(codec, models, sampler_met
     """Against a greedy target rejection sampling is a comparison of ids: no sampler round trip."""
     orchestrator, stages = make_orchestrator(codec, models, "ngram", sampler=RejectionSampler(sampler_method))
     outputs = run(orchestrator, request("abcabcabcabc", max_tokens=24))[-1][0]
-    assert {stage for stage, _ in stages.sent} == {"propose", "verify"}
+    assert {stage for stage, _ in stages.sent} == {"verify"}  # n-gram lookup runs in the orchestrator
     assert int(outputs["total_accepted_draft_tokens"][0]) > 0  # drafts were matched and kept
     run(orchestrator, request(PROMPTS[0], temperature=0.8, seed=1))
     assert "sample" in {stage for stage, _ in stages.sent}  # a sampled target still goes to the sampler
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_methods_propose_in_the_orchestrator(codec, models, method):
+    """They read only the tokens the orchestrator holds: no propose call leaves it, and it frees what it kept."""
+    orchestrator, stages = make_orchestrator(codec, models, method)
+    outputs = run(orchestrator, request("abcabcabcabcabcabc", max_tokens=24))[-1][0]
+    assert "propose" not in {stage for stage, _ in stages.sent}
+    assert int(outputs["total_accepted_draft_tokens"][0]) > 0
+    here = orchestrator.scheduler.stages.proposer
+    assert here is not stages.proposer and type(here) is type(stages.proposer)
+    assert here.config == stages.proposer.config  # built from the settings the stage described
+    assert here.num_active_sequences == 0 and stages.proposer.num_active_sequences == 0
+    assert stages.released  # the stages still free the verifier's state
+
+
+def test_the_suffix_trees_outlive_the_recovery_of_another_model_and_are_gauged(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models, "suffix")
+    prompt = "the quick brown fox jumps"
+    first = run(orchestrator, request(prompt, max_tokens=24))[-1][0]
+    gauge = FakeFamily.metrics[("spec_decode_suffix_cached_responses", (("model", "sd"),))]
+    assert gauge.value == 1
+    orchestrator.stage_failed(["target_verifier"])
+    orchestrator.recovered()
+    again = run(orchestrator, request(prompt, max_tokens=24))[-1][0]  # drafted from the kept response
+    assert again["text_output"][0] == first["text_output"][0]
+    assert int(again["total_accepted_draft_tokens"][0]) > int(first["total_accepted_draft_tokens"][0])
+    assert gauge.value == 2
+
+
+def test_a_model_free_method_described_without_its_settings_is_refused(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models, "ngram")
+    stages.describe_settings = ()  # a draft_proposer of another version
+    with pytest.raises(ServingError, match=r"draft_proposer: method 'ngram' was described with settings \[\]"):
+        run(orchestrator, request("the fox"))
+    assert stages.sent == []
 
 
 def test_synthetic_sampler_sees_greedy_steps_too(codec, models):

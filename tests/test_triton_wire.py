@@ -1,6 +1,7 @@
 """The tensors between served models (specdec_triton.wire) and the committed config.pbtxt files, without Triton."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,8 @@ MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TokenizerConfig),
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS,
-                          wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS,
-                          configs.DraftProposerConfig),
+                          wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS
+                          + wire.DESCRIBE_SETTINGS_OUTPUTS, configs.DraftProposerConfig),
     wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS,
                            wire.DECLARED_VERIFY_OUTPUTS + hidden_wire.VERIFY_HIDDEN_OUTPUTS + wire.DESCRIBE_OUTPUTS,
                            configs.TargetVerifierConfig),
@@ -247,6 +248,22 @@ def test_describe_round_trip(desc):
     assert wire.description_of(outputs) == desc
     if desc.max_model_len is None:
         assert outputs["describe_max_model_len"].tolist() == [-1]  # -1 encodes None
+
+
+@pytest.mark.parametrize("settings", [(), (("max_tree_depth", 24), ("max_spec_factor", 1.0), ("min_token_prob", 0.1))])
+def test_a_proposers_settings_round_trip(settings):
+    desc = ModelDescription("suffix", None, None, None, "suffix", settings=settings)
+    outputs = wire.settings_outputs(desc)
+    assert set(outputs) == set(wire.DESCRIBE_SETTINGS_OUTPUTS)
+    described = wire.with_described_settings(replace(desc, settings=()), outputs)
+    assert described == desc and [type(v) for _, v in described.settings] == [type(v) for _, v in settings]
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{\"a\": \"x\"}", "{\"a\": true}", "not json"])
+def test_described_settings_that_are_not_named_numbers_are_refused(text):
+    with pytest.raises(ValueError, match="describe_settings must be a JSON object of numbers"):
+        wire.with_described_settings(ModelDescription("ngram", None, None, None, "ngram"),
+                                     {"describe_settings": np.array([text.encode()], dtype=np.object_)})
 
 
 def test_sample_round_trip_of_packed_sequences():

@@ -5,6 +5,7 @@ from specdec.proposers.base import Proposer, check_propose_requests
 from specdec.proposers.draft_model import DraftModelProposer, check_draft_compatible
 from specdec.proposers.eagle3 import Eagle3Proposer
 from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
+from specdec.proposers.model_free import MODEL_FREE_METHODS, describe_model_free, model_free_proposer
 from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
 from specdec.proposers.suffix import SUFFIX_DESCRIPTION, SuffixConfig, SuffixProposer
 
@@ -30,6 +31,7 @@ __all__ = [
     "DraftModelProposer",
     "Eagle3Proposer",
     "MLPSpeculatorProposer",
+    "MODEL_FREE_METHODS",
     "NgramProposer",
     "SUFFIX_DESCRIPTION",
     "SuffixConfig",
@@ -37,5 +39,7 @@ __all__ = [
     "Proposer",
     "check_draft_compatible",
     "check_propose_requests",
+    "describe_model_free",
     "make_proposer",
+    "model_free_proposer",
 ]

@@ -2,8 +2,9 @@
 
 Keeps each live sequence (its tokens, and a KV cache with method draft_model); a
 propose request carries only the tokens not sent before, at ``position``, and a
-request with ``release`` set frees the sequence (with method suffix, the responses of
-completed requests it carries join the global tree). A request carries one or more
+request with ``release`` set frees the sequence. The model-free methods (ngram, suffix)
+are configured here but run in the orchestrator's process, which holds the tokens
+already (:mod:`specdec.proposers.model_free`): their description carries the settings. A request carries one or more
 sequences (``wire``), and requests arrive in dynamic batches, so with the fast engine
 all sequences drafting at the same moment share each forward. A request with
 ``describe`` set gets the proposer's ``ModelDescription``, which the orchestrator
@@ -15,10 +16,9 @@ along. Callers, releases and expiry: :class:`specdec_triton.stateful.SequenceHos
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
-from specdec.proposers import NGRAM_DESCRIPTION, SUFFIX_DESCRIPTION, DraftModelProposer, NgramProposer, SuffixProposer
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec_triton import hidden_wire, wire
 from specdec_triton.configs import DraftProposerConfig
-from specdec_triton.metrics import SuffixCacheGauges
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
@@ -28,9 +28,11 @@ class TritonPythonModel:
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         if config.method == "ngram":
-            self.proposer, description = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), NGRAM_DESCRIPTION
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            description = describe_model_free(self.proposer)  # the orchestrator runs it, with these settings
         elif config.method == "suffix":
-            self.proposer, description = SuffixProposer(config.suffix), SUFFIX_DESCRIPTION
+            self.proposer = SuffixProposer(config.suffix)
+            description = describe_model_free(self.proposer)
         elif config.method in HEAD_METHODS:
             self.proposer = build_head_proposer(
                 config.method, config.draft_model, config.target_model, config.dtype, device, config.max_num_seqs,
@@ -43,8 +45,8 @@ class TritonPythonModel:
             self.proposer, description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
         self.host = SequenceHost(args["model_name"], self.proposer, description, config.sequence_idle_timeout_s,
                                  self.logger, args["model_config"], keeps_responses=True,
-                                 describe_extra=hidden_wire.description_hidden_outputs(description))  # fmt: skip
-        self.suffix_gauges = SuffixCacheGauges(args["model_name"]) if config.method == "suffix" else None
+                                 describe_extra={**hidden_wire.description_hidden_outputs(description),
+                                                 **wire.settings_outputs(description)})  # fmt: skip
         self.logger.info(f"{config} on {device}: {description}")
         for warning in config.unread_settings():
             self.logger.warning(warning)
@@ -52,9 +54,6 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = answer_batch(requests, wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS, self._propose)
         self.host.show_active()
-        if self.suffix_gauges is not None:
-            stats = self.proposer.stats()
-            self.suffix_gauges.set(stats.cached_responses, stats.tree_nodes, stats.approx_bytes)
         return responses
 
     def _propose(self, batch):

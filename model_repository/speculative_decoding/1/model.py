@@ -19,7 +19,7 @@ from specdec_triton.bls_stages import BlsStages
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.health import StubWatch, reload_config
 from specdec_triton.internal import boot_secret
-from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters
+from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
 from specdec_triton.orchestrator import Orchestrator
 from specdec_triton.plumbing import (
     BlsError, ModelLogger, ParameterError, Parameters, ServingError, cancellation_check, error_response, make_response,
@@ -47,7 +47,8 @@ class TritonPythonModel:
         config = OrchestratorConfig.from_parameters(Parameters.from_args(args))
         counters = SpecDecodeCounters(name, config.num_speculative_tokens)
         self.orchestrator = Orchestrator(
-            BlsStages(self.logger, boot_secret()), config, counters, ActiveSequences(name), log=self.logger.info
+            BlsStages(self.logger, boot_secret()), config, counters, ActiveSequences(name), log=self.logger.info,
+            suffix_gauges=SuffixCacheGauges(name),  # method suffix runs here (specdec.proposers.model_free)
         )
         actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=reload_config(m)),
                                   stop_server=lambda: os.kill(os.getppid(), signal.SIGTERM),
