@@ -49,9 +49,9 @@ _SUFFIX = {
                        ("min_token_prob", float))
 }  # fmt: skip
 SETTINGS = {
-    "method": Setting("draft_proposer", "method", str, ("", "draft_model")),
+    "method": Setting("draft_proposer", "method", str, ("", "suffix")),
     "model": Setting("draft_proposer", "draft_model", str, ("", "${SPECDEC_MODELS_DIR}/tiny-draft")),
-    "num_speculative_tokens": Setting(ORCHESTRATOR, "num_speculative_tokens", int, ("", "4")),
+    "num_speculative_tokens": Setting(ORCHESTRATOR, "num_speculative_tokens", int, ("", "8")),
     "disable_by_batch_size": Setting(ORCHESTRATOR, "speculative_disable_by_batch_size", int, ("", "0")),
     "prompt_lookup_min": Setting("draft_proposer", "prompt_lookup_min", int, ("",)),
     "prompt_lookup_max": Setting("draft_proposer", "prompt_lookup_max", int, ("",)),
@@ -59,7 +59,7 @@ SETTINGS = {
     **_SUFFIX,
 }
 # set by any speculative_config: vLLM has no per-batch-size table, k is fixed
-_IMPLIED = {Setting(ORCHESTRATOR, "num_speculative_tokens_per_batch_size", str, ("", "1:4,2:2,3:0")): ""}
+_IMPLIED = {Setting(ORCHESTRATOR, "num_speculative_tokens_per_batch_size", str, ("", "1:8,3:0")): ""}
 # vLLM keys accepted only with the value that changes nothing here
 NEUTRAL = {"draft_tensor_parallel_size": (None, 1), "disable_logprobs": (None, True, False),
            "disable_log_stats": (None, True, False)}  # fmt: skip

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 from specdec_triton import speculative_config as sc
 from specdec_triton.speculative_config import SpeculativeConfigError
@@ -59,10 +62,10 @@ def test_what_cannot_be_served_is_refused_by_name(text, message):
 
 def test_apply_overrides_unset_and_shipped_values(tmp_path):
     env = {sc.ENV_VAR: '{"method": "ngram", "prompt_lookup_max": 3, "num_speculative_tokens": 6}'}
-    raw = {"method": "draft_model", "prompt_lookup_max": "", "dtype": "auto"}
+    raw = {"method": "suffix", "prompt_lookup_max": "", "dtype": "auto"}  # suffix: the shipped method
     assert sc.apply("draft_proposer", raw, repository(tmp_path), env) == {
         "method": "ngram", "prompt_lookup_max": "3", "dtype": "auto"}  # fmt: skip
-    orchestrator = {"num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,2:2,3:0"}
+    orchestrator = {"num_speculative_tokens": "8", "num_speculative_tokens_per_batch_size": "1:8,3:0"}
     assert sc.apply("speculative_decoding", orchestrator, tmp_path, env) == {
         "num_speculative_tokens": "6", "num_speculative_tokens_per_batch_size": ""}  # fmt: skip
     # a model the JSON says nothing about, and no JSON at all: unchanged
@@ -84,7 +87,7 @@ def test_the_repository_parameter_is_read_and_must_agree_with_the_environment(tm
     text = '{"method": "suffix", "num_speculative_tokens": 8}'
     repo = repository(tmp_path, text)
     assert sc.configured_text(repo, {}) == text
-    assert sc.apply("draft_proposer", {"method": "draft_model"}, repo, {}) == {"method": "suffix"}
+    assert sc.apply("draft_proposer", {"method": ""}, repo, {}) == {"method": "suffix"}
     same = json.dumps({"num_speculative_tokens": 8, "method": "suffix"})
     assert sc.configured_text(repo, {sc.ENV_VAR: same}) == same
     with pytest.raises(SpeculativeConfigError, match="differs between SPECDEC_SPECULATIVE_CONFIG"):
@@ -100,3 +103,12 @@ def test_check_prints_the_json_to_serve_or_the_reason(tmp_path, capsys, monkeypa
     assert sc.main(["--check", '{"method": "suffix", "bogus_key": 1}']) == 2
     assert "unknown key 'bogus_key'" in capsys.readouterr().err
     assert sc.main(["--check", "@/nowhere.json"]) == 2
+
+
+def test_every_shipped_value_counts_as_unset(tmp_path):
+    """A JSON must override the committed repository as shipped: its values are the 'unset' ones."""
+    root = Path(__file__).resolve().parents[1] / "model_repository"
+    for setting in [*sc.SETTINGS.values(), *sc._IMPLIED]:
+        config = text_format.Parse((root / setting.model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        shipped = config.parameters[setting.key].string_value if setting.key in config.parameters else ""
+        assert shipped in setting.unset, (setting.model, setting.key, shipped)

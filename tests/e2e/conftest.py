@@ -1,9 +1,9 @@
 """End-to-end fixtures: a real tritonserver started by scripts/serve.sh, and the target as a reference.
 
-The default server serves the committed ``model_repository`` as is (draft_model
-proposer, checkpoints in ``${SPECDEC_MODELS_DIR}``, which serve.sh sets). The n-gram server serves a copy made in
-a temporary directory with ``method: ngram``, the table server one whose step k
-follows a ``num_speculative_tokens_per_batch_size`` table. ``SPECDEC_E2E_MODELS`` may name another
+The default server serves the committed ``model_repository`` as is (suffix decoding,
+checkpoints in ``${SPECDEC_MODELS_DIR}``, which serve.sh sets). The n-gram server serves a copy made in
+a temporary directory with ``method: ngram``, the table server one with the shipped draft model
+(compiled, as shipped) whose step k follows a ``num_speculative_tokens_per_batch_size`` table. ``SPECDEC_E2E_MODELS`` may name another
 directory holding ``tiny-target`` and ``tiny-draft``; every server then uses a copy
 pointing there. Without the model pair the tests skip.
 """
@@ -18,6 +18,7 @@ from triton_server import REPO_ROOT, Reference, server_on_free_ports, models_dir
 from specdec.models import load_causal_lm
 from specdec_triton.text import TextCodec
 
+SHIPPED_METHOD = "suffix"  # the committed draft_proposer's method
 sys.path.insert(0, str(REPO_ROOT))  # the command-line client is a top-level package, not installed
 
 
@@ -26,7 +27,7 @@ def _start_server(tmp_path_factory, method: str, parameters: dict[str, str] | No
     if not (models / "tiny-target").is_dir() or not (models / "tiny-draft").is_dir():
         pytest.skip(f"model pair not found under {models}")
     workdir = tmp_path_factory.mktemp(f"server_{method}")
-    committed = method == "draft_model" and models == REPO_ROOT / "models" and not parameters
+    committed = method == SHIPPED_METHOD and models == REPO_ROOT / "models" and not parameters
     repository = (
         REPO_ROOT / "model_repository" if committed else repository_copy(workdir, models, method, parameters=parameters)
     )
@@ -37,8 +38,8 @@ def _start_server(tmp_path_factory, method: str, parameters: dict[str, str] | No
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The committed repository: draft_model proposer, k = 4; with the OpenAI API (``server.openai_url``)."""
-    server = _start_server(tmp_path_factory, "draft_model", openai=True)
+    """The committed repository: suffix decoding, k = 8; with the OpenAI API (``server.openai_url``)."""
+    server = _start_server(tmp_path_factory, SHIPPED_METHOD, openai=True)
     yield server
     server.stop()
 
@@ -52,8 +53,9 @@ def ngram_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def table_server(tmp_path_factory):
-    """draft_model, k = 4 for one sequence, 2 for two, none from three sequences on."""
-    server = _start_server(tmp_path_factory, "draft_model", {"num_speculative_tokens_per_batch_size": "1:4,2:2,3:0"})
+    """The shipped draft model, compiled: k = 4 for one sequence, 2 for two, none from three sequences on."""
+    server = _start_server(tmp_path_factory, "draft_model", {
+        "num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,2:2,3:0", "cpu_compile": "true"})
     yield server
     server.stop()
 

@@ -49,7 +49,7 @@ def steps_and_verify_calls(server) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize(
-    "server_name", ["server", "ngram_server", "table_server"], ids=["draft_model", "ngram", "table"]
+    "server_name", ["server", "ngram_server", "table_server"], ids=["shipped_suffix", "ngram", "draft_model_table"]
 )
 def test_concurrent_streams_match_one_by_one_and_share_forwards(server_name, request):
     server = request.getfixturevalue(server_name)

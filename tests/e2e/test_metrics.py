@@ -6,7 +6,7 @@ from client.generate import generate_grpc
 
 pytestmark = pytest.mark.server
 
-K = 4  # the committed num_speculative_tokens
+K = 8  # the committed num_speculative_tokens
 ORCHESTRATOR = (("model", "speculative_decoding"),)
 
 

@@ -29,7 +29,7 @@ def suffix_server(tmp_path_factory):
     if not (models_dir() / "tiny-target").is_dir():
         pytest.skip(f"model pair not found under {models_dir()}")
     workdir = tmp_path_factory.mktemp("server_suffix")
-    repository = repository_copy(workdir, models_dir(), "draft_model")  # the shipped method: the JSON overrides it
+    repository = repository_copy(workdir, models_dir(), "")  # method left empty: the JSON sets it (and k, the table)
     server = server_on_free_ports(workdir, repository, serve_args=(f"--speculative-config={json.dumps(SPECULATIVE_CONFIG)}",))
     server.start()
     yield server
