@@ -7,7 +7,9 @@ Compared in one run, on the same checkpoints and held-out prompts:
   and on it: ``num_speculative_tokens = 0`` per request (``k=0 (<method> server)``, the
   baseline of that server), each fixed k of ``--ks`` per request (``<method> k=K``), and,
   on the server of the repository's own method, requests that send no
-  ``num_speculative_tokens`` (``default``: the configuration as shipped);
+  ``num_speculative_tokens`` (``default``: the configuration as shipped); a suffix
+  server keeps no global tree, since the phases repeat the same prompts
+  (``scripts/benchmark_repeat.py`` measures what the tree gains on repeated work);
 * in-process ``generate``, one request at a time: plain (``hf plain``), with
   ``assistant_model`` (same draft, same k) and with ``prompt_lookup_num_tokens = k``.
 
@@ -85,7 +87,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "tiny-target")
     p.add_argument("--draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
-    p.add_argument("--methods", default="draft_model,ngram", help="draft_proposer methods, comma-separated")
+    p.add_argument("--methods", default="suffix,draft_model,ngram", help="draft_proposer methods, comma-separated")
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
     p.add_argument("--num-prompts", type=int, default=16, help="requests per configuration and concurrency")
@@ -237,6 +239,8 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
         edits[ORCHESTRATOR]["num_speculative_tokens"] = str(max(args.ks))
     if method == "draft_model":
         edits[PROPOSER_MODEL]["draft_model"] = str(args.draft.resolve())
+    if method == "suffix":  # every phase sends the same prompts: a global tree would draft earlier phases' outputs
+        edits[PROPOSER_MODEL]["suffix_decoding_max_cached_requests"] = "0"
     if args.synthetic_acceptance_rate is not None:
         edits[SAMPLER_MODEL] = {"rejection_sample_method": "synthetic",
                                 "synthetic_acceptance_rate": str(args.synthetic_acceptance_rate)}
@@ -346,6 +350,10 @@ def main() -> None:
     annotate(rows, step_times)
     match_reference(rows, outputs, HF_PLAIN if args.hf else k0_name(args.methods[0]))
     notes = [*timing_notes, *args.note]
+    if "suffix" in args.methods:
+        notes.append("suffix servers keep no global tree (suffix_decoding_max_cached_requests 0), the default "
+                     "server's included: the phases repeat the same prompts, so a tree would draft their earlier "
+                     "outputs; the tree's gain on repeated work is measured by scripts/benchmark_repeat.py")
     if shipped["method"] not in args.methods:
         notes.append(f"No default row: the repository's own method {shipped['method']!r} is not in --methods")
     elif max(args.ks) > shipped["num_speculative_tokens"]:
