@@ -42,6 +42,9 @@ run() {  # run a command, or only print it with --dry-run
   if [ "$DRY_RUN" = 1 ]; then echo "[setup] would run: $*"; else "$@"; fi
 }
 
+index_answers() {  # the package index at $1 answers within 10 s
+  "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)' "$1/torch/" >/dev/null 2>&1
+}
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
 torch_build="${SPECDEC_TORCH:-auto}"
 case "$torch_build" in
@@ -65,7 +68,19 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch" 2>/dev/null
     echo "[setup]       warning: this torch is the CPU build; to get the CUDA build: $VENV/bin/pip install --force-reinstall torch==$TORCH_VERSION"
   fi
 else
-  if [ "$torch_build" = cpu ]; then
+  if [ "$torch_build" = cpu ] && [ -z "${SPECDEC_TORCH_INDEX:-}" ] && ! index_answers "$CPU_INDEX"; then
+    # no CPU index here: a torch wheel of this version among pip's own sources (find-links,
+    # a local index) is taken if there is one, its dependencies from PyPI; PyPI's own torch is
+    # the CUDA build, so without such a wheel the user decides
+    echo "[setup]       $CPU_INDEX does not answer: looking for a torch $TORCH_VERSION wheel among pip's own sources"
+    if ! run "${pip[@]}" --no-index --no-deps "torch==$TORCH_VERSION"; then
+      echo "setup.sh: no CPU build of torch $TORCH_VERSION can be had: $CPU_INDEX does not answer and pip's own" \
+           "sources hold no such wheel. Set SPECDEC_TORCH_INDEX to a mirror of that index, or SPECDEC_TORCH=cuda" \
+           "to take PyPI's CUDA build (about 3 GB)" >&2
+      exit 1
+    fi
+    index=""
+  elif [ "$torch_build" = cpu ]; then
     index="${SPECDEC_TORCH_INDEX:-$CPU_INDEX}"
   else
     index="${SPECDEC_TORCH_INDEX:-}"
