@@ -13,15 +13,23 @@ SETUP = REPO_ROOT / "scripts" / "setup.sh"
 CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0"
 
 
-def setup(tmp_path: Path, nvidia_smi: str | None, **env: str) -> subprocess.CompletedProcess:
-    """``setup.sh --dry-run`` for a fresh venv, with a stand-in ``nvidia-smi`` (None: none answers)."""
+def setup(tmp_path: Path, nvidia_smi: str | None, index_answers: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """``setup.sh --dry-run`` for a fresh venv, with a stand-in ``nvidia-smi`` (None: none answers).
+
+    ``index_answers``: whether PyTorch's CPU index answers; a dry run runs the interpreter
+    only for that question, so a stand-in interpreter (``PYTHON``) gives the answer.
+    """
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "nvidia-smi"
     # a machine without a GPU may still have nvidia-smi, which then fails: the stand-in does the same
     fake.write_text("#!/bin/sh\n" + (f"echo '{nvidia_smi}'\n" if nvidia_smi else "echo 'NVIDIA-SMI has failed' >&2; exit 9\n"))
     fake.chmod(0o755)
-    environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SPECDEC_VENV": str(tmp_path / "venv"), **env}
+    python = bin_dir / "python-probe"
+    python.write_text(f"#!/bin/sh\nexit {0 if index_answers else 1}\n")
+    python.chmod(0o755)
+    environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SPECDEC_VENV": str(tmp_path / "venv"),
+               "PYTHON": str(python), **env}  # fmt: skip
     for key in ("SPECDEC_TORCH", "SPECDEC_TORCH_INDEX"):
         if key not in env:
             environ.pop(key, None)
@@ -53,6 +61,16 @@ def test_torch_build_follows_the_machine_or_the_override(tmp_path, nvidia_smi, e
             "check"], start=1)]  # fmt: skip
     assert lines[-1] == "[setup] dry run: nothing was installed"
     assert not (tmp_path / "venv").exists()
+
+
+def test_without_the_cpu_index_a_local_wheel_is_taken_and_its_dependencies_from_pypi(tmp_path):
+    result = setup(tmp_path, None, index_answers=False)
+    assert result.returncode == 0, result.stderr
+    torch_lines = [line for line in result.stdout.splitlines() if "would run:" in line and "torch==" in line]
+    assert len(torch_lines) == 2
+    assert torch_lines[0].endswith("-q --no-index --no-deps torch==2.13.0")  # pip's own sources: find-links
+    assert torch_lines[1].endswith("--disable-pip-version-check -q torch==2.13.0")  # torch is there: only its dependencies
+    assert "does not answer" in result.stdout
 
 
 def test_a_bad_override_is_refused_naming_the_allowed_values(tmp_path):

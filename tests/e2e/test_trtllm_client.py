@@ -73,13 +73,14 @@ def test_streamed_with_batch_dimension_adds_up(server):
     assert len(whole.output_log_probs) > 0 and streamed.cum_log_probs == pytest.approx(whole.cum_log_probs, abs=1e-4)
 
 
-def test_sampled_random_seed_is_seed(server):
-    prompt = PROMPTS[0]
+def test_sampled_random_seed_is_seed(ngram_server):
+    """On the n-gram server: its drafts for a prompt never change, so a seed repeats its draws."""
+    prompt, url = PROMPTS[0], ngram_server.grpc_url
     settings = dict(temperature=0.8, return_log_probs=True, exclude_input_in_output=True, **SETTINGS)
-    first = run_inference(server.grpc_url, "ensemble", prepare_inputs(prompt, 16, random_seed=11, **settings))
-    again = run_inference(server.grpc_url, "ensemble", prepare_inputs(prompt, 16, random_seed=11, **settings))
-    by_seed = run_inference(server.grpc_url, "ensemble",
-                            prepare_inputs(prompt, 16, extra={"seed": np.array([[11]], np.uint64)}, **settings))
+    first = run_inference(url, "ensemble", prepare_inputs(prompt, 16, random_seed=11, **settings))
+    again = run_inference(url, "ensemble", prepare_inputs(prompt, 16, random_seed=11, **settings))
+    by_seed = run_inference(url, "ensemble", prepare_inputs(prompt, 16, extra={"seed": np.array([[11]], np.uint64)},
+                                                            **settings))  # fmt: skip
     assert first.text == again.text == by_seed.text and first.output_log_probs == by_seed.output_log_probs
     assert 0 < len(first.output_log_probs) <= 16 and all(lp <= 0 for lp in first.output_log_probs)
     assert first.cum_log_probs == pytest.approx(sum(first.output_log_probs), abs=1e-3)
