@@ -227,7 +227,7 @@ class SequenceState:
             self._record(num_drafts, result.num_accepted)
         self._step += 1
         new_token_ids: list[int] = []
-        log_probs = self._log_probs(tokens, verified)
+        log_probs = self._log_probs(tokens, verified, result)
         for token in tokens:
             self.output_ids.append(token)
             new_token_ids.append(token)
@@ -240,9 +240,13 @@ class SequenceState:
         return StepOutput(new_token_ids, self.finished, self.finish_reason, self.stats if self.finished else None,
                           new_log_probs)
 
-    def _log_probs(self, tokens: list[int], verified: VerifyResult | None) -> list[float] | None:
+    def _log_probs(self, tokens: list[int], verified: VerifyResult | None, result: SampleResult) -> list[float] | None:
         if not self.params.return_log_probs:
             return None
+        if result.log_probs is not None:  # sampled where p is (SampleHere): worked out there
+            if len(result.log_probs) != len(tokens):
+                raise ValueError(f"seq {self.seq_id!r}: {len(result.log_probs)} log probs for {len(tokens)} tokens")
+            return list(result.log_probs)
         if verified is None or verified.log_mass is None:
             raise ValueError(f"seq {self.seq_id!r}: return_log_probs needs the verifier's log_mass, got none")
         return emitted_log_probs(tokens, verified.log_mass, verified.probs, verified.argmax)

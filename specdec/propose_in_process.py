@@ -24,6 +24,10 @@ class ProposeInProcess:
         self.proposer = proposer
         self.on_release = on_release
 
+    @property
+    def samples_in_verify(self) -> bool:
+        return bool(getattr(self.stages, "samples_in_verify", False))
+
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         return self.proposer.propose(requests)
 

@@ -10,7 +10,9 @@ while one loop runs every step for all of them:
    drafts fewer if its own ``num_speculative_tokens`` or its tokens left say so;
 3. **one** propose call for every sequence that drafts, **one** verify call for all;
 4. rejection sampling: against a greedy target the drafts are matched to the target's
-   argmax here, without a call; the sampled sequences go to the sampler in one call;
+   argmax here, without a call; the sampled sequences are sampled where ``p`` is made,
+   inside the verify call, when the stages can (``samples_in_verify``: served, so ``p``
+   never travels back), else they go to the sampler in one call;
 5. commit, hand each sequence its :class:`~specdec.engine.StepOutput`, and release the
    sequences that finished (in one call) before their slots are given to others.
 
@@ -27,7 +29,7 @@ import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -35,14 +37,21 @@ import torch
 from specdec.engine import SequenceState, StepOutput
 from specdec.rejection_sampler import match_greedy
 from specdec.speculation_length import SpeculationLength
-from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
+from specdec.types import (
+    Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, VerifyRequest, VerifyResult,
+)  # fmt: skip
 
 
 _log = logging.getLogger(__name__)  # DEBUG: one line per step with its shape
 
 
 class Stages(Protocol):
-    """The calls a step makes; each takes every sequence of the step at once."""
+    """The calls a step makes; each takes every sequence of the step at once.
+
+    Stages with ``samples_in_verify = True`` rejection-sample every verify request that
+    carries ``sample_here`` and return the verdict as ``VerifyResult.sampled``; their
+    ``sample`` is then never called. Without the attribute, sampling is its own call.
+    """
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
@@ -140,6 +149,7 @@ class StepScheduler:
         self.max_num_seqs = max_num_seqs
         self.match_greedy_here = match_greedy_here
         self.on_step = on_step
+        self.samples_in_verify = bool(getattr(stages, "samples_in_verify", False))
         self._waiting: collections.deque[ScheduledSequence] = collections.deque()
         self._running: list[ScheduledSequence] = []
         self._ending: list[ScheduledSequence] = []  # out of the step, their release in flight
@@ -210,7 +220,7 @@ class StepScheduler:
         failed: dict[ScheduledSequence, Exception] = {}
         proposals = await self._propose(batch, k, calls, failed)
         alive = [s for s in batch if s not in failed]
-        verify_requests = [s.state.verify_request(proposals[s]) for s in alive]
+        verify_requests = [self._verify_request(s, proposals[s]) for s in alive]
         verified = dict(zip(alive, await self._call("verify", self.stages.verify, verify_requests, calls)))
         results = await self._sample(alive, proposals, verified, calls, failed)
         steps, finished = [], []
@@ -253,15 +263,30 @@ class StepScheduler:
                 proposals[sequence] = outcome
         return proposals
 
+    def _needs_sampler(self, request: VerifyRequest) -> bool:
+        return not (request.sampling.greedy and self.match_greedy_here)
+
+    def _verify_request(self, sequence: ScheduledSequence, proposal: Proposal) -> VerifyRequest:
+        """The sequence's verify request; one the sampler must judge is judged inside the call if the stages can."""
+        request = sequence.state.verify_request(proposal)
+        if self.samples_in_verify and self._needs_sampler(request):
+            return replace(request, sample_here=SampleHere(sequence.state.sample_seed(), proposal.probs_held))
+        return request
+
     async def _sample(self, alive, proposals, verified, calls: dict, failed: dict) -> dict:
-        """Greedy targets are matched here; every other sequence goes to the sampler in one call."""
+        """Greedy targets are matched here; sampled where p is, or every other sequence to the sampler in one call."""
         results, to_sample = {}, []
         for sequence in alive:
-            outcome, drafts = verified[sequence], proposals[sequence].token_ids
+            outcome, proposal = verified[sequence], proposals[sequence]
             if isinstance(outcome, Exception):
                 failed[sequence] = outcome
+            elif outcome.sampled is not None:
+                results[sequence] = outcome.sampled
             elif outcome.probs is None and self.match_greedy_here:
-                results[sequence] = match_greedy(drafts.tolist(), outcome.argmax.tolist())
+                results[sequence] = match_greedy(proposal.token_ids.tolist(), outcome.argmax.tolist())
+            elif self.samples_in_verify or proposal.probs_held:  # the sampler reads q where it was held
+                failed[sequence] = RuntimeError(f"seq {sequence.state.seq_id!r}: the verify call returned no "
+                                                "rejection-sampling verdict for a sequence it was asked to sample")
             else:
                 to_sample.append(sequence)
         sample_calls = [SampleCall(proposals[s].token_ids, proposals[s].probs, verified[s], s.state.sample_seed())

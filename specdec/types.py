@@ -79,7 +79,23 @@ class ProposeRequest:
 @dataclass
 class Proposal:
     token_ids: torch.Tensor  # [k'] int64, k' <= k (0 when there is nothing to propose)
-    probs: torch.Tensor | None = None  # [k', vocab] q; None -> one-hot q (e.g. n-gram)
+    probs: torch.Tensor | None = None  # [k', vocab] q; None -> one-hot q (e.g. n-gram), unless held
+    # q did not come back: it waits where the rejection sampler reads it (served, the
+    # proposer hands it to rejection_sampler itself), so it crosses one process boundary
+    probs_held: bool = False
+
+
+@dataclass(frozen=True)
+class SampleHere:
+    """Rejection-sample this sequence where ``p`` is made: the verifier hands ``p`` to the sampler.
+
+    ``p`` is ``[k + 1, vocab]``; sent back to the caller and on to the sampler it would
+    cross two process boundaries every step, and only ``k + 2`` numbers of the result
+    matter to the caller.
+    """
+
+    seed: int  # the step's sampling seed (SequenceState.sample_seed)
+    draft_probs_held: bool = False  # q waits in the sampler (Proposal.probs_held); else one-hot at the drafts
 
 
 @dataclass(frozen=True)
@@ -103,20 +119,27 @@ class VerifyRequest:
     # transformers' ``output_hidden_states`` tuple: i < num_layers is the input of layer i
     # (0: the embeddings), num_layers the final normed state. Empty: none.
     hidden_layers: tuple[int, ...] = ()
-
-
-@dataclass
-class VerifyResult:
-    argmax: torch.Tensor  # [num_logits] int64: the target's greedy token at each position
-    probs: torch.Tensor | None = None  # [num_logits, vocab] float32 p; None when greedy
-    log_mass: torch.Tensor | None = None  # [num_logits] float32 (penalties.log_kept_mass); None unless asked
-    hidden_states: torch.Tensor | None = None  # [len(token_ids), len(hidden_layers) * hidden]; None: not asked
+    # set: the drafts are token_ids[-(num_logits - 1):]; the result carries the sampler's
+    # verdict (VerifyResult.sampled) instead of p
+    sample_here: SampleHere | None = None
 
 
 @dataclass
 class SampleResult:
     output_token_ids: torch.Tensor  # [num_accepted + 1] int64: accepted + recovered/bonus
     num_accepted: int
+    # the target's log probability of each output token, when asked (VerifyRequest.log_probs)
+    # and sampled where p is: p does not travel, so they are worked out there
+    log_probs: list[float] | None = None
+
+
+@dataclass
+class VerifyResult:
+    argmax: torch.Tensor  # [num_logits] int64: the target's greedy token at each position
+    probs: torch.Tensor | None = None  # [num_logits, vocab] float32 p; None when greedy or sampled here
+    log_mass: torch.Tensor | None = None  # [num_logits] float32 (penalties.log_kept_mass); None unless asked
+    hidden_states: torch.Tensor | None = None  # [len(token_ids), len(hidden_layers) * hidden]; None: not asked
+    sampled: SampleResult | None = None  # the sampler's verdict, for a request with sample_here
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import asyncio
 from dataclasses import replace
 
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
-from specdec_triton import hidden_wire, wire
+from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.plumbing import ModelLogger, bls, bytes_array, ensure_bls_threads
 
@@ -13,6 +13,10 @@ _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread poo
 
 
 class BlsStages:
+    # sampled sequences are judged inside the verify call: q and p go to rejection_sampler
+    # from the models that make them, and only the verdicts come back (specdec_triton.sample_hop)
+    samples_in_verify = True
+
     def __init__(self, logger: ModelLogger, secret: str):
         self.logger = logger
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
@@ -51,20 +55,25 @@ class BlsStages:
         return descriptions
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        # greedy drafts have no q: ask for the ids alone, so no empty distribution travels back
-        names = wire.GREEDY_PROPOSE_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.PROPOSE_OUTPUTS
-        inputs = {**wire.propose_inputs(requests), **hidden_wire.propose_hidden_inputs(requests), **self._secret}
+        # the ids alone come back: greedy drafts have no q, and a sampled one's q goes to the sampler
+        hold = sample_hop.propose_hold_inputs(requests)
+        names = wire.GREEDY_PROPOSE_OUTPUTS + (sample_hop.PROPOSE_HOLD_OUTPUTS if hold else ())
+        inputs = {**wire.propose_inputs(requests), **hidden_wire.propose_hidden_inputs(requests), **hold,
+                  **self._secret}  # fmt: skip
         out = await bls(wire.DRAFT_PROPOSER, inputs, names, batched=True)
-        return wire.proposals_of(out)
+        return sample_hop.mark_held(wire.proposals_of(out), out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        names = wire.GREEDY_VERIFY_OUTPUTS if all(r.sampling.greedy for r in requests) else wire.VERIFY_OUTPUTS
+        wants_p = any(not r.sampling.greedy and r.sample_here is None for r in requests)
+        names = wire.VERIFY_OUTPUTS if wants_p else wire.GREEDY_VERIFY_OUTPUTS
         names += wire.LOG_PROB_OUTPUTS if any(r.log_probs for r in requests) else ()
+        sample_here = sample_hop.verify_sample_inputs(requests)  # judged by the sampler inside the call
+        names += sample_hop.VERIFY_SAMPLE_OUTPUTS if sample_here else ()
         hidden = hidden_wire.verify_hidden_inputs(requests)  # the draft head's layers, if it reads any
         names = names + hidden_wire.VERIFY_HIDDEN_OUTPUTS if hidden else names
-        inputs = {**wire.verify_inputs(requests), **hidden, **self._secret}
+        inputs = {**wire.verify_inputs(requests), **hidden, **sample_here, **self._secret}
         out = await bls(wire.TARGET_VERIFIER, inputs, names, batched=True)
-        results = wire.verify_results_of(out, [r.num_logits for r in requests])
+        results = sample_hop.attach_sampled(requests, wire.verify_results_of(out, [r.num_logits for r in requests]), out)
         return hidden_wire.attach_hidden(results, out, [len(r.token_ids) for r in requests]) if hidden else results
 
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:

@@ -221,6 +221,51 @@ def test_greedy_steps_go_to_the_sampler_when_matching_here_is_off():
     assert ("sample", 1) in stages.calls
 
 
+class SamplingInVerifyStages(ScriptedStages):
+    """Stages that judge sampled sequences inside the verify call, as the served ones do (sample_hop)."""
+
+    samples_in_verify = True
+
+    async def verify(self, requests):
+        results = await ScriptedStages.verify(self, requests)
+        for request, result in zip(requests, results):
+            if request.sample_here is not None:
+                drafts = torch.tensor(request.token_ids[len(request.token_ids) - request.num_logits + 1:])
+                result.sampled = self.sampler(drafts, None, result, request.sample_here.seed)
+                result.probs = None  # p stays where it was made
+        return results
+
+    async def sample(self, calls):
+        raise AssertionError("stages that sample in verify get no sample call")
+
+
+@pytest.mark.parametrize("match_greedy_here", [True, False])
+def test_stages_that_sample_in_verify_get_no_sample_call_and_the_same_tokens(match_greedy_here):
+    stages = SamplingInVerifyStages()
+    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None, match_greedy_here=match_greedy_here)
+    states = [make_state(stages, f"s{i}", p, max_tokens=9, temperature=0.7 * (i % 2)) for i, p in enumerate(PROMPTS)]
+    outcomes = run_all(scheduler, states)
+    for state, steps in zip(states, outcomes):
+        assert [t for step in steps for t in step.output.new_token_ids] == greedy_reference(state.prompt_ids, 9)
+    assert "sample" not in {c for c, _ in stages.calls}
+    assert states[1].stats.num_accepted_tokens > 0 and states[1].stats.num_accepted_tokens < states[1].stats.num_draft_tokens
+
+
+def test_a_verify_call_that_skips_a_verdict_fails_that_sequence():
+    stages = SamplingInVerifyStages()
+
+    async def forgetful_verify(requests):
+        return await ScriptedStages.verify(stages, requests)  # p back, no verdict
+
+    stages.verify = forgetful_verify
+    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None)
+    outcomes = run_all(scheduler, [make_state(stages, "s0", [1, 2], temperature=0.7),
+                                   make_state(stages, "s1", [3], max_tokens=4)])  # fmt: skip
+    assert isinstance(outcomes[0], RuntimeError) and "no rejection-sampling verdict" in str(outcomes[0])
+    assert [t for s in outcomes[1] for t in s.output.new_token_ids] == greedy_reference([3], 4)
+    assert sorted(stages.released) == ["s0", "s1"]
+
+
 def test_the_stream_ends_only_after_the_release():
     stages = ScriptedStages()
     scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None)

@@ -21,7 +21,7 @@ from specdec.types import (
     VerifyRequest,
     VerifyResult,
 )
-from specdec_triton import configs, hidden_wire, trtllm, wire
+from specdec_triton import configs, hidden_wire, sample_hop, trtllm, wire
 from specdec_triton.plumbing import Parameters, RequestError
 from specdec_triton.request import GENERATE_INPUTS, GENERATE_OUTPUTS
 
@@ -41,14 +41,15 @@ SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in fl
 MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TokenizerConfig),
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
-    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS,
-                          wire.PROPOSE_OUTPUTS + wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS
-                          + wire.DESCRIBE_SETTINGS_OUTPUTS, configs.DraftProposerConfig),
-    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS,
-                           wire.DECLARED_VERIFY_OUTPUTS + hidden_wire.VERIFY_HIDDEN_OUTPUTS + wire.DESCRIBE_OUTPUTS,
-                           configs.TargetVerifierConfig),
-    wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS, wire.SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS,
-                             configs.RejectionSamplerConfig),
+    wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS + sample_hop.PROPOSE_HOLD_INPUTS,
+                          wire.PROPOSE_OUTPUTS + sample_hop.PROPOSE_HOLD_OUTPUTS + wire.DESCRIBE_OUTPUTS
+                          + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS,
+                          configs.DraftProposerConfig),
+    wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS,
+                           wire.DECLARED_VERIFY_OUTPUTS + hidden_wire.VERIFY_HIDDEN_OUTPUTS
+                           + sample_hop.VERIFY_SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TargetVerifierConfig),
+    wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS + sample_hop.SAMPLER_SEQUENCE_INPUTS,
+                             wire.SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.RejectionSamplerConfig),
     "speculative_decoding": (GENERATE_INPUTS, GENERATE_OUTPUTS, configs.OrchestratorConfig),
     "ensemble": (GENERATE_INPUTS, GENERATE_OUTPUTS, None),
 }
@@ -72,7 +73,10 @@ def test_config_declares_exactly_the_wire_tensors(model):
         assert config.max_batch_size > 0 and config.HasField("dynamic_batching")
         # a request carries any number of sequences: every per-sequence input is ragged
         assert all(t.allow_ragged_batch for t in config.input if list(t.dims) == [-1])
-        assert [t.name for t in config.input if list(t.dims) == [1]] == ["release", "describe", "caller_secret"]
+        per_request = ["release", "describe", "caller_secret"]
+        if model == wire.DRAFT_PROPOSER:
+            per_request += sample_hop.PROPOSE_HOLD_INPUTS
+        assert [t.name for t in config.input if list(t.dims) == [1]] == per_request
     if wire.DESCRIBE_OUTPUTS[0] in [t.name for t in config.output]:  # a describe request carries nothing else
         assert all(t.optional for t in config.input)
     elif model == "ensemble":  # TensorRT-LLM's shapes: a leading batch dimension of 1

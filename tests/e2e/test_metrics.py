@@ -54,3 +54,22 @@ def test_metrics_add_up(server):
     assert sum(steps_by_size) == stage_delta("spec_decode_stage_calls", "verify")  # one verify call per step
     for stage in ("propose", "verify"):
         assert stage_delta("spec_decode_stage_seconds", stage) > 0
+
+
+def test_sampled_steps_are_judged_inside_the_verify_call(table_server):
+    """A draft model's q and the target's p go to the sampler from the models: no sample call, same text each time."""
+    before = table_server.metrics()
+    params = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 99, "exclude_input_in_output": True}
+    results = [generate_grpc(table_server.grpc_url, "ensemble", "def f(x):\n    return x", {**params, "stream": stream})
+               for stream in (False, True, False)]  # fmt: skip
+    after = table_server.metrics()
+
+    def stage_delta(name: str, stage: str) -> float:
+        key = (name, ORCHESTRATOR + (("stage", stage),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert results[0].text == results[1].text == results[2].text  # the same seed: the same draws
+    assert sum(r.total_draft_tokens for r in results) > 0  # drafts with q were judged
+    assert stage_delta("spec_decode_stage_calls", "sample") == 0
+    assert stage_delta("spec_decode_stage_calls", "verify") > 0
+    assert stage_delta("spec_decode_stage_calls", "propose") > 0

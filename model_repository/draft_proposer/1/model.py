@@ -10,17 +10,23 @@ all sequences drafting at the same moment share each forward. A request with
 ``describe`` set gets the proposer's ``ModelDescription``, which the orchestrator
 checks against the target's; a head (eagle3, mlp_speculator) names there the target
 hidden states it reads, which the orchestrator then asks target_verifier for and sends
-along. Callers, releases and expiry: :class:`specdec_triton.stateful.SequenceHost`.
+along. A request with ``hold_draft_probs`` set sends each ``q`` drawn to rejection_sampler
+instead of back (:mod:`specdec_triton.sample_hop`). Callers, releases and expiry:
+:class:`specdec_triton.stateful.SequenceHost`.
 """
 
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
-from specdec_triton import hidden_wire, wire
+from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.configs import DraftProposerConfig
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
+
+
+def _outputs(proposals):
+    return {**wire.proposal_outputs(proposals), **sample_hop.held_outputs(proposals)}
 
 
 class TritonPythonModel:
@@ -47,18 +53,24 @@ class TritonPythonModel:
                                  self.logger, args["model_config"], keeps_responses=True,
                                  describe_extra={**hidden_wire.description_hidden_outputs(description),
                                                  **wire.settings_outputs(description)})  # fmt: skip
+        self.send_to_sampler = sample_hop.sampler_sender(self.host.secret)
         self.logger.info(f"{config} on {device}: {description}")
         for warning in config.unread_settings():
             self.logger.warning(warning)
 
     def execute(self, requests):
-        responses = answer_batch(requests, wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS, self._propose)
+        names = wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS + sample_hop.PROPOSE_HOLD_INPUTS
+        responses = answer_batch(requests, names, self._propose)
         self.host.show_active()
         return responses
 
     def _propose(self, batch):
+        propose = self._propose_and_hold if sample_hop.asks_to_hold(batch) else self.proposer.propose
         return self.host.handle(batch, lambda x: hidden_wire.with_hidden_states(wire.propose_requests_of(x), x),
-                                self.proposer.propose, wire.proposal_outputs)  # fmt: skip
+                                propose, _outputs)  # fmt: skip
+
+    def _propose_and_hold(self, requests):
+        return sample_hop.hold_in_sampler(requests, self.proposer.propose(requests), self.send_to_sampler)
 
     def finalize(self):
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it

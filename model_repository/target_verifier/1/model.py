@@ -6,13 +6,14 @@ batches, so with the fast engine all sequences verifying at the same moment shar
 forward. A request with ``describe`` set gets the target's ``ModelDescription``
 (checkpoint, vocabulary, ``max_model_len``, ``max_num_seqs``), which the orchestrator
 checks requests and the draft against. Callers, releases and expiry:
-:class:`specdec_triton.stateful.SequenceHost`.
+:class:`specdec_triton.stateful.SequenceHost`. A sampled sequence's ``p`` goes from here
+to rejection_sampler, and its verdict comes back instead (:mod:`specdec_triton.sample_hop`).
 """
 
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.verifier import TargetVerifier
-from specdec_triton import hidden_wire, wire
+from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
@@ -20,7 +21,12 @@ from specdec_triton.stateful import SequenceHost
 
 def _outputs(results):
     """A draft head's hidden states travel back only to a request that asked for them."""
-    return {**wire.verify_outputs(results), **hidden_wire.hidden_outputs(results)}
+    return {**wire.verify_outputs(results), **hidden_wire.hidden_outputs(results), **sample_hop.sampled_outputs(results)}
+
+
+def _requests_of(inputs):
+    requests = hidden_wire.with_hidden_layers(wire.verify_requests_of(inputs), inputs)
+    return sample_hop.with_sample_here(requests, inputs)
 
 
 class TritonPythonModel:
@@ -34,16 +40,20 @@ class TritonPythonModel:
         self.verifier, description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
         self.host = SequenceHost(args["model_name"], self.verifier, description, config.sequence_idle_timeout_s,
                                  self.logger, args["model_config"])  # fmt: skip
+        self.send_to_sampler = sample_hop.sampler_sender(self.host.secret)
         self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):
-        responses = answer_batch(requests, wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS, self._verify)
+        names = wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS
+        responses = answer_batch(requests, names, self._verify)
         self.host.show_active()
         return responses
 
     def _verify(self, batch):
-        return self.host.handle(batch, lambda x: hidden_wire.with_hidden_layers(wire.verify_requests_of(x), x),
-                                self.verifier.verify, _outputs)  # fmt: skip
+        return self.host.handle(batch, _requests_of, self._verify_and_sample, _outputs)
+
+    def _verify_and_sample(self, requests):
+        return sample_hop.sample_in_sampler(requests, self.verifier.verify(requests), self.send_to_sampler)
 
     def finalize(self):
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it
