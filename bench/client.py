@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,13 +25,16 @@ PROMPT_INPUT = "text_input"
 STREAM_INPUT = "stream"
 MAX_TOKENS_INPUT = "max_tokens"
 MIN_TOKENS_INPUT = "min_tokens"
+TEMPERATURE_INPUT = "temperature"
+SEED_INPUT = "seed"
 K_INPUT = "num_speculative_tokens"
 TEXT_OUTPUT = "text_output"  # streamed: each response carries the new text
 NUM_OUTPUT_TOKENS = "num_output_tokens"  # cumulative: a response carries the difference
 ACCEPTED_OUTPUT = "total_accepted_draft_tokens"
 DRAFTED_OUTPUT = "total_draft_tokens"
 
-_NUMPY_TYPES = {"INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_, "BYTES": np.object_}
+_NUMPY_TYPES = {"INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_,
+                "BYTES": np.object_}
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Job:
     max_tokens: int
     num_speculative_tokens: int | None  # None: the server's configured k
     ignore_eos: bool  # min_tokens = max_tokens, so every request emits exactly max_tokens
+    temperature: float = 0.0  # above 0: sampled, seeded from the prompt's text (the same seed on every server)
 
 
 @dataclass
@@ -70,6 +75,9 @@ def build_inputs(job: Job, datatypes: dict[str, str]) -> list[InferInput]:
         inputs.append(_tensor(MIN_TOKENS_INPUT, [job.max_tokens], datatypes))
     if job.num_speculative_tokens is not None:
         inputs.append(_tensor(K_INPUT, [job.num_speculative_tokens], datatypes))
+    if job.temperature > 0:
+        inputs.append(_tensor(TEMPERATURE_INPUT, [job.temperature], datatypes))
+        inputs.append(_tensor(SEED_INPUT, [zlib.crc32(job.prompt.text.encode())], datatypes))
     return inputs
 
 

@@ -40,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="above 0: sampled requests, each seeded from its prompt; 0: greedy")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     return parser.parse_args()
 
@@ -63,12 +65,13 @@ def main() -> None:
     try:
         for server in servers:
             server.start()
-            warm_up(server, [Job(prompts[0], args.max_tokens, k, True) for k in ks], burst=max(concurrencies))
+            warm_up(server, [Job(prompts[0], args.max_tokens, k, True, args.temperature) for k in ks],
+                    burst=max(concurrencies))  # fmt: skip
         for round_ in range(args.rounds):
             for concurrency in concurrencies:
                 for k in ks:
                     for i, server in enumerate(servers):
-                        jobs = [Job(p, args.max_tokens, k, True) for p in prompts]
+                        jobs = [Job(p, args.max_tokens, k, True, args.temperature) for p in prompts]
                         measured = measure_phase(server, jobs, concurrency)
                         itl = statistics.median(t for r in measured.results for t in r.timing.inter_token_latencies())
                         figures.setdefault((i, str(k), concurrency), []).append(
@@ -94,7 +97,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / time.strftime("compare-%Y%m%dT%H%M%SZ.json", time.gmtime())
     document = {"command": " ".join(sys.argv), "machine": machine_info(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "workload": {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens},
+                "workload": {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                             "temperature": args.temperature},
                 "rows": rows}  # fmt: skip
     path.write_text(json.dumps(document, indent=1))
     print(f"\nwrote {path}")
