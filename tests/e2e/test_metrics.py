@@ -48,7 +48,8 @@ def test_metrics_add_up(server):
 
     assert 0 < stage_delta("spec_decode_stage_calls", "verify") <= delta["spec_decode_num_steps"]
     assert stage_delta("spec_decode_stage_sequences", "verify") == delta["spec_decode_num_steps"]  # one per step
-    assert stage_delta("spec_decode_stage_sequences", "propose") == drafts  # steps that drafted (prefills do not)
+    # every decoding step asks for drafts (prefills do not); a suffix lookup may find none
+    assert drafts <= stage_delta("spec_decode_stage_sequences", "propose") <= delta["spec_decode_num_steps"] - len(results)
     assert stage_delta("spec_decode_stage_calls", "sample") == 0  # greedy steps are matched in the orchestrator
     steps_by_size = [v - before.get(key, 0.0) for key, v in after.items() if key[0] == "spec_decode_steps_by_batch_size"]
     assert sum(steps_by_size) == stage_delta("spec_decode_stage_calls", "verify")  # one verify call per step
