@@ -164,7 +164,7 @@ class SuffixTree:
 
 
 def speculate_in_sequence(
-    tokens: np.ndarray,  # [n] int64: one sequence, oldest first; its tail is the context
+    tokens: Sequence[int],  # [n]: one sequence, oldest first; its tail is the context
     max_depth: int,
     max_tokens: int,
     max_spec_factor: float,
@@ -176,44 +176,49 @@ def speculate_in_sequence(
     for every prompt token whether or not it is ever matched. Counting occurrences
     in the sequence itself gives the same counts at match time: the ends of the
     matched suffix's occurrences are found by comparing one more token to the left
-    per match length, and the continuation is followed among them.
+    per match length, and the continuation is followed among them. It runs once per
+    sequence and step in the orchestrator, on lists of a few occurrences: plain
+    Python, since a numpy call on so few values costs more than the loop it replaces.
     """
-    best, n = Draft(), len(tokens)
+    best, seq = Draft(), tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+    n = len(seq)
     if n == 0 or max_tokens <= 0:
         return best
-    ends = np.flatnonzero(tokens == tokens[-1])  # [occurrences]: where a match of length 1 ends
+    last = seq[-1]
+    ends = [i for i, t in enumerate(seq) if t == last]  # where a match of length 1 ends
     for match_len in range(1, min(n, max_depth) + 1):
         if match_len > 1:  # the match grows one token to the left
-            ends = ends[ends >= match_len - 1]
-            ends = ends[tokens[ends - (match_len - 1)] == tokens[n - match_len]]
-        if ends.size == 0:
+            back, wanted = match_len - 1, seq[n - match_len]
+            ends = [e for e in ends if e >= back and seq[e - back] == wanted]
+        if not ends:
             break
         # the tree's paths stop at max_depth tokens
         limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6), max_depth - match_len)
-        draft = _follow_in_sequence(tokens, ends, limit, min_token_prob)
+        draft = _follow_in_sequence(seq, ends, limit, min_token_prob)
         draft.match_len = match_len
         if draft.score >= best.score:
             best = draft
     return best
 
 
-def _follow_in_sequence(tokens: np.ndarray, ends: np.ndarray, limit: int, min_token_prob: float) -> Draft:
+def _follow_in_sequence(seq: list[int], ends: list[int], limit: int, min_token_prob: float) -> Draft:
     """``_follow`` over occurrences: the next token most often seen after them, first seen first among equals."""
-    draft, prob = Draft(), 1.0
+    draft, prob, n = Draft(), 1.0, len(seq)
     while len(draft.token_ids) < limit:
-        following = ends + 1
-        following = following[following < len(tokens)]  # [occurrences with a next token]
-        if following.size == 0:
+        counts: dict[int, int] = {}  # next token -> occurrences, in order of first occurrence
+        for e in ends:
+            if e + 1 < n:
+                token = seq[e + 1]
+                counts[token] = counts.get(token, 0) + 1
+        if not counts:
             break
-        values, first, counts = np.unique(tokens[following], return_index=True, return_counts=True)
-        tied = np.flatnonzero(counts == counts.max())
-        pick = tied[np.argmin(first[tied])]
-        prob *= counts[pick] / ends.size
+        pick = max(counts, key=counts.__getitem__)  # the first of the most frequent
+        prob *= counts[pick] / len(ends)
         if prob < min_token_prob:
             break
-        draft.token_ids.append(int(values[pick]))
+        draft.token_ids.append(pick)
         draft.probs.append(prob)
-        ends = following[tokens[following] == values[pick]]
+        ends = [e + 1 for e in ends if e + 1 < n and seq[e + 1] == pick]
     return draft
 
 

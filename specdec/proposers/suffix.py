@@ -22,7 +22,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specdec.proposers.base import check_propose_requests
@@ -116,7 +115,7 @@ class SuffixProposer:
             return Draft()
         config = self.config
         args = (num_tokens, config.max_spec_factor, config.min_token_prob)
-        from_local = speculate_in_sequence(np.asarray(tokens, dtype=np.int64), config.max_tree_depth, *args)
+        from_local = speculate_in_sequence(tokens, config.max_tree_depth, *args)
         context = tokens[-config.max_tree_depth :]
         from_global = self._global.speculate(context, *args) if self._cached else Draft()
         return from_local if from_local.score >= from_global.score else from_global
