@@ -221,8 +221,9 @@ def hold(inputs: Mapping[str, np.ndarray], held: HeldDraftProbs) -> None:
             raise RequestError(f"input 'draft_probs': {err}") from None
 
 
-def with_held_probs(calls: list[SampleCall], inputs: Mapping[str, np.ndarray], held: HeldDraftProbs) -> tuple[
-        list[SampleCall], list[str]]:  # fmt: skip
+def with_held_probs(
+    calls: list[SampleCall], inputs: Mapping[str, np.ndarray], held: HeldDraftProbs
+) -> tuple[list[SampleCall], list[str]]:
     """The calls with the q held for the flagged sequences, and those sequences (to discard once sampled)."""
     seq_ids = texts(inputs, "seq_id") or []
     if len(seq_ids) != len(calls):

@@ -14,7 +14,9 @@ import torch
 
 from specdec.held_draft_probs import HeldDraftProbs
 from specdec.penalties import emitted_log_probs
-from specdec.types import ProposeRequest, SampleCall, SampleHere, SamplingParams, VerifyRequest, VerifyResult
+from specdec.types import (
+    ProposeRequest, SampleCall, SampleHere, SampleResult, SamplingParams, VerifyRequest, VerifyResult,
+)  # fmt: skip
 from specdec_triton import sample_hop, wire
 from specdec_triton.internal import SECRET_INPUT, boot_secret
 from specdec_triton.plumbing import RequestError
@@ -72,8 +74,6 @@ def test_verify_sample_inputs_round_trip_and_verdicts_come_back_per_sequence():
              for r in requests]  # fmt: skip
     assert sample_hop.with_sample_here(plain, inputs) == requests
     assert sample_hop.verify_sample_inputs(plain) == {}
-
-    from specdec.types import SampleResult
 
     results = [VerifyResult(torch.tensor([7])), VerifyResult(torch.tensor([8, 9, 4]), sampled=SampleResult(
         torch.tensor([8, 5]), 1, [-0.5, -1.5])), VerifyResult(torch.tensor([3, 4]), sampled=SampleResult(
