@@ -206,7 +206,12 @@ class SequenceState:
         return min(num_positions, max(0, self.params.min_tokens - len(self.output_ids)))
 
     def sample_seed(self) -> int:
-        return derive_seed(self._base_seed, self._step, SAMPLE_STREAM)
+        """The request's sampling seed: with ``sample_position`` it keys the draws of every output position."""
+        return derive_seed(self._base_seed, 0, SAMPLE_STREAM)
+
+    def sample_position(self) -> int:
+        """The output index of the step's first verified row; row i emits output index ``position + i``."""
+        return len(self.output_ids)
 
     def commit(
         self, proposal: Proposal | None, result: SampleResult, verified: VerifyResult | None = None
@@ -336,7 +341,8 @@ def generate(
             verify_result = verifier.verify([state.verify_request(proposal)])[0]
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
-            result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed())
+            result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed(),
+                             position=state.sample_position())  # fmt: skip
             output = state.commit(proposal, result, verify_result)
             completed = state.finished
             yield output

@@ -15,13 +15,23 @@ Methods:
   residual is all zero). Each emitted token is distributed exactly as ``p``, whatever ``q`` is.
 * ``strict`` -- the target draws its own token at every position and keeps drafts while
   they equal it. Equally lossless and needs no ``q``, but accepts less often when
-  sampling (it is the same as ``probabilistic`` when the target is greedy).
+  sampling (it is the same as ``probabilistic`` when the target is greedy). Against a
+  one-hot ``q`` (n-gram, suffix decoding) it accepts a draft ``x`` with probability
+  ``p(x)``, as ``probabilistic`` does, so ``probabilistic`` runs as ``strict`` there
+  (:func:`effective_method`): the tokens emitted are then the target's own draws.
 * ``synthetic`` -- a benchmarking mode after vLLM's: each position is accepted with
   probability ``synthetic_acceptance_rate`` whatever the tokens are, then the target's
   own token is emitted. NOT lossless: it fixes the acceptance pattern so that speed can
   be measured independently of how well the draft matches.
 
-Randomness is drawn once per call by :func:`draw_randoms`, and the torch path here
+Randomness is drawn once per call by :func:`draw_randoms`, or, for a served or engine
+request, by :func:`draw_randoms_by_position`: each row from a generator keyed by the
+request's seed and the row's output position, so a position's draws do not depend on
+which step reaches it. With ``strict`` (and a one-hot ``q``) a seeded request then emits
+the same tokens whatever was drafted, at any ``k`` and batch (given the same ``p``). A
+row drawn in a step that rejected earlier is drawn again, with the same numbers, in the
+next step: lossless, since the tokens emitted before it never depended on them. The
+torch path here
 (:func:`rejection_sample_batch`, vectorized over requests) and the Triton kernel in
 :mod:`specdec.kernels.rejection` consume the same draws with the same float32
 operations, so the two agree token for token. A categorical draw from
@@ -36,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import make_generator
+from specdec.sampling import derive_seed, make_generator
 from specdec.types import PLACEHOLDER_TOKEN_ID, SampleResult, VerifyResult
 
 METHODS = ("strict", "probabilistic", "synthetic")
@@ -79,6 +89,41 @@ def draw_randoms(
     return SamplerRandoms(uniforms=uniforms, inv_exponentials=inv_exponentials)
 
 
+def draw_randoms_by_position(
+    seed: int,
+    position: int,  # output index of row 0
+    num_draft_tokens: int,
+    vocab: int,
+    categorical: bool = True,
+    device: torch.device | str = "cpu",
+) -> SamplerRandoms:
+    """:class:`SamplerRandoms` for one request whose row i draws from ``(seed, position + i)`` alone.
+
+    Every row draws its uniform, then its exponentials, the bonus row too (its uniform
+    unused), so an output position gets the same numbers as a draft row or as the bonus.
+    """
+    uniforms, exponentials = [], []
+    for row in range(num_draft_tokens + 1):
+        generator = make_generator(derive_seed(seed, position + row, 0), device)
+        uniforms.append(torch.rand(1, generator=generator, device=generator.device))  # [1]
+        if categorical:
+            exponentials.append(torch.empty(vocab, device=generator.device).exponential_(generator=generator))
+    inv_exponentials = None
+    if categorical:
+        stacked = torch.stack(exponentials).unsqueeze(0)  # [1, k + 1, vocab]
+        inv_exponentials = stacked.clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_()
+    drafts = torch.cat(uniforms[:num_draft_tokens]) if num_draft_tokens else torch.empty(0, device=device)  # [k]
+    return SamplerRandoms(uniforms=drafts.view(1, num_draft_tokens), inv_exponentials=inv_exponentials)
+
+
+def _draws(seed: int, position: int | None, device: torch.device | str) -> Callable[..., SamplerRandoms]:
+    """``(k, vocab, categorical, device) -> SamplerRandoms``: keyed by output position, or one generator per call."""
+    if position is not None:
+        return lambda k, vocab, categorical, on: draw_randoms_by_position(seed, position, k, vocab, categorical, on)
+    generator = make_generator(seed, device)
+    return lambda k, vocab, categorical, on: draw_randoms(1, k, vocab, generator, categorical, on)
+
+
 def validate_method(method: str, synthetic_acceptance_rate: float) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -86,9 +131,12 @@ def validate_method(method: str, synthetic_acceptance_rate: float) -> None:
         raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate}")
 
 
-def effective_method(method: str, greedy_target: bool) -> str:
-    """A greedy target (no ``p``) turns every lossless method into strict matching on its argmax."""
-    return "strict" if greedy_target and method != "synthetic" else method
+def effective_method(method: str, greedy_target: bool, one_hot_draft: bool = False) -> str:
+    """A greedy target (no ``p``) turns every lossless method into strict matching on its argmax;
+    against a one-hot ``q`` probabilistic and strict accept alike, and strict emits the target's own draws."""
+    if method == "synthetic":
+        return method
+    return "strict" if greedy_target or (one_hot_draft and method == "probabilistic") else method
 
 
 def rejection_sample_batch(
@@ -108,7 +156,7 @@ def rejection_sample_batch(
     end its next token is the bonus, drawn from ``p`` (there is no draft to recover from).
     """
     batch, k = draft_token_ids.shape
-    method = effective_method(method, target_probs is None)
+    method = effective_method(method, target_probs is None, draft_probs is None)
     if target_probs is not None:
         p = target_probs.float()  # [batch, k + 1, vocab]
         # The target's own draw at every position; also the bonus and the fallback.
@@ -199,7 +247,8 @@ def rejection_sample(
     """Sample one request with the torch path; see the module docstring for the methods."""
     return _sample_one(
         rejection_sample_batch, draft_token_ids, draft_probs, target_probs, target_argmax,
-        method, generator, synthetic_acceptance_rate,
+        method, lambda k, vocab, categorical, device: draw_randoms(1, k, vocab, generator, categorical, device),
+        synthetic_acceptance_rate,
     )
 
 
@@ -210,7 +259,7 @@ def _sample_one(
     target_probs: torch.Tensor | None,  # [k + 1, vocab]
     target_argmax: torch.Tensor | None,  # [k + 1]
     method: str,
-    generator: torch.Generator,
+    draw: Callable[[int, int, bool, torch.device], SamplerRandoms],  # (k, vocab, categorical, device)
     synthetic_acceptance_rate: float,
 ) -> SampleResult:
     validate_method(method, synthetic_acceptance_rate)
@@ -218,7 +267,7 @@ def _sample_one(
     k = draft_token_ids.shape[0]
     device = draft_token_ids.device if target_probs is None else target_probs.device
     vocab = 0 if target_probs is None else target_probs.shape[-1]
-    randoms = draw_randoms(1, k, vocab, generator, categorical=target_probs is not None, device=device)
+    randoms = draw(k, vocab, target_probs is not None, device)
     output, num_accepted = batch_sampler(
         draft_token_ids.to(device).unsqueeze(0),
         None if draft_probs is None else draft_probs.to(device).unsqueeze(0),
@@ -303,9 +352,10 @@ class RejectionSampler:
         verify: VerifyResult,  # argmax [k + 1], probs [k + 1, vocab] or None
         seed: int,
         method: str | None = None,
+        position: int | None = None,  # output index of row 0: draws keyed by position; None: by seed alone
     ) -> SampleResult:
         device = verify.argmax.device if verify.probs is None else verify.probs.device
         return _sample_one(
             self._batch_sampler, draft_token_ids, draft_probs, verify.probs, verify.argmax,
-            method or self.method, make_generator(seed, device), self.synthetic_acceptance_rate,
+            method or self.method, _draws(seed, position, device), self.synthetic_acceptance_rate,
         )

@@ -270,7 +270,8 @@ class StepScheduler:
         """The sequence's verify request; one the sampler must judge is judged inside the call if the stages can."""
         request = sequence.state.verify_request(proposal)
         if self.samples_in_verify and self._needs_sampler(request):
-            return replace(request, sample_here=SampleHere(sequence.state.sample_seed(), proposal.probs_held))
+            state = sequence.state
+            return replace(request, sample_here=SampleHere(state.sample_seed(), proposal.probs_held, state.sample_position()))
         return request
 
     async def _sample(self, alive, proposals, verified, calls: dict, failed: dict) -> dict:
@@ -289,8 +290,8 @@ class StepScheduler:
                                                 "rejection-sampling verdict for a sequence it was asked to sample")
             else:
                 to_sample.append(sequence)
-        sample_calls = [SampleCall(proposals[s].token_ids, proposals[s].probs, verified[s], s.state.sample_seed())
-                        for s in to_sample]  # fmt: skip
+        sample_calls = [SampleCall(proposals[s].token_ids, proposals[s].probs, verified[s], s.state.sample_seed(),
+                                   position=s.state.sample_position()) for s in to_sample]  # fmt: skip
         for sequence, outcome in zip(to_sample, await self._call("sample", self.stages.sample, sample_calls, calls)):
             if isinstance(outcome, Exception):
                 failed[sequence] = outcome

@@ -94,8 +94,9 @@ class SampleHere:
     matter to the caller.
     """
 
-    seed: int  # the step's sampling seed (SequenceState.sample_seed)
+    seed: int  # the request's sampling seed (SequenceState.sample_seed)
     draft_probs_held: bool = False  # q waits in the sampler (Proposal.probs_held); else one-hot at the drafts
+    position: int | None = None  # output index of row 0 (SequenceState.sample_position): keys each row's draws
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,9 @@ class SampleCall:
     verify: VerifyResult  # argmax [k + 1]; probs [k + 1, vocab] p or None (greedy)
     seed: int | None  # None -> a fresh random seed
     method: str | None = None  # overrides the sampler's configured method
+    # output index of row 0: row i draws from (seed, position + i), so an output position's
+    # draws do not depend on the step that reaches it; None: every row from the one seed
+    position: int | None = None
 
     def to(self, device: str | torch.device) -> SampleCall:
         probs = self.verify.probs

@@ -37,7 +37,7 @@ from specdec_triton.plumbing import BlsError, RequestError, bytes_array, scalar,
 
 PROPOSE_HOLD_INPUTS = ("hold_draft_probs",)  # [1] bool: send q to rejection_sampler, not back
 PROPOSE_HOLD_OUTPUTS = ("draft_probs_held",)  # [S] bool: this sequence's q waits in rejection_sampler
-VERIFY_SAMPLE_INPUTS = ("sample_here", "sample_seed", "draft_probs_held")  # [S] each
+VERIFY_SAMPLE_INPUTS = ("sample_here", "sample_seed", "sample_position", "draft_probs_held")  # [S] each
 VERIFY_SAMPLE_OUTPUTS = ("num_accepted", "output_token_ids", "output_log_probs")
 SAMPLER_SEQUENCE_INPUTS = ("seq_id", "hold_draft_probs", "draft_probs_held", SECRET_INPUT)
 
@@ -66,6 +66,7 @@ def verify_sample_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndar
     return {
         "sample_here": np.array([h is not None for h in here], np.bool_),  # [S]
         "sample_seed": np.array([h.seed if h else 0 for h in here], np.uint64),  # [S]
+        "sample_position": np.array([h.position if h and h.position is not None else -1 for h in here], np.int64),
         "draft_probs_held": np.array([bool(h and h.draft_probs_held) for h in here], np.bool_),  # [S]
     }
 
@@ -139,9 +140,10 @@ def with_sample_here(requests: list[VerifyRequest], inputs: Mapping[str, np.ndar
     count = len(requests)
     here = each(inputs, "sample_here", count, bool, False)
     seeds = each(inputs, "sample_seed", count, int, 0)
+    positions = [None if n < 0 else n for n in each(inputs, "sample_position", count, int, -1)]  # -1: none
     held = each(inputs, "draft_probs_held", count, bool, False)
-    return [replace(r, sample_here=SampleHere(seed, h)) if s else r
-            for r, s, seed, h in zip(requests, here, seeds, held)]  # fmt: skip
+    return [replace(r, sample_here=SampleHere(seed, h, position)) if s else r
+            for r, s, seed, h, position in zip(requests, here, seeds, held, positions)]  # fmt: skip
 
 
 def sample_in_sampler(requests: Sequence[VerifyRequest], results: list[VerifyResult], send: Send) -> list[VerifyResult]:
@@ -174,7 +176,7 @@ def _sample_call(request: VerifyRequest, result: VerifyResult) -> SampleCall:
                            f"among its {len(request.token_ids)} token_ids to sample")  # fmt: skip
     drafts = request.token_ids[len(request.token_ids) - num_drafts :]
     return SampleCall(torch.tensor(drafts, dtype=torch.long), None, VerifyResult(result.argmax, result.probs),
-                      request.sample_here.seed)  # fmt: skip
+                      request.sample_here.seed, position=request.sample_here.position)  # fmt: skip
 
 
 def sampled_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:

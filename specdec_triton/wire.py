@@ -69,7 +69,7 @@ VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + L
 DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
 SAMPLE_INPUTS = ("describe", "draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
-                 "has_target_probs", "target_token_ids", "seed", "rejection_sample_method")  # fmt: skip
+                 "has_target_probs", "target_token_ids", "seed", "sample_position", "rejection_sample_method")  # fmt: skip
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", "rejection_sample_method")
 TOKENIZE_INPUTS = ("text_input", "stop_words", "describe")
 TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
@@ -290,6 +290,8 @@ def sample_inputs(calls: Sequence[SampleCall]) -> dict[str, np.ndarray]:
         "target_token_ids": flat([call.verify.argmax.cpu().tolist() for call in calls]),  # [sum of k + 1]
         "seed": np.array([call.seed for call in calls], dtype=np.uint64),
     }
+    if any(call.position is not None for call in calls):  # [S]: output index of row 0; -1: none
+        inputs["sample_position"] = i64([-1 if call.position is None else call.position for call in calls])
     if has_draft_probs.any():
         inputs.update(draft_probs=draft_probs, has_draft_probs=has_draft_probs)
     if has_target_probs.any():
@@ -315,11 +317,12 @@ def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
     method = text(inputs, "rejection_sample_method")
     if method is not None and method not in METHODS:
         raise RequestError(f"input 'rejection_sample_method' must be one of {METHODS}, got {method!r}")
+    positions = [None if n < 0 else n for n in each(inputs, "sample_position", count, int, -1)]
     fields = zip(drafts, unstack_probs(inputs, "draft_probs", [len(d) for d in drafts]), argmax, target_probs,
-                 each(inputs, "seed", count, int, None))  # fmt: skip
+                 each(inputs, "seed", count, int, None), positions)  # fmt: skip
     return [
-        SampleCall(torch.tensor(d, dtype=torch.long), q, VerifyResult(argmax=a, probs=p), seed, method)
-        for d, q, a, p, seed in fields
+        SampleCall(torch.tensor(d, dtype=torch.long), q, VerifyResult(argmax=a, probs=p), seed, method, position)
+        for d, q, a, p, seed, position in fields
     ]
 
 

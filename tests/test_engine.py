@@ -29,8 +29,8 @@ class Recording:
     def release(self, seq_id, response=None):
         self.inner.release(seq_id, response)
 
-    def __call__(self, *args):
-        result = self.inner(*args)
+    def __call__(self, *args, **kwargs):
+        result = self.inner(*args, **kwargs)
         self.calls.append(result)
         return result
 
@@ -170,7 +170,7 @@ def test_release_on_finish_early_close_and_errors(target_model, draft_model):
     run(proposer, verifier, PROMPT, params)
     assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
 
-    def failing_sampler(draft_ids, draft_probs, verify, seed):
+    def failing_sampler(draft_ids, draft_probs, verify, seed, position=None):
         if len(draft_ids):
             raise RuntimeError("sampler failed")
         return RejectionSampler()(draft_ids, draft_probs, verify, seed)
@@ -310,7 +310,7 @@ def test_state_machine_seeds_and_min_tokens_bans():
     propose = c.propose_request()
     assert propose.num_banned_tokens == 3 and propose.banned_token_ids == (0,)  # drafts below min_tokens
     a.commit(None, result([7], 0))
-    assert a.sample_seed() != b.sample_seed()  # seeds move with the step
+    assert a.sample_seed() == b.sample_seed() and (a.sample_position(), b.sample_position()) == (1, 0)  # draws by position
     assert a.verify_request(None).num_banned_rows == 1
     a.commit(None, result([8], 0))  # (7, 8) completes at index 1 < min_tokens: no stop
     assert not a.finished and a.verify_request(None).num_banned_rows == 0
@@ -337,3 +337,17 @@ def test_propose_requests_carry_exactly_the_tokens_not_sent_across_the_prompt_bo
     assert state.propose_request().token_ids == [12, 20]
     state.commit(None, result([21], 0))
     assert state.propose_request().token_ids == [21]
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_seeded_sampling_with_lookup_drafts_emits_the_targets_own_draws(target_model, k):
+    """Draws keyed by output position, and a one-hot q judged as strict: what was drafted does not change the text."""
+    prompt = list(b"ab ab ab ab ab ab ab ab ab ab ab ab")  # the n-gram lookup finds continuations
+    sampling = SamplingParams(temperature=0.5, top_k=3, seed=11)  # concentrated: the target repeats, drafts land
+    verifier = TargetVerifier(CachedCausalLM(target_model))
+    plain, _ = run(None, verifier, prompt, GenerationParams(max_tokens=24, sampling=sampling))
+    proposer = Recording(NgramProposer(1, 2))
+    drafted, steps = run(proposer, verifier, prompt,
+                         GenerationParams(max_tokens=24, num_speculative_tokens=k, sampling=sampling))  # fmt: skip
+    assert steps[-1].stats.num_draft_tokens > 0 and drafted == plain
+    assert steps[-1].stats.num_accepted_tokens > 0 and len(steps) < len(plain)  # fewer steps than tokens

@@ -178,13 +178,22 @@ def test_empty_proposal_samples_the_bonus_from_p():
     assert 0.6 < tokens.count(1) / len(tokens) < 0.8
 
 
-def test_missing_draft_probs_mean_one_hot_q():
+def test_missing_draft_probs_mean_one_hot_q_judged_as_strict():
+    """Against a one-hot q, probabilistic accepts x with p(x), as strict does; strict emits the target's own draws."""
     for seed in range(20):
         draft, _, p = sampled_case(seed, sparse=True)
-        one_hot = torch.nn.functional.one_hot(draft, VOCAB).float()  # [k, vocab]
         implicit = rejection_sample(draft, None, p, None, "probabilistic", make_generator(seed))
-        explicit = rejection_sample(draft, one_hot, p, None, "probabilistic", make_generator(seed))
-        assert torch.equal(implicit.output_token_ids, explicit.output_token_ids)
+        strict = rejection_sample(draft, None, p, None, "strict", make_generator(seed))
+        assert torch.equal(implicit.output_token_ids, strict.output_token_ids)
+    draft, _, p = sampled_case(0, sparse=True)
+    one_hot = torch.nn.functional.one_hot(draft, VOCAB).float()  # [k, vocab]
+    runs = 3000
+    implicit = sum(rejection_sample(draft, None, p, None, "probabilistic", make_generator(s)).num_accepted
+                   for s in range(runs)) / runs  # fmt: skip
+    explicit = sum(rejection_sample(draft, one_hot, p, None, "probabilistic", make_generator(s)).num_accepted
+                   for s in range(runs)) / runs  # fmt: skip
+    expected = sum(float(torch.prod(p[torch.arange(i + 1), draft[: i + 1]])) for i in range(len(draft)))
+    assert implicit == pytest.approx(expected, abs=0.06) and explicit == pytest.approx(expected, abs=0.06)
 
 
 def test_zero_residual_falls_back_to_p():
@@ -318,3 +327,16 @@ def test_a_row_padded_with_placeholders_samples_as_its_real_drafts_alone(method,
         assert int(padded_n) == int(short_n) <= real
         assert padded_out[0, : int(padded_n) + 1].tolist() == short_out[0, : int(short_n) + 1].tolist()
         assert PLACEHOLDER_TOKEN_ID not in padded_out[0, : int(padded_n) + 1].tolist()
+
+
+def test_draws_by_position_are_the_same_from_whichever_row_reaches_the_position():
+    from specdec.rejection_sampler import draw_randoms_by_position
+
+    whole = draw_randoms_by_position(7, 10, 3, VOCAB)  # rows at output positions 10 .. 13
+    for row in range(4):
+        alone = draw_randoms_by_position(7, 10 + row, 0, VOCAB)  # the same position as a bonus row
+        assert torch.equal(alone.inv_exponentials[0, 0], whole.inv_exponentials[0, row])
+    later = draw_randoms_by_position(7, 11, 2, VOCAB)
+    assert torch.equal(later.uniforms[0], whole.uniforms[0, 1:])
+    assert not torch.equal(draw_randoms_by_position(8, 10, 3, VOCAB).uniforms, whole.uniforms)  # another seed
+    assert draw_randoms_by_position(7, 10, 3, VOCAB, categorical=False).inv_exponentials is None

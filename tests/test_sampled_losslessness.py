@@ -69,14 +69,14 @@ class CountingSampler:
         self.drafted = 0
         self.accepted = 0
 
-    def __call__(self, draft_token_ids, draft_probs, verify: VerifyResult, seed: int) -> SampleResult:
-        result = self.inner(draft_token_ids, draft_probs, verify, seed)
+    def __call__(self, draft_token_ids, draft_probs, verify: VerifyResult, seed: int, position=None) -> SampleResult:
+        result = self.inner(draft_token_ids, draft_probs, verify, seed, position=position)
         self.drafted += len(draft_token_ids)
         self.accepted += result.num_accepted
         return result
 
 
-def accept_every_draft(draft_token_ids, draft_probs, verify: VerifyResult, seed: int) -> SampleResult:
+def accept_every_draft(draft_token_ids, draft_probs, verify: VerifyResult, seed: int, position=None) -> SampleResult:
     """A lossy sampler: keeps all drafts, then draws the bonus token from p."""
     bonus = sample_from_probs(verify.probs[-1:], make_generator(seed))  # [1]
     return SampleResult(output_token_ids=torch.cat([draft_token_ids, bonus]), num_accepted=len(draft_token_ids))

@@ -80,7 +80,7 @@ class ScriptedStages:
     async def sample(self, calls):
         await asyncio.sleep(0)
         self.calls.append(("sample", len(calls)))
-        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed) for c in calls]
+        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, position=c.position) for c in calls]
 
     async def release(self, ended):
         self.released.extend(ended)
@@ -231,7 +231,8 @@ class SamplingInVerifyStages(ScriptedStages):
         for request, result in zip(requests, results):
             if request.sample_here is not None:
                 drafts = torch.tensor(request.token_ids[len(request.token_ids) - request.num_logits + 1:])
-                result.sampled = self.sampler(drafts, None, result, request.sample_here.seed)
+                result.sampled = self.sampler(drafts, None, result, request.sample_here.seed,
+                                              position=request.sample_here.position)
                 result.probs = None  # p stays where it was made
         return results
 

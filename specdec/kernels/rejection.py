@@ -43,7 +43,7 @@ def rejection_sample_triton(
     if device.type != "cuda" and not isinstance(_rejection_kernel, InterpretedFunction):
         raise RuntimeError("the Triton rejection kernel needs CUDA tensors unless TRITON_INTERPRET=1")
     batch, k = draft_token_ids.shape
-    method = effective_method(method, target_probs is None)
+    method = effective_method(method, target_probs is None, draft_probs is None)
     has_p, has_q = target_probs is not None, draft_probs is not None
     vocab = target_probs.shape[-1] if has_p else 1
     output = torch.empty(batch, k + 1, dtype=torch.long, device=device)

@@ -73,9 +73,9 @@ def test_streamed_with_batch_dimension_adds_up(server):
     assert len(whole.output_log_probs) > 0 and streamed.cum_log_probs == pytest.approx(whole.cum_log_probs, abs=1e-4)
 
 
-def test_sampled_random_seed_is_seed(ngram_server):
-    """On the n-gram server: its drafts for a prompt never change, so a seed repeats its draws."""
-    prompt, url = PROMPTS[0], ngram_server.grpc_url
+def test_sampled_random_seed_is_seed(server):
+    """On the suffix server, whose drafts change as its tree learns: a seed still repeats the text."""
+    prompt, url = PROMPTS[0], server.grpc_url
     settings = dict(temperature=0.8, return_log_probs=True, exclude_input_in_output=True, **SETTINGS)
     first = run_inference(url, "ensemble", prepare_inputs(prompt, 16, random_seed=11, **settings))
     again = run_inference(url, "ensemble", prepare_inputs(prompt, 16, random_seed=11, **settings))
