@@ -66,7 +66,7 @@ def test_held_probs_are_replaced_discarded_and_expire():
 def test_verify_sample_inputs_round_trip_and_verdicts_come_back_per_sequence():
     requests = [
         VerifyRequest("g", 4, [7], 1, SamplingParams()),
-        VerifyRequest("s", 9, [7, 8, 9], 3, SAMPLED, log_probs=True, sample_here=SampleHere(11, True)),
+        VerifyRequest("s", 9, [7, 8, 9], 3, SAMPLED, log_probs=True, sample_here=SampleHere(11, True, position=5)),
         VerifyRequest("t", 2, [1, 2], 2, SAMPLED, sample_here=SampleHere(12, False)),
     ]
     inputs = sample_hop.verify_sample_inputs(requests)
@@ -126,8 +126,8 @@ def _verify(target, request: VerifyRequest):
     return out, sample_hop.attach_sampled([request], results, out)[0]
 
 
-def _by_hand(sampler, drafts, q, verified: VerifyResult, seed: int):
-    out = sampler._sample(wire.sample_inputs([SampleCall(drafts, q, verified, seed)]))
+def _by_hand(sampler, drafts, q, verified: VerifyResult, seed: int, position: int | None = None):
+    out = sampler._sample(wire.sample_inputs([SampleCall(drafts, q, verified, seed, position=position)]))
     return wire.sample_results_of(out)[0]
 
 
@@ -159,9 +159,10 @@ def test_sampling_through_the_hop_equals_sampling_by_hand(served, log_probs):
         drafts = held.token_ids.tolist()
         verify = dict(position=position, token_ids=[tokens[-1], *drafts], num_logits=len(drafts) + 1,
                       sampling=SAMPLED, log_probs=log_probs)  # fmt: skip
-        verify_out, judged = _verify(target, VerifyRequest(hop, **verify, sample_here=SampleHere(seed, True)))
+        here = SampleHere(seed, True, position=len(tokens) - len(PROMPT))  # draws keyed by output position
+        verify_out, judged = _verify(target, VerifyRequest(hop, **verify, sample_here=here))
         _, by_p = _verify(target, VerifyRequest(direct, **verify))
-        expected = _by_hand(sampler, returned.token_ids, returned.probs, by_p, seed)
+        expected = _by_hand(sampler, returned.token_ids, returned.probs, by_p, seed, here.position)
         assert verify_out["target_probs"].size == 0 and judged.probs is None  # p stayed behind
         assert judged.sampled.output_token_ids.tolist() == expected.output_token_ids.tolist()
         assert judged.sampled.num_accepted == expected.num_accepted
