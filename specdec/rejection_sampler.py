@@ -30,9 +30,8 @@ request's seed and the row's output position, so a position's draws do not depen
 which step reaches it. With ``strict`` (and a one-hot ``q``) a seeded request then emits
 the same tokens whatever was drafted, at any ``k`` and batch (given the same ``p``). A
 row drawn in a step that rejected earlier is drawn again, with the same numbers, in the
-next step: lossless, since the tokens emitted before it never depended on them. The
-torch path here
-(:func:`rejection_sample_batch`, vectorized over requests) and the Triton kernel in
+next step: lossless, since no token emitted before it depended on them. The torch path
+here (:func:`rejection_sample_batch`, vectorized over requests) and the Triton kernel in
 :mod:`specdec.kernels.rejection` consume the same draws with the same float32
 operations, so the two agree token for token. A categorical draw from
 weights ``w`` is the exponential race ``argmax_i w_i / E_i`` with ``E_i ~ Exp(1)``
