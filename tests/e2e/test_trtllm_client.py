@@ -81,7 +81,10 @@ def test_sampled_random_seed_is_seed(server):
     again = run_inference(url, "ensemble", prepare_inputs(prompt, 16, random_seed=11, **settings))
     by_seed = run_inference(url, "ensemble", prepare_inputs(prompt, 16, extra={"seed": np.array([[11]], np.uint64)},
                                                             **settings))  # fmt: skip
-    assert first.text == again.text == by_seed.text and first.output_log_probs == by_seed.output_log_probs
+    assert first.text == again.text == by_seed.text
+    # the same tokens; the forwards that scored them differ in shape (the tree drafts each repeat
+    # differently), so the log probabilities agree to float rounding
+    assert first.output_log_probs == pytest.approx(by_seed.output_log_probs, abs=1e-4)
     assert 0 < len(first.output_log_probs) <= 16 and all(lp <= 0 for lp in first.output_log_probs)
     assert first.cum_log_probs == pytest.approx(sum(first.output_log_probs), abs=1e-3)
 
