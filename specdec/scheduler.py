@@ -49,8 +49,8 @@ class Stages(Protocol):
     """The calls a step makes; each takes every sequence of the step at once.
 
     Stages with ``samples_in_verify = True`` rejection-sample every verify request that
-    carries ``sample_here`` and return the verdict as ``VerifyResult.sampled``; their
-    ``sample`` is then never called. Without the attribute, sampling is its own call.
+    carries ``sample_here`` and return the verdict as ``VerifyResult.sampled``; they need
+    no ``sample``, which is called only on stages without the attribute.
     """
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
@@ -271,7 +271,8 @@ class StepScheduler:
         request = sequence.state.verify_request(proposal)
         if self.samples_in_verify and self._needs_sampler(request):
             state = sequence.state
-            return replace(request, sample_here=SampleHere(state.sample_seed(), proposal.probs_held, state.sample_position()))
+            here = SampleHere(state.sample_seed(), proposal.probs_held, state.sample_position())
+            return replace(request, sample_here=here)
         return request
 
     async def _sample(self, alive, proposals, verified, calls: dict, failed: dict) -> dict:
@@ -290,6 +291,8 @@ class StepScheduler:
                                                 "rejection-sampling verdict for a sequence it was asked to sample")
             else:
                 to_sample.append(sequence)
+        if not to_sample:  # stages that sample in verify have no sample call to name
+            return results
         sample_calls = [SampleCall(proposals[s].token_ids, proposals[s].probs, verified[s], s.state.sample_seed(),
                                    position=s.state.sample_position()) for s in to_sample]  # fmt: skip
         for sequence, outcome in zip(to_sample, await self._call("sample", self.stages.sample, sample_calls, calls)):

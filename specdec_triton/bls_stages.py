@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
+from specdec.types import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.plumbing import ModelLogger, bls, bytes_array, ensure_bls_threads
@@ -14,7 +14,8 @@ _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread poo
 
 class BlsStages:
     # sampled sequences are judged inside the verify call: q and p go to rejection_sampler
-    # from the models that make them, and only the verdicts come back (specdec_triton.sample_hop)
+    # from the models that make them, and only the verdicts come back (specdec_triton.sample_hop);
+    # so the scheduler never makes a sample call of its own, and there is no `sample` here
     samples_in_verify = True
 
     def __init__(self, logger: ModelLogger, secret: str):
@@ -64,8 +65,8 @@ class BlsStages:
         return sample_hop.mark_held(wire.proposals_of(out), out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        wants_p = any(not r.sampling.greedy and r.sample_here is None for r in requests)
-        names = wire.VERIFY_OUTPUTS if wants_p else wire.GREEDY_VERIFY_OUTPUTS
+        # the argmax alone comes back: a sampled sequence carries sample_here, so its p stays behind
+        names = wire.GREEDY_VERIFY_OUTPUTS
         names += wire.LOG_PROB_OUTPUTS if any(r.log_probs for r in requests) else ()
         sample_here = sample_hop.verify_sample_inputs(requests)  # judged by the sampler inside the call
         names += sample_hop.VERIFY_SAMPLE_OUTPUTS if sample_here else ()
@@ -75,10 +76,6 @@ class BlsStages:
         out = await bls(wire.TARGET_VERIFIER, inputs, names, batched=True)
         results = sample_hop.attach_sampled(requests, wire.verify_results_of(out, [r.num_logits for r in requests]), out)
         return hidden_wire.attach_hidden(results, out, [len(r.token_ids) for r in requests]) if hidden else results
-
-    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
-        out = await bls(wire.REJECTION_SAMPLER, wire.sample_inputs(calls), wire.SAMPLE_OUTPUTS)
-        return wire.sample_results_of(out)
 
     async def release(self, ended: dict[str, list[int] | None]) -> None:
         """Frees the sequences in the models that hold state, one call each; a failure is logged and raised.

@@ -331,3 +331,19 @@ def test_an_abandoned_sequence_stops_at_the_next_step_and_is_released():
 
     asyncio.run(main())
     assert stages.released == ["s0"] and len(state.output_ids) < 40
+
+
+class WithoutSample(SamplingInVerifyStages):
+    """As the served stages: no sample method at all."""
+
+    def __getattribute__(self, name):
+        if name == "sample":
+            raise AttributeError("these stages have no sample")
+        return super().__getattribute__(name)
+
+
+def test_stages_that_sample_in_verify_need_no_sample_method():
+    stages = WithoutSample()
+    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None)
+    outcomes = run_all(scheduler, [make_state(stages, "s0", [1, 2], max_tokens=6, temperature=0.7)])
+    assert [t for s in outcomes[0] for t in s.output.new_token_ids] == greedy_reference([1, 2], 6)
