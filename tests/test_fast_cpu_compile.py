@@ -108,3 +108,17 @@ def test_a_locale_without_utf8_is_switched_or_named(monkeypatch):
     monkeypatch.setattr(cpu_compile.locale, "setlocale", missing)
     with pytest.raises(RuntimeError, match="cpu_compile needs a UTF-8 locale"):
         cpu_compile.use_utf8_text_files()
+
+
+def test_compiled_packed_linears_equal_eager(tmp_path, monkeypatch):
+    """Every linear packed for oneDNN (as the shipped models' are) and called from the compiled graph."""
+    monkeypatch.setattr("specdec.fast.cpu_linear.PACK_MIN_ELEMENTS", 0)  # the test model's weights are tiny
+    path, _ = save_checkpoint(tmp_path, "llama", seed=3)
+    compiled = FastCausalLM(path, dtype="float32", max_num_seqs=2, max_model_len=MAX_MODEL_LEN, cpu_compile=True)
+    eager = FastCausalLM(path, dtype="float32", max_num_seqs=2, max_model_len=MAX_MODEL_LEN)
+    assert all(type(layer.mlp.down_proj).__name__ == "PackedLinear" for layer in compiled.model.model.layers)
+    prompt = random_ids(12, 5)
+    for calls in ([ForwardCall("a", 0, prompt, 1)], [ForwardCall("a", 12, [3], 1)], [ForwardCall("a", 13, [4, 5], 2)],
+                  [ForwardCall("a", 15, [6, 7, 8, 9, 1], 5)]):  # fmt: skip
+        for got, want in zip(compiled.forward(calls), eager.forward(calls)):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

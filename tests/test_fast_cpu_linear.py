@@ -71,3 +71,30 @@ def test_pack_linears_replaces_the_large_linears_and_nothing_else():
     assert type(model[3]) is nn.Linear  # too small to gain from packing
     assert isinstance(model[2][1], nn.LayerNorm)
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_packed_linear_matches_f_linear_at_every_row_count():
+    """Traced, the multiplication is the opaque ``specdec::onednn_linear``: no branch on rows in the graph."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160)
+    packed = PackedLinear(linear)
+    compiled = torch.compile(packed, dynamic=True, fullgraph=True)
+    for rows in (1, 2, 3, MIN_ROWS, 9):
+        x = torch.randn(2, rows, 96)
+        with torch.inference_mode():
+            out = compiled(x)
+        assert out.shape == (2, rows, 160)
+        torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_weights_leave_the_table_with_their_module():
+    import gc
+
+    from specdec.fast import cpu_linear
+
+    packed = PackedLinear(nn.Linear(64, 64))
+    key = int(packed.key)
+    assert key in cpu_linear._PACKED
+    del packed
+    gc.collect()
+    assert key not in cpu_linear._PACKED

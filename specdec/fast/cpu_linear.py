@@ -16,8 +16,20 @@ the smallest (under ``PACK_MIN_ELEMENTS``) are not packed at all.
 
 The packed weight is an opaque oneDNN tensor; the numerics are those of an fp32
 (or bf16) GEMM, equal to ``F.linear`` up to summation order.
+
+``torch.compile`` (``cpu_compile.py``) cannot trace an opaque tensor, and inductor's own
+way to the same kernels -- freezing -- embeds the packed weights in the graph, which then
+cannot be cached on disk (a minute of compiling on every load of the shipped target). So
+the multiplication is the custom op ``specdec::onednn_linear``: a compiled graph calls it
+as one opaque step with a small key tensor, and the op finds its packed weight in a
+table this module owns. The row padding and the one-row dense path live inside the op,
+so a traced graph has no branch on the row count.
 """
 from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +52,38 @@ def cpu_packing_available(dtype: torch.dtype) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _PackedWeights:
+    packed: torch.Tensor  # oneDNN's blocked layout of [out_features, in_features]
+    dense: torch.Tensor | None  # [out_features, in_features] for one-row passes; None for a large weight
+    bias: torch.Tensor | None  # [out_features]
+
+
+_PACKED: dict[int, _PackedWeights] = {}  # PackedLinear.key's value -> its weights; entries leave with their module
+_NEXT_KEY = itertools.count()
+
+
+def _linear(x: torch.Tensor, weights: _PackedWeights) -> torch.Tensor:
+    """``x [N, in_features] -> [N, out_features]``."""
+    n = x.shape[0]
+    if n == 1 and weights.dense is not None:
+        return F.linear(x, weights.dense, weights.bias)
+    rows = x.contiguous() if n >= MIN_ROWS else F.pad(x, (0, 0, 0, MIN_ROWS - n))  # [max(N, MIN_ROWS), in]
+    out = torch.ops.mkldnn._linear_pointwise(rows, weights.packed, weights.bias, "none", [], "")
+    return out if n >= MIN_ROWS else out[:n].clone()  # [N, out_features]
+
+
+@torch.library.custom_op("specdec::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``_linear`` with the weights registered under ``key`` ([1] int64), for a traced graph."""
+    return _linear(x, _PACKED[int(key)])
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` for inference on CPU; built from a loaded ``nn.Linear``, whose weight it replaces."""
 
@@ -50,24 +94,31 @@ class PackedLinear(nn.Module):
             raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} for oneDNN")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = weight.dtype
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)  # oneDNN layout
-        self.bias = None if linear.bias is None else linear.bias.detach()  # [out_features]
         # a small weight stays cache-resident, where MKL's one-row GEMV beats a padded oneDNN pass
         # (the shipped draft's one-token steps got slower when packed); a copy of a small weight costs little
-        self.dense_weight = weight if weight.numel() < DENSE_COPY_MAX_ELEMENTS else None  # [out, in]
+        self.weights = _PackedWeights(
+            torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT),
+            weight if weight.numel() < DENSE_COPY_MAX_ELEMENTS else None,
+            None if linear.bias is None else linear.bias.detach(),
+        )  # fmt: skip
+        self.register_buffer("key", torch.tensor([next(_NEXT_KEY)]), persistent=False)  # [1] int64
+        _PACKED[int(self.key)] = self.weights
+        weakref.finalize(self, _PACKED.pop, int(self.key), None)
+
+    @property
+    def dense_weight(self) -> torch.Tensor | None:
+        return self.weights.dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
-        rows = x.reshape(-1, self.in_features).contiguous()  # [N, in_features]
-        n = rows.shape[0]
-        if n == 1 and self.dense_weight is not None:
-            return F.linear(x, self.dense_weight, self.bias)
-        if n < MIN_ROWS:
-            rows = F.pad(rows, (0, 0, 0, MIN_ROWS - n))  # [MIN_ROWS, in_features]
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        return out[:n].reshape(*x.shape[:-1], self.out_features)  # [..., out_features]
+        rows = x.reshape(-1, self.in_features)  # [N, in_features]
+        if torch.compiler.is_compiling():  # the op's dispatch costs a few microseconds: eager calls straight in
+            out = onednn_linear(rows, self.key, self.out_features)  # [N, out_features]
+        else:
+            out = _linear(rows, self.weights)
+        return out.reshape(*x.shape[:-1], self.out_features)  # [..., out_features]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.weights.bias is not None}"
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -75,10 +75,7 @@ class FastCausalLM:
         if cpu_compile and self.device.type != "cpu":
             raise ValueError(f"cpu_compile is for CPU devices (CUDA captures graphs instead), got device={str(self.device)!r}")
         with timed_phase(log, f"loading weights of {path} to {self.device}"):
-            self.model = load_fast_llama(
-                path, resolve_dtype(dtype, self.device), self.device, triton_attention,
-                pack_cpu_weights=False if cpu_compile else None,  # inductor calls the BLAS on plain weights
-            )
+            self.model = load_fast_llama(path, resolve_dtype(dtype, self.device), self.device, triton_attention)
         config = self.model.config
         self.max_model_len = max_model_len if max_model_len is not None else config.max_position_embeddings
         config.check_max_model_len(self.max_model_len)

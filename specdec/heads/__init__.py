@@ -47,7 +47,7 @@ def build_head_proposer(
 
         head = load_eagle3(path, target_path, torch_dtype, device)
         compiled = cpu_compile and torch.device(device).type == "cpu"
-        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype) and not compiled:
+        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
             pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
         # the head's cache spans the target's positions (as in vLLM), not those its layer config names
         return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings, compiled)
