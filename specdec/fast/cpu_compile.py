@@ -15,9 +15,10 @@ traced as indexing into a view of the cache, the write would be functionalised i
 copy of the whole cache on every pass.
 
 The linears stay the oneDNN-packed ones of ``cpu_linear.py``, called from the graph as
-an opaque custom op: left to inductor, a linear goes to MKL's GEMM, whose skinny paths
-made a 9-token verify pass of the shipped target cost 1.7x a one-token step (about 1.1x
-packed). Numerics are those of the eager forward up to the order of float sums.
+an opaque custom op: left to inductor, a linear goes to MKL's GEMM, whose skinny-matrix
+paths make a verify pass of a few tokens cost far more than a one-token step, which is
+what speculation must not pay. Numerics are those of the eager forward up to the order
+of float sums.
 """
 from __future__ import annotations
 
