@@ -114,9 +114,15 @@ def test_a_head_for_another_target_is_refused_naming_both(pair, tmp_path):
         build_head_proposer("eagle3", tmp_path, target_dir)
 
 
-@pytest.mark.parametrize("cpu_compile", [False, True], ids=["eager", "compiled"])
-def test_drafts_equal_the_training_time_test_recurrence(pair, cpu_compile):
-    """The cached, position-addressed proposer computes what ``train_forward`` trains, step for step."""
+@pytest.mark.parametrize("cpu_compile,packed", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "compiled", "compiled-packed"])
+def test_drafts_equal_the_training_time_test_recurrence(pair, cpu_compile, packed, monkeypatch):
+    """The cached, position-addressed proposer computes what ``train_forward`` trains, step for step.
+
+    ``packed``: every linear prepacked for oneDNN, as the shipped head's are (the test head's are too small).
+    """
+    if packed:
+        monkeypatch.setattr("specdec.fast.cpu_linear.PACK_MIN_ELEMENTS", 0)
     target, target_dir, head_dir = pair
     head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
     proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2, cpu_compile=cpu_compile)

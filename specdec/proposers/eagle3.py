@@ -151,6 +151,7 @@ class Eagle3Proposer:
             seq.rows = min(seq.rows, r.hidden_position)
         seq.fused = seq.fused[: len(seq.tokens) - 1]  # features past the last token's predecessor are stale
 
+    @torch.inference_mode()  # the warm-up too: grad mode is part of a compiled graph's guards
     def _forward(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
         """One ragged pass; each row's last logits on the target vocabulary [B, vocab] and pre-norm [B, h]."""
         b, s = len(seq_ids), max(len(t) for t in token_lists)
