@@ -7,7 +7,8 @@ from dataclasses import replace
 from specdec.types import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
-from specdec_triton.plumbing import ModelLogger, bls, bytes_array, ensure_bls_threads
+from specdec_triton.bls import bls, ensure_bls_threads
+from specdec_triton.plumbing import ModelLogger, bytes_array
 
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
 

@@ -1,4 +1,4 @@
-"""Triton plumbing shared by every ``model.py``: parameters, tensors, errors, BLS, logging.
+"""Triton plumbing shared by every ``model.py``: parameters, tensors, errors, logging (BLS: ``bls.py``).
 
 One module so that no model repeats it (the tensorrtllm_backend models each carry
 their own copy of parameter parsing; vllm_backend has one boolean helper; this is the
@@ -8,15 +8,12 @@ parameter parsing -- the part worth unit-testing -- needs none of it.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import re
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -181,6 +178,14 @@ class ServingError(RuntimeError):
     """The repository's models do not fit together (e.g. draft and target vocabularies); no request can run."""
 
 
+class BlsError(RuntimeError):
+    """A composing model answered a BLS request with an error; ``code`` is its TritonError code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 CANCEL_CHECK_INTERVAL_S = 0.02  # how stale a request's cancelled flag may be: at most ~one step of work wasted
 
 
@@ -317,57 +322,6 @@ def _outcome(function: Callable, argument):
         return function(argument)
     except Exception as err:
         return err
-
-
-# --- BLS ---------------------------------------------------------------------------------------
-
-
-class BlsError(RuntimeError):
-    """A composing model answered a BLS request with an error; ``code`` is its TritonError code."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-async def bls(
-    model_name: str,
-    inputs: Mapping[str, np.ndarray],
-    output_names: Sequence[str],
-    batched: bool = False,
-) -> dict[str, np.ndarray]:
-    """One BLS request to ``model_name``; returns the requested outputs as numpy arrays.
-
-    ``batched``: the model has ``max_batch_size > 0``, so this request is one batch item.
-    """
-    pb_utils = triton_utils()
-    request = pb_utils.InferenceRequest(
-        model_name=model_name,
-        inputs=[pb_utils.Tensor(name, array[None] if batched else array) for name, array in inputs.items()],
-        requested_output_names=list(output_names),
-    )
-    response = await request.async_exec()
-    if response.has_error():
-        raise BlsError(response.error().message(), response.error().code())
-    outputs = {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in output_names}
-    return {name: array[0] for name, array in outputs.items()} if batched else outputs
-
-
-def ensure_bls_threads(num_threads: int) -> None:
-    """Give the running event loop a default executor of at least ``num_threads`` threads.
-
-    ``async_exec`` waits for each BLS response on a thread of the loop's default executor,
-    whose size is ``min(32, cpus + 4)`` -- 6 on a 2-core machine. With more requests in
-    flight than threads, the rest queue in the executor instead of at the model, where
-    they could have joined a dynamic batch.
-    """
-    loop = asyncio.get_running_loop()
-    if num_threads > _bls_threads.get(loop, 0):
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="specdec-bls"))
-        _bls_threads[loop] = num_threads
-
-
-_bls_threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its executor's threads
 
 
 # --- logging -----------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from specdec.types import Proposal, ProposeRequest, SampleCall, SampleHere, Samp
 from specdec_triton import wire
 from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.packing import each, flat, i32, one, split
-from specdec_triton.plumbing import BlsError, RequestError, bytes_array, scalar, text, texts, triton_utils
+from specdec_triton.bls import bls_blocking
+from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 PROPOSE_HOLD_INPUTS = ("hold_draft_probs",)  # [1] bool: send q to rejection_sampler, not back
 PROPOSE_HOLD_OUTPUTS = ("draft_probs_held",)  # [S] bool: this sequence's q waits in rejection_sampler
@@ -251,15 +252,6 @@ def sampler_sender(secret: str) -> Send:
     """A blocking BLS request to rejection_sampler carrying the server's secret (from a model's ``execute``)."""
 
     def send(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        pb_utils = triton_utils()
-        request = pb_utils.InferenceRequest(
-            model_name=wire.REJECTION_SAMPLER,
-            inputs=[pb_utils.Tensor(name, array) for name, array in {**inputs, **wire.secret_input(secret)}.items()],
-            requested_output_names=list(wire.SAMPLE_OUTPUTS),
-        )
-        response = request.exec()
-        if response.has_error():
-            raise BlsError(f"rejection_sampler: {response.error().message()}", response.error().code())
-        return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in wire.SAMPLE_OUTPUTS}
+        return bls_blocking(wire.REJECTION_SAMPLER, {**inputs, **wire.secret_input(secret)}, wire.SAMPLE_OUTPUTS)
 
     return send

@@ -4,7 +4,7 @@ Both ends of every BLS call use these functions -- the orchestrator encodes, the
 composing model decodes -- so the tensor names and layouts live in one place and
 round-trip tests cover them. Every array is what ``pb_utils.Tensor`` takes (numpy)
 without a batch dimension: for the dynamically batched models (draft_proposer,
-target_verifier) ``plumbing.bls(batched=True)`` and ``plumbing.answer_batch`` add and
+target_verifier) ``bls.bls(batched=True)`` and ``plumbing.answer_batch`` add and
 strip the one batch item per request.
 
 A request to draft_proposer, target_verifier or rejection_sampler carries one or more
