@@ -70,6 +70,7 @@ def _linear(x: torch.Tensor, weights: _PackedWeights) -> torch.Tensor:
         return F.linear(x, weights.dense, weights.bias)
     rows = x.contiguous() if n >= MIN_ROWS else F.pad(x, (0, 0, 0, MIN_ROWS - n))  # [max(N, MIN_ROWS), in]
     out = torch.ops.mkldnn._linear_pointwise(rows, weights.packed, weights.bias, "none", [], "")
+    # a few rows copied: a custom op returns a tensor of its own, not a view into a padded one
     return out if n >= MIN_ROWS else out[:n].clone()  # [N, out_features]
 
 
