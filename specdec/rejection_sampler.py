@@ -115,12 +115,16 @@ def draw_randoms_by_position(
     return SamplerRandoms(uniforms=drafts.view(1, num_draft_tokens), inv_exponentials=inv_exponentials)
 
 
+def _draws_from(generator: torch.Generator) -> Callable[..., SamplerRandoms]:
+    """``(k, vocab, categorical, device) -> SamplerRandoms`` for one request, from ``generator``."""
+    return lambda k, vocab, categorical, on: draw_randoms(1, k, vocab, generator, categorical, on)
+
+
 def _draws(seed: int, position: int | None, device: torch.device | str) -> Callable[..., SamplerRandoms]:
-    """``(k, vocab, categorical, device) -> SamplerRandoms``: keyed by output position, or one generator per call."""
+    """As ``_draws_from``: keyed by output position, or from one generator seeded for the call."""
     if position is not None:
         return lambda k, vocab, categorical, on: draw_randoms_by_position(seed, position, k, vocab, categorical, on)
-    generator = make_generator(seed, device)
-    return lambda k, vocab, categorical, on: draw_randoms(1, k, vocab, generator, categorical, on)
+    return _draws_from(make_generator(seed, device))
 
 
 def validate_method(method: str, synthetic_acceptance_rate: float) -> None:
@@ -246,8 +250,7 @@ def rejection_sample(
     """Sample one request with the torch path; see the module docstring for the methods."""
     return _sample_one(
         rejection_sample_batch, draft_token_ids, draft_probs, target_probs, target_argmax,
-        method, lambda k, vocab, categorical, device: draw_randoms(1, k, vocab, generator, categorical, device),
-        synthetic_acceptance_rate,
+        method, _draws_from(generator), synthetic_acceptance_rate,
     )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 
 # Bytes a node takes (object, slots, the child dict of inner nodes): tracemalloc over 200
 # random 64-token responses at depth 24 on CPython 3.11; the reported memory estimate uses it.
@@ -180,7 +179,7 @@ def speculate_in_sequence(
     sequence and step in the orchestrator, on lists of a few occurrences: plain
     Python, since a numpy call on so few values costs more than the loop it replaces.
     """
-    best, seq = Draft(), tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+    best, seq = Draft(), tokens if isinstance(tokens, list) else list(tokens)
     n = len(seq)
     if n == 0 or max_tokens <= 0:
         return best

@@ -49,6 +49,22 @@ def each(inputs: Mapping[str, np.ndarray], name: str, count: int, kind: type, de
     return [kind(v) for v in values.tolist()]
 
 
+NO_POSITION = -1  # on the wire: a sequence whose sampler draws are keyed by its seed alone
+
+
+def optional_positions(positions) -> np.ndarray:
+    """``[S]`` int64 of sampling positions; a None goes as ``NO_POSITION``."""
+    return i64([NO_POSITION if position is None else position for position in positions])
+
+
+def each_optional_position(inputs: Mapping[str, np.ndarray], name: str, count: int) -> list[int | None]:
+    """``optional_positions`` read back: one position or None per sequence (None for all when absent)."""
+    positions = each(inputs, name, count, int, NO_POSITION)
+    if any(n < NO_POSITION for n in positions):
+        raise RequestError(f"input '{name}' must hold output positions >= 0 ({NO_POSITION}: none), got {positions}")
+    return [None if n == NO_POSITION else n for n in positions]
+
+
 def validated(items: list) -> list:
     """``items``, each of whose ``validate()`` passed; its ValueError names a field, which is the input's name."""
     for item in items:

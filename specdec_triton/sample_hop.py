@@ -32,7 +32,7 @@ from specdec.penalties import emitted_log_probs
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
 from specdec_triton.internal import SECRET_INPUT, is_authorized
-from specdec_triton.packing import each, flat, i32, one, split
+from specdec_triton.packing import each, each_optional_position, flat, i32, one, optional_positions, split
 from specdec_triton.bls import bls_blocking
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
@@ -67,7 +67,7 @@ def verify_sample_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndar
     return {
         "sample_here": np.array([h is not None for h in here], np.bool_),  # [S]
         "sample_seed": np.array([h.seed if h else 0 for h in here], np.uint64),  # [S]
-        "sample_position": np.array([h.position if h and h.position is not None else -1 for h in here], np.int64),
+        "sample_position": optional_positions(h.position if h else None for h in here),  # [S]
         "draft_probs_held": np.array([bool(h and h.draft_probs_held) for h in here], np.bool_),  # [S]
     }
 
@@ -141,7 +141,7 @@ def with_sample_here(requests: list[VerifyRequest], inputs: Mapping[str, np.ndar
     count = len(requests)
     here = each(inputs, "sample_here", count, bool, False)
     seeds = each(inputs, "sample_seed", count, int, 0)
-    positions = [None if n < 0 else n for n in each(inputs, "sample_position", count, int, -1)]  # -1: none
+    positions = each_optional_position(inputs, "sample_position", count)
     held = each(inputs, "draft_probs_held", count, bool, False)
     return [replace(r, sample_here=SampleHere(seed, h, position)) if s else r
             for r, s, seed, h, position in zip(requests, here, seeds, held, positions)]  # fmt: skip

@@ -39,7 +39,8 @@ from specdec.types import (
     VerifyResult,
 )
 from specdec_triton.packing import (
-    each, flat, i32, i64, one, required, split, stack_probs, unstack_probs, validated,
+    each, each_optional_position, flat, i32, i64, one, optional_positions, required, split, stack_probs,
+    unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.penalty_wire import (
@@ -290,8 +291,8 @@ def sample_inputs(calls: Sequence[SampleCall]) -> dict[str, np.ndarray]:
         "target_token_ids": flat([call.verify.argmax.cpu().tolist() for call in calls]),  # [sum of k + 1]
         "seed": np.array([call.seed for call in calls], dtype=np.uint64),
     }
-    if any(call.position is not None for call in calls):  # [S]: output index of row 0; -1: none
-        inputs["sample_position"] = i64([-1 if call.position is None else call.position for call in calls])
+    if any(call.position is not None for call in calls):  # [S]: output index of row 0
+        inputs["sample_position"] = optional_positions(call.position for call in calls)
     if has_draft_probs.any():
         inputs.update(draft_probs=draft_probs, has_draft_probs=has_draft_probs)
     if has_target_probs.any():
@@ -317,7 +318,7 @@ def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
     method = text(inputs, "rejection_sample_method")
     if method is not None and method not in METHODS:
         raise RequestError(f"input 'rejection_sample_method' must be one of {METHODS}, got {method!r}")
-    positions = [None if n < 0 else n for n in each(inputs, "sample_position", count, int, -1)]
+    positions = each_optional_position(inputs, "sample_position", count)
     fields = zip(drafts, unstack_probs(inputs, "draft_probs", [len(d) for d in drafts]), argmax, target_probs,
                  each(inputs, "seed", count, int, None), positions)  # fmt: skip
     return [

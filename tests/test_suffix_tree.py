@@ -108,6 +108,6 @@ def test_matching_in_the_sequence_drafts_what_its_tree_would(seed):
     tree = SuffixTree(depth)
     tree.extend(0, tokens)
     expected = tree.speculate(tokens, max_tokens, factor, min_prob)
-    got = speculate_in_sequence(np.array(tokens), depth, max_tokens, factor, min_prob)
+    got = speculate_in_sequence(tokens, depth, max_tokens, factor, min_prob)
     assert (got.token_ids, got.match_len) == (expected.token_ids, expected.match_len)
     assert got.probs == pytest.approx(expected.probs)

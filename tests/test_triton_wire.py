@@ -293,6 +293,17 @@ def test_sample_round_trip_of_packed_sequences():
         wire.sample_inputs([calls[0], SampleCall(torch.tensor([1]), None, calls[1].verify, 0, "strict")])
 
 
+def test_sample_positions_round_trip_and_a_negative_one_is_refused():
+    verify = VerifyResult(torch.tensor([3, 4]), None)
+    calls = [SampleCall(torch.tensor([3]), None, verify, seed=1, position=p) for p in (5, None, 0)]
+    inputs = wire.sample_inputs(calls)
+    assert [c.position for c in wire.sample_calls_of(inputs)] == [5, None, 0]
+    assert "sample_position" not in wire.sample_inputs([calls[1]])  # none keyed by position: nothing sent
+    inputs["sample_position"] = np.array([5, -2, 0], np.int64)
+    with pytest.raises(RequestError, match=r"'sample_position' must hold output positions >= 0"):
+        wire.sample_calls_of(inputs)
+
+
 def test_a_sampler_request_without_sequences_samples_nothing():
     empty = {"draft_token_ids": np.zeros(0, np.int64), "num_draft_tokens": np.zeros(0, np.int32)}
     assert wire.sample_calls_of(empty) == []
