@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from specdec.types import Proposal, ProposeRequest, VerifyRequest, VerifyResult
+from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.bls import bls, ensure_bls_threads
@@ -19,10 +19,16 @@ class BlsStages:
     # so the scheduler never makes a sample call of its own, and there is no `sample` here
     samples_in_verify = True
 
-    def __init__(self, logger: ModelLogger, secret: str):
+    def __init__(self, logger: ModelLogger, secret: str, target_here: ModelDescription | None = None):
+        """``target_here``: the target's description when the orchestrator holds the target itself
+        (``specdec_triton.verify_in_process``): target_verifier is then neither asked nor released."""
         self.logger = logger
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
-        self._stateful = (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)  # the models that hold sequences: released
+        self._target_here = target_here
+        self._stateful = self._models_holding(draft=True)  # the models that hold sequences: released
+
+    def _models_holding(self, draft: bool) -> tuple[str, ...]:
+        return (wire.DRAFT_PROPOSER,) * draft + (wire.TARGET_VERIFIER,) * (self._target_here is None)
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized:
         inputs = {"text_input": bytes_array([text])}
@@ -43,18 +49,24 @@ class BlsStages:
             bls(wire.DRAFT_PROPOSER, probe,
                 wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS,
                 batched=True),  # fmt: skip
-            bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS, batched=True),
+            self._describe_target(probe),
             bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
-        descriptions = Descriptions(*(wire.description_of(out) for out in (tokenizer, draft, target, sampler)))
+        descriptions = Descriptions(wire.description_of(tokenizer), wire.description_of(draft), target,
+                                    wire.description_of(sampler))  # fmt: skip
         described_draft = wire.with_described_settings(hidden_wire.with_described_layers(descriptions.draft, draft), draft)
         descriptions = replace(descriptions, draft=described_draft)
         # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing
-        self._stateful = (wire.TARGET_VERIFIER,) if described_draft.settings else (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)
+        self._stateful = self._models_holding(draft=not described_draft.settings)
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them
         ensure_bls_threads(2 * (descriptions.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
         return descriptions
+
+    async def _describe_target(self, probe) -> ModelDescription:
+        if self._target_here is not None:
+            return self._target_here
+        return wire.description_of(await bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS, batched=True))
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         # the ids alone come back: greedy drafts have no q, and a sampled one's q goes to the sampler

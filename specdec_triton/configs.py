@@ -134,6 +134,8 @@ class TargetVerifierConfig:
     max_num_seqs: int  # the orchestrator admits no more sequences than this at once
     cpu_compile: bool = False  # fast engine on CPU: the forward compiled by torch.compile (slower load, faster steps)
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
+    # the orchestrator loads the target in its own process and verifies by a call (specdec_triton.target_here)
+    run_in_orchestrator: bool = False
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> TargetVerifierConfig:
@@ -145,6 +147,7 @@ class TargetVerifierConfig:
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
             cpu_compile=params.get_bool("cpu_compile", False),
             sequence_idle_timeout_s=_idle_timeout(params),
+            run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
         )
         params.check_all_read()
         return config

@@ -3,9 +3,12 @@
 Decoupled and async: each request runs :class:`specdec_triton.orchestrator.Orchestrator`
 as its own coroutine, so many requests progress at once while each awaits its BLS
 calls (tokenizer, draft_proposer, target_verifier, rejection_sampler). A supervisor
-thread watches the composing models' processes (:mod:`specdec_triton.recovery`).
+thread watches the composing models' processes (:mod:`specdec_triton.recovery`). When
+target_verifier sets ``run_in_orchestrator``, the target is loaded here and verify is a
+call on it (:mod:`specdec_triton.verify_in_process`).
 """
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -14,7 +17,7 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from specdec_triton import wire
+from specdec_triton import sample_hop, wire
 from specdec_triton.bls_stages import BlsStages
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.health import StubWatch, reload_config
@@ -26,6 +29,8 @@ from specdec_triton.plumbing import (
     request_inputs,
 )  # fmt: skip
 from specdec_triton.recovery import RecoveryActions, Supervisor
+from specdec_triton.target_here import load_target_here
+from specdec_triton.verify_in_process import VerifyInProcess
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 
@@ -47,7 +52,8 @@ class TritonPythonModel:
         config = OrchestratorConfig.from_parameters(Parameters.from_args(args))
         counters = SpecDecodeCounters(name, config.num_speculative_tokens)
         self.orchestrator = Orchestrator(
-            BlsStages(self.logger, boot_secret()), config, counters, ActiveSequences(name), log=self.logger.info,
+            self._stages(os.path.dirname(os.path.normpath(args["model_repository"]))), config, counters,
+            ActiveSequences(name), log=self.logger.info,
             suffix_gauges=SuffixCacheGauges(name),  # method suffix runs here (specdec.proposers.model_free)
         )
         actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=reload_config(m)),
@@ -56,6 +62,16 @@ class TritonPythonModel:
         self.supervisor = Supervisor(self.orchestrator, StubWatch(WATCHED), actions, config.on_stub_failure,
                                      config.health_check_interval_s).start()  # fmt: skip
         self.logger.info(str(config))
+
+    def _stages(self, repository_dir):
+        """BLS requests to the composing models; verify a call here when target_verifier sets run_in_orchestrator."""
+        secret = boot_secret()
+        target = load_target_here(repository_dir, log=self.logger.info)
+        if target is None:
+            return BlsStages(self.logger, secret)
+        self.logger.info(f"the target runs in this process (target_verifier: run_in_orchestrator): {target.description}")
+        judge = functools.partial(sample_hop.sample_in_sampler, send=sample_hop.sampler_sender(secret))
+        return VerifyInProcess(BlsStages(self.logger, secret, target_here=target.description), target.verifier, judge)
 
     async def execute(self, requests):
         self.supervisor.loop = asyncio.get_running_loop()
@@ -102,4 +118,6 @@ class TritonPythonModel:
         if self.orchestrator.num_active_requests:
             self.logger.info(f"shutting down: ending {self.orchestrator.num_active_requests} request(s) in flight")
             self.supervisor.call_on_loop(self.orchestrator.stop_serving, "the server is shutting down")
+        if isinstance(self.orchestrator.stages, VerifyInProcess):
+            self.orchestrator.stages.close()
         self.logger.info("unloaded")

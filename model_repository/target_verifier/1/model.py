@@ -5,7 +5,9 @@ A request carries one or more sequences (``wire``), and requests arrive in dynam
 batches, so with the fast engine all sequences verifying at the same moment share one
 forward. A request with ``describe`` set gets the target's ``ModelDescription``
 (checkpoint, vocabulary, ``max_model_len``, ``max_num_seqs``), which the orchestrator
-checks requests and the draft against. Callers, releases and expiry:
+checks requests and the draft against. With ``run_in_orchestrator`` set, the target is
+loaded by speculative_decoding in its own process instead (:mod:`specdec_triton.target_here`),
+and this model holds nothing and answers every request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`. A sampled sequence's ``p`` goes from here
 to rejection_sampler, and its verdict comes back instead (:mod:`specdec_triton.sample_hop`).
 """
@@ -15,7 +17,7 @@ from specdec.cached_lm import describe_lm
 from specdec.verifier import TargetVerifier
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.configs import TargetVerifierConfig
-from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
+from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
 
@@ -29,10 +31,19 @@ def _requests_of(inputs):
     return sample_hop.with_sample_here(requests, inputs)
 
 
+def _refuse(batch):
+    raise ServingError("target_verifier sets run_in_orchestrator: the target runs in speculative_decoding's "
+                       "process, and this model holds no sequences")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.logger = ModelLogger(args["model_name"])
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
+        self.runs_elsewhere = config.run_in_orchestrator
+        if self.runs_elsewhere:
+            self.logger.info(f"run_in_orchestrator: {config.target_model} is loaded by speculative_decoding, not here")
+            return
         lm = build_lm(
             config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
             log=self.logger.info, cpu_compile=config.cpu_compile,
@@ -44,6 +55,8 @@ class TritonPythonModel:
         self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):
+        if self.runs_elsewhere:
+            return answer_batch(requests, (), _refuse)
         names = wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS
         responses = answer_batch(requests, names, self._verify)
         self.host.show_active()

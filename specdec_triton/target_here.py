@@ -1,0 +1,80 @@
+"""The target loaded in the orchestrator's process, when target_verifier's config asks for it.
+
+``run_in_orchestrator: true`` in ``target_verifier/config.pbtxt`` moves the target's
+weights and KV cache into ``speculative_decoding``'s process, which then verifies with a
+function call instead of a BLS request per step (:mod:`specdec_triton.verify_in_process`
+says what that saves). The target stays configured in one place: the orchestrator reads
+target_verifier's ``config.pbtxt`` from the repository directory, with the
+``speculative_config`` overrides the model itself would apply, and checks it with the same
+:class:`~specdec_triton.configs.TargetVerifierConfig`. The device follows target_verifier's
+``instance_group``: ``KIND_GPU`` its first listed GPU (0 if none is listed), ``KIND_AUTO``
+GPU 0 when one is visible, otherwise the CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.build import build_lm
+from specdec.cached_lm import describe_lm
+from specdec.types import ModelDescription
+from specdec.verifier import TargetVerifier
+from specdec_triton import speculative_config, wire
+from specdec_triton.configs import TargetVerifierConfig
+from specdec_triton.plumbing import ParameterError, Parameters
+
+
+@dataclass(frozen=True)
+class TargetHere:
+    config: TargetVerifierConfig
+    device: str
+
+
+@dataclass(frozen=True)
+class LoadedTarget:
+    verifier: TargetVerifier
+    description: ModelDescription
+
+
+def read_target_config(repository_dir: str | os.PathLike) -> TargetHere:
+    """target_verifier's settings as that model would read them, and the device its instance_group names."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    model_dir = Path(repository_dir) / wire.TARGET_VERIFIER
+    path = model_dir / "config.pbtxt"
+    try:
+        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig(), allow_unknown_field=True)
+    except (OSError, text_format.ParseError) as err:
+        raise ParameterError(f"{wire.TARGET_VERIFIER}: cannot read {path}: {err}") from None
+    raw = {key: value.string_value for key, value in config.parameters.items()}
+    raw = speculative_config.apply(wire.TARGET_VERIFIER, raw, str(repository_dir))
+    params = Parameters(raw, base_dir=str(repository_dir), component=wire.TARGET_VERIFIER, model_dir=str(model_dir))
+    return TargetHere(TargetVerifierConfig.from_parameters(params), _device(config.instance_group))
+
+
+def _device(instance_groups) -> str:
+    from tritonclient.grpc import model_config_pb2
+
+    kind = model_config_pb2.ModelInstanceGroup
+    for group in instance_groups:
+        gpu = group.kind == kind.KIND_GPU or (group.kind == kind.KIND_AUTO and torch.cuda.is_available())
+        if gpu:
+            return f"cuda:{group.gpus[0] if group.gpus else 0}"
+        if group.kind in (kind.KIND_CPU, kind.KIND_AUTO):
+            return "cpu"
+    return "cuda:0" if torch.cuda.is_available() else "cpu"  # no instance_group: Triton's KIND_AUTO default
+
+
+def load_target_here(repository_dir: str | os.PathLike, log=None) -> LoadedTarget | None:
+    """The target built here when target_verifier sets ``run_in_orchestrator``; None when it does not."""
+    here = read_target_config(repository_dir)
+    config = here.config
+    if not config.run_in_orchestrator:
+        return None
+    lm = build_lm(config.target_model, config.engine, config.dtype, here.device, config.max_num_seqs,
+                  config.max_model_len, log=log, cpu_compile=config.cpu_compile)  # fmt: skip
+    return LoadedTarget(TargetVerifier(lm), describe_lm(lm, config.target_model, "target"))
