@@ -3,7 +3,9 @@
 Each server serves a copy of the repository whose draft_proposer loads a head built here
 with random weights for the shipped target (EAGLE-3 in the speculators format, an MLP
 speculator in its published layout), or the shipped ``tiny-eagle3``, so the target's
-hidden states travel target_verifier -> orchestrator -> draft_proposer on every step.
+hidden states travel target_verifier -> orchestrator -> draft_proposer on every step (for the
+shipped head, target_verifier's ``run_in_orchestrator`` is set: they start in the orchestrator's
+process, and a trained head is only accepted if they arrive whole).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ PROMPTS = ["Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return
 N_PREDICT = 2
 
 
-def _serve(tmp_path_factory, method: str, write_head):
+def _serve(tmp_path_factory, method: str, write_head, parameters: dict[str, str] | None = None):
     """A server whose draft_proposer loads the head ``write_head`` writes (None: the shipped ``tiny-eagle3``)."""
     models = models_dir()
     if not (models / "tiny-target").is_dir():
@@ -37,7 +39,7 @@ def _serve(tmp_path_factory, method: str, write_head):
         write_head(read_config(models / "tiny-target"), head)
     elif not head.is_dir():
         pytest.skip(f"no tiny-eagle3 under {models}")
-    repository = repository_copy(workdir, models, method, parameters={"draft_model": str(head)})
+    repository = repository_copy(workdir, models, method, parameters={"draft_model": str(head), **(parameters or {})})
     server = server_on_free_ports(workdir, repository)
     server.start()
     return server
@@ -67,7 +69,7 @@ def eagle3_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shipped_eagle3_server(tmp_path_factory):
-    server = _serve(tmp_path_factory, "eagle3", None)
+    server = _serve(tmp_path_factory, "eagle3", None, {"run_in_orchestrator": "true"})
     yield server
     server.stop()
 
