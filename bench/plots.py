@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bench.results import DEFAULT_NAME
+
 SERVED_KINDS = ("k0", "fixed", "default")
 FIGURES = {  # file name -> (row key, axis label)
     "throughput.png": ("tokens_per_s_aggregate", "output tokens/s (all streams)"),
@@ -77,8 +79,9 @@ def _styles(configs: list[str], kinds: dict[str, str | None]) -> dict[str, dict]
         if kinds.get(config) == "k0":  # one per server: told apart by the marker
             styles[config] = {"color": "black", "linestyle": "--", "marker": "osv^"[k0 % 4]}
             k0 += 1
-        elif kinds.get(config) == "default":
-            styles[config] = {"color": "tab:red", "linewidth": 2.5, "marker": "D"}
+        elif kinds.get(config) == "default":  # the shipped configuration; a second one (target here) dotted
+            styles[config] = {"color": "tab:red", "linewidth": 2.5, "marker": "D",
+                              "linestyle": "-" if config == DEFAULT_NAME else ":"}  # fmt: skip
         elif kinds.get(config) == "fixed":
             styles[config] = {"color": palette[fixed % len(palette)], "marker": "o"}
             fixed += 1

@@ -40,6 +40,9 @@ def fixed_name(method: str, k: int) -> str:
 
 DEFAULT_NAME = "default"
 DEFAULT_SERVER = "shipped"  # the server of the repository's own configuration, against its own k = 0
+# the shipped configuration with target_verifier's run_in_orchestrator: the target in the orchestrator's process
+TARGET_HERE_NAME = "default, target here"
+TARGET_HERE_SERVER = "shipped-target-here"
 
 
 def step_time_keys(ks: list[int]) -> list[tuple[str, int]]:

@@ -63,7 +63,8 @@ from bench.phase import (
 )
 from bench.repository import get_parameters, make_variant
 from bench.results import (
-    DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, annotate, fixed_name, k0_name, match_reference, step_time_keys,
+    DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
+    match_reference, step_time_keys,
 )  # fmt: skip
 from bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
 from bench.server import SERVE_SCRIPT, TritonServer
@@ -100,6 +101,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--synthetic-acceptance-rate", type=float, default=None,
                    help="use the synthetic rejection sampler (for random-weight models)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="in-process HF baselines")
+    p.add_argument("--target-here", action="store_true",
+                   help="also serve the shipped configuration with target_verifier's run_in_orchestrator (the target "
+                        "in the orchestrator's process), on a server of its own with its own k = 0")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads here and OMP_NUM_THREADS of every server model process (serve.sh's default)")
     p.add_argument("--timing-repeats", type=int, default=20, help="forwards per step-time median")
@@ -258,12 +262,16 @@ def server_rows(
     once per round, right after the round's one-stream phases while the server idles, so
     that each one-stream row has a paired HF figure from the same minutes.
     """
-    fixed = server_name != DEFAULT_SERVER
+    target_here = server_name == TARGET_HERE_SERVER
+    fixed = server_name not in (DEFAULT_SERVER, TARGET_HERE_SERVER)
     edits = server_edits(args, method, shipped["num_speculative_tokens"], fixed)
+    if target_here:
+        edits[TARGET_MODEL]["run_in_orchestrator"] = "true"
     repository = make_variant(args.repository, workdir / f"repo-{server_name}", edits)
     # (name, kind, k sent per request; None: none sent, the server's default)
     configs = [(k0_name(server_name), "k0", 0)]
-    configs += [(fixed_name(method, k), "fixed", k) for k in args.ks] if fixed else [(DEFAULT_NAME, "default", None)]
+    default_name = TARGET_HERE_NAME if target_here else DEFAULT_NAME
+    configs += [(fixed_name(method, k), "fixed", k) for k in args.ks] if fixed else [(default_name, "default", None)]
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     phases: dict[tuple[str, int], PhaseMeasurement] = {}  # (config, concurrency), in the order first run
     rounds: dict[tuple[str, int], list[float]] = {}
@@ -298,6 +306,8 @@ def server_rows(
             row["hf_plain_tokens_per_s_rounds"] = hf_rounds
         if k is not None:  # the server counts positions up to its configured k; this phase drafts at most k
             row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
+        if target_here:  # Triton's statistics hold no target forwards: the split into compute and overhead fails
+            row.update(step_compute_ms=math.nan, step_overhead_ms=math.nan)
         if concurrency > 1:  # component models overlap in time: not a per-step overhead any more
             row["step_overhead_ms_concurrent"] = row.pop("step_overhead_ms")
         rows.append(row)
@@ -330,7 +340,7 @@ def main() -> None:
         print(f"[bench] {line}")
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
-    num_configs = len(args.methods) * (1 + len(args.ks)) + 2 * (shipped["method"] in args.methods)
+    num_configs = len(args.methods) * (1 + len(args.ks)) + 2 * (shipped["method"] in args.methods) * (1 + args.target_here)
     progress = Progress(len(prompts) * (num_hf + args.rounds * len(args.concurrency) * num_configs))
     rows: list[dict] = []
     outputs: Outputs = {}
@@ -343,8 +353,9 @@ def main() -> None:
             for method in args.methods:
                 rows += server_rows(args, method, method, shipped, prompts, Path(tmp), outputs, progress, hf_plain)
             if shipped["method"] in args.methods:
-                rows += server_rows(args, DEFAULT_SERVER, shipped["method"], shipped, prompts, Path(tmp), outputs,
-                                    progress, hf_plain)  # fmt: skip
+                for server in (DEFAULT_SERVER, TARGET_HERE_SERVER) if args.target_here else (DEFAULT_SERVER,):
+                    rows += server_rows(args, server, shipped["method"], shipped, prompts, Path(tmp), outputs,
+                                        progress, hf_plain)  # fmt: skip
     finally:
         progress.close()
     annotate(rows, step_times)
