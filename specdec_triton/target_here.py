@@ -8,7 +8,9 @@ target_verifier's ``config.pbtxt`` from the repository directory, with the
 ``speculative_config`` overrides the model itself would apply, and checks it with the same
 :class:`~specdec_triton.configs.TargetVerifierConfig`. The device follows target_verifier's
 ``instance_group``: ``KIND_GPU`` its first listed GPU (0 if none is listed), ``KIND_AUTO``
-GPU 0 when one is visible, otherwise the CPU.
+GPU 0 when one is visible, otherwise the CPU. Without the setting (or without a
+target_verifier directory) nothing here is checked: target_verifier checks its own
+configuration when it loads.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from specdec_triton import speculative_config, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.plumbing import ParameterError, Parameters
 
+SETTING = "run_in_orchestrator"
+
 
 @dataclass(frozen=True)
 class TargetHere:
@@ -39,21 +43,29 @@ class LoadedTarget:
     description: ModelDescription
 
 
-def read_target_config(repository_dir: str | os.PathLike) -> TargetHere:
-    """target_verifier's settings as that model would read them, and the device its instance_group names."""
+def _model_config(path: Path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    model_dir = Path(repository_dir) / wire.TARGET_VERIFIER
-    path = model_dir / "config.pbtxt"
     try:
-        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig(), allow_unknown_field=True)
+        return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig(), allow_unknown_field=True)
     except (OSError, text_format.ParseError) as err:
         raise ParameterError(f"{wire.TARGET_VERIFIER}: cannot read {path}: {err}") from None
+
+
+def _parameters(repository_dir: Path, config) -> Parameters:
     raw = {key: value.string_value for key, value in config.parameters.items()}
     raw = speculative_config.apply(wire.TARGET_VERIFIER, raw, str(repository_dir))
-    params = Parameters(raw, base_dir=str(repository_dir), component=wire.TARGET_VERIFIER, model_dir=str(model_dir))
-    return TargetHere(TargetVerifierConfig.from_parameters(params), _device(config.instance_group))
+    model_dir = repository_dir / wire.TARGET_VERIFIER
+    return Parameters(raw, base_dir=str(repository_dir), component=wire.TARGET_VERIFIER, model_dir=str(model_dir))
+
+
+def read_target_config(repository_dir: str | os.PathLike) -> TargetHere:
+    """target_verifier's settings as that model would read them, and the device its instance_group names."""
+    repository_dir = Path(repository_dir)
+    config = _model_config(repository_dir / wire.TARGET_VERIFIER / "config.pbtxt")
+    return TargetHere(TargetVerifierConfig.from_parameters(_parameters(repository_dir, config)),
+                      _device(config.instance_group))  # fmt: skip
 
 
 def _device(instance_groups) -> str:
@@ -69,12 +81,21 @@ def _device(instance_groups) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"  # no instance_group: Triton's KIND_AUTO default
 
 
+def asks_for_target_here(repository_dir: str | os.PathLike) -> bool:
+    """Whether target_verifier's config sets ``run_in_orchestrator`` (False without a target_verifier here)."""
+    repository_dir = Path(repository_dir)
+    path = repository_dir / wire.TARGET_VERIFIER / "config.pbtxt"
+    if not path.is_file():
+        return False  # a repository laid out otherwise: the BLS describe names what is missing
+    return bool(_parameters(repository_dir, _model_config(path)).get_bool(SETTING, False))
+
+
 def load_target_here(repository_dir: str | os.PathLike, log=None) -> LoadedTarget | None:
     """The target built here when target_verifier sets ``run_in_orchestrator``; None when it does not."""
+    if not asks_for_target_here(repository_dir):
+        return None
     here = read_target_config(repository_dir)
     config = here.config
-    if not config.run_in_orchestrator:
-        return None
     lm = build_lm(config.target_model, config.engine, config.dtype, here.device, config.max_num_seqs,
                   config.max_model_len, log=log, cpu_compile=config.cpu_compile)  # fmt: skip
     return LoadedTarget(TargetVerifier(lm), describe_lm(lm, config.target_model, "target"))

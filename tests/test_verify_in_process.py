@@ -203,3 +203,9 @@ def test_the_orchestrator_serves_the_same_text_with_the_target_here(codec, model
 
 
 from test_triton_orchestrator import codec, models  # noqa: E402,F401  (module fixtures)
+
+
+def test_without_the_setting_nothing_else_is_read(tmp_path):
+    """target_verifier checks its own configuration: the orchestrator does not fail its load for it."""
+    assert load_target_here(tmp_path) is None  # no target_verifier directory
+    assert load_target_here(write_repository(tmp_path, tmp_path / "missing", here="false")) is None
