@@ -95,9 +95,14 @@ def split(inputs: Mapping[str, np.ndarray], name: str, lengths: list[int] | str,
         raise RequestError(
             f"input '{name}' holds {len(flat)} values but its sequences' lengths add up to {sum(lengths)}"
         )
+    return cut(flat, lengths)
+
+
+def cut(values: list, lengths: Sequence[int]) -> list[list]:
+    """``values`` in consecutive pieces of ``lengths`` (the caller has checked that they add up)."""
     out, start = [], 0
     for n in lengths:
-        out.append(flat[start : start + n])
+        out.append(values[start : start + n])
         start += n
     return out
 

@@ -32,7 +32,7 @@ from specdec.penalties import emitted_log_probs
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
 from specdec_triton.internal import SECRET_INPUT, is_authorized
-from specdec_triton.packing import each, each_optional_position, flat, i32, one, optional_positions, split
+from specdec_triton.packing import cut, each, each_optional_position, flat, i32, one, optional_positions, split
 from specdec_triton.bls import bls_blocking
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
@@ -100,11 +100,7 @@ def _split_floats(outputs: Mapping[str, np.ndarray], name: str, lengths: list[in
     values = np.asarray(outputs.get(name, np.zeros(0, np.float32)), np.float32).reshape(-1).tolist()
     if len(values) != sum(lengths):
         raise RuntimeError(f"target_verifier returned {len(values)} values of '{name}' for {sum(lengths)} tokens")
-    out, start = [], 0
-    for n in lengths:
-        out.append(values[start : start + n])
-        start += n
-    return out
+    return cut(values, lengths)
 
 
 # --- draft_proposer: q goes to the sampler -----------------------------------------------------
