@@ -65,7 +65,7 @@ def test_apply_overrides_unset_and_shipped_values(tmp_path):
     raw = {"method": "suffix", "prompt_lookup_max": "", "dtype": "auto"}  # suffix: the shipped method
     assert sc.apply("draft_proposer", raw, repository(tmp_path), env) == {
         "method": "ngram", "prompt_lookup_max": "3", "dtype": "auto"}  # fmt: skip
-    orchestrator = {"num_speculative_tokens": "8", "num_speculative_tokens_per_batch_size": "1:8,3:0"}
+    orchestrator = {"num_speculative_tokens": "8", "num_speculative_tokens_per_batch_size": "1:8,5:0"}
     assert sc.apply("speculative_decoding", orchestrator, tmp_path, env) == {
         "num_speculative_tokens": "6", "num_speculative_tokens_per_batch_size": ""}  # fmt: skip
     # a model the JSON says nothing about, and no JSON at all: unchanged
