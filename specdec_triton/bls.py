@@ -28,8 +28,11 @@ def _request(model_name: str, inputs: Mapping[str, np.ndarray], output_names: Se
 def _outputs(response, model_name: str, output_names: Sequence[str], batched: bool) -> dict[str, np.ndarray]:
     if response.has_error():
         raise BlsError(f"{model_name}: {response.error().message()}", response.error().code())
-    pb_utils = triton_utils()
-    outputs = {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in output_names}
+    tensors = {tensor.name(): tensor for tensor in response.output_tensors()}  # one pass, not one per name
+    missing = [name for name in output_names if name not in tensors]
+    if missing:
+        raise RuntimeError(f"{model_name}: the response lacks the requested output(s) {missing}")
+    outputs = {name: tensors[name].as_numpy() for name in output_names}
     return {name: array[0] for name, array in outputs.items()} if batched else outputs
 
 

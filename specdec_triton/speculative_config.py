@@ -59,7 +59,8 @@ SETTINGS = {
     **_SUFFIX,
 }
 # set by any speculative_config: vLLM has no per-batch-size table, k is fixed
-_IMPLIED = {Setting(ORCHESTRATOR, "num_speculative_tokens_per_batch_size", str, ("", "1:8,5:0")): ""}
+# (the shipped tables, this one and the one repositories copied before it hold)
+_IMPLIED = {Setting(ORCHESTRATOR, "num_speculative_tokens_per_batch_size", str, ("", "1:8,5:0", "1:8,3:0")): ""}
 # vLLM keys accepted only with the value that changes nothing here
 NEUTRAL = {"draft_tensor_parallel_size": (None, 1), "disable_logprobs": (None, True, False),
            "disable_log_stats": (None, True, False)}  # fmt: skip

@@ -65,9 +65,10 @@ def test_apply_overrides_unset_and_shipped_values(tmp_path):
     raw = {"method": "suffix", "prompt_lookup_max": "", "dtype": "auto"}  # suffix: the shipped method
     assert sc.apply("draft_proposer", raw, repository(tmp_path), env) == {
         "method": "ngram", "prompt_lookup_max": "3", "dtype": "auto"}  # fmt: skip
-    orchestrator = {"num_speculative_tokens": "8", "num_speculative_tokens_per_batch_size": "1:8,5:0"}
-    assert sc.apply("speculative_decoding", orchestrator, tmp_path, env) == {
-        "num_speculative_tokens": "6", "num_speculative_tokens_per_batch_size": ""}  # fmt: skip
+    for shipped_table in ("1:8,5:0", "1:8,3:0"):  # today's, and the one older copies of the repository hold
+        orchestrator = {"num_speculative_tokens": "8", "num_speculative_tokens_per_batch_size": shipped_table}
+        assert sc.apply("speculative_decoding", orchestrator, tmp_path, env) == {
+            "num_speculative_tokens": "6", "num_speculative_tokens_per_batch_size": ""}  # fmt: skip
     # a model the JSON says nothing about, and no JSON at all: unchanged
     assert sc.apply("target_verifier", {"dtype": "auto"}, tmp_path, env) == {"dtype": "auto"}
     assert sc.apply("draft_proposer", raw, tmp_path, {}) == raw

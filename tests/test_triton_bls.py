@@ -28,13 +28,19 @@ class _Response:
     def has_error(self):
         return self._error is not None
 
+    def output_tensors(self):
+        return list(self.outputs.values())
+
     def error(self):
         return self._error
 
 
 class _Tensor:
     def __init__(self, name, array):
-        self.name, self.array = name, array
+        self._name, self.array = name, array
+
+    def name(self):
+        return self._name
 
     def as_numpy(self):
         return self.array
@@ -44,27 +50,25 @@ class _Tensor:
 def triton(monkeypatch):
     """A stand-in backend whose models answer every input doubled, or with ``error`` when set."""
     sent = []
-    state = types.SimpleNamespace(error=None, sent=sent)
+    state = types.SimpleNamespace(error=None, sent=sent, drop=())  # drop: outputs the model leaves out
 
     class InferenceRequest:
         def __init__(self, model_name, inputs, requested_output_names):
             self.model_name, self.inputs, self.names = model_name, inputs, requested_output_names
 
         def exec(self):
-            sent.append(("exec", self.model_name, {t.name: t.array for t in self.inputs}, self.names))
+            sent.append(("exec", self.model_name, {t.name(): t.array for t in self.inputs}, self.names))
             if state.error is not None:
                 return _Response(error=state.error)
-            return _Response({name: _Tensor(name, self.inputs[0].array * 2) for name in self.names})
+            return _Response({name: _Tensor(name, self.inputs[0].array * 2) for name in self.names
+                              if name not in state.drop})  # fmt: skip
 
         async def async_exec(self):
             response = self.exec()
             sent[-1] = ("async_exec", *sent[-1][1:])
             return response
 
-    module = types.SimpleNamespace(
-        InferenceRequest=InferenceRequest, Tensor=_Tensor,
-        get_output_tensor_by_name=lambda response, name: response.outputs[name],
-    )  # fmt: skip
+    module = types.SimpleNamespace(InferenceRequest=InferenceRequest, Tensor=_Tensor)
     monkeypatch.setitem(__import__("sys").modules, "triton_python_backend_utils", module)
     return state
 
@@ -97,3 +101,9 @@ def test_an_error_answer_raises_naming_the_model_with_its_code(triton, blocking)
         else:
             asyncio.run(bls("rejection_sampler", {"a": np.array([3])}, ["x"]))
     assert caught.value.code == "INVALID_ARG"
+
+
+def test_a_response_without_a_requested_output_is_named(triton):
+    triton.drop = ("y",)
+    with pytest.raises(RuntimeError, match=r"^draft_proposer: the response lacks the requested output\(s\) \['y'\]"):
+        bls_blocking("draft_proposer", {"a": np.array([3])}, ["x", "y"])
