@@ -60,12 +60,19 @@ def _parameters(repository_dir: Path, config) -> Parameters:
     return Parameters(raw, base_dir=str(repository_dir), component=wire.TARGET_VERIFIER, model_dir=str(model_dir))
 
 
-def read_target_config(repository_dir: str | os.PathLike) -> TargetHere:
-    """target_verifier's settings as that model would read them, and the device its instance_group names."""
+def read_target_config(repository_dir: str | os.PathLike) -> TargetHere | None:
+    """target_verifier's settings as that model would read them, and the device its instance_group names,
+    when it sets ``run_in_orchestrator``; None when it does not, or when there is no target_verifier here
+    (a repository laid out otherwise: the BLS describe names what is missing)."""
     repository_dir = Path(repository_dir)
-    config = _model_config(repository_dir / wire.TARGET_VERIFIER / "config.pbtxt")
-    return TargetHere(TargetVerifierConfig.from_parameters(_parameters(repository_dir, config)),
-                      _device(config.instance_group))  # fmt: skip
+    path = repository_dir / wire.TARGET_VERIFIER / "config.pbtxt"
+    if not path.is_file():
+        return None
+    config = _model_config(path)
+    params = _parameters(repository_dir, config)
+    if not params.get_bool(SETTING, False):
+        return None  # target_verifier checks the rest of its configuration itself
+    return TargetHere(TargetVerifierConfig.from_parameters(params), _device(config.instance_group))
 
 
 def _device(instance_groups) -> str:
@@ -81,20 +88,11 @@ def _device(instance_groups) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"  # no instance_group: Triton's KIND_AUTO default
 
 
-def asks_for_target_here(repository_dir: str | os.PathLike) -> bool:
-    """Whether target_verifier's config sets ``run_in_orchestrator`` (False without a target_verifier here)."""
-    repository_dir = Path(repository_dir)
-    path = repository_dir / wire.TARGET_VERIFIER / "config.pbtxt"
-    if not path.is_file():
-        return False  # a repository laid out otherwise: the BLS describe names what is missing
-    return bool(_parameters(repository_dir, _model_config(path)).get_bool(SETTING, False))
-
-
 def load_target_here(repository_dir: str | os.PathLike, log=None) -> LoadedTarget | None:
     """The target built here when target_verifier sets ``run_in_orchestrator``; None when it does not."""
-    if not asks_for_target_here(repository_dir):
-        return None
     here = read_target_config(repository_dir)
+    if here is None:
+        return None
     config = here.config
     lm = build_lm(config.target_model, config.engine, config.dtype, here.device, config.max_num_seqs,
                   config.max_model_len, log=log, cpu_compile=config.cpu_compile)  # fmt: skip

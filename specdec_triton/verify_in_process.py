@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
+from specdec.types import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.verifier import TargetVerifier
 
 # (requests of one verify call, the target's results) -> the results with the sampled sequences judged
@@ -30,7 +30,7 @@ Judge = Callable[[list[VerifyRequest], list[VerifyResult]], list[VerifyResult]]
 
 
 class VerifyInProcess:
-    samples_in_verify = True  # sampled sequences are judged inside verify (by ``judge``)
+    samples_in_verify = True  # sampled sequences are judged inside verify (by ``judge``): no sample stage
 
     def __init__(self, stages, verifier: TargetVerifier, judge: Judge):
         """``stages``: the orchestrator's stages for everything but the target (tokenize, describe, propose,
@@ -51,9 +51,6 @@ class VerifyInProcess:
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         return await self._on_target_thread(self._verify_and_judge, requests)
-
-    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
-        return await self.stages.sample(calls)
 
     async def release(self, ended: dict[str, list[int] | None]) -> None:
         """Frees the sequences here and in the wrapped stages; both are tried before a failure is raised."""
