@@ -70,19 +70,39 @@ def soft_ce(logits: torch.Tensor, target_logp: torch.Tensor, valid: torch.Tensor
 
 
 def build_eagle3(target, arch, args, train_ids: torch.Tensor) -> Eagle3Head:
+    """The head, its draft vocabulary the most frequent training tokens; embedding, LM head and
+    final norm start from the target's at the target's width, from ``--init-from`` below it."""
     counts = torch.bincount(train_ids, minlength=arch.vocab_size)  # [vocab]
     draft_vocab = min(args.draft_vocab_size, arch.vocab_size)
     kept = counts.topk(draft_vocab).indices.sort().values  # [draft_vocab]: the most frequent target ids
-    head = Eagle3Head(eagle3_config_for(arch, draft_vocab, aux_layers_for(arch.num_layers, args.aux_layers)))
+    config = eagle3_config_for(arch, draft_vocab, aux_layers_for(arch.num_layers, args.aux_layers),
+                               args.hidden_size or None, args.intermediate_size or None)  # fmt: skip
+    head = Eagle3Head(config)
+    source = target if config.hidden_size == arch.hidden_size else init_source(args, config.hidden_size, arch)
     with torch.no_grad():
         head.d2t.copy_(kept - torch.arange(draft_vocab))
         head.t2d.zero_()
         head.t2d[kept] = True
-        head.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-        head.lm_head.weight.copy_(target.lm_head.weight[kept])
-        head.norm.weight.copy_(target.model.norm.weight)
-    head.embed_tokens.weight.requires_grad_(False)
+        if source is not None:
+            head.embed_tokens.weight.copy_(source.get_input_embeddings().weight)
+            head.lm_head.weight.copy_(source.get_output_embeddings().weight[kept])
+            head.norm.weight.copy_(source.model.norm.weight)
+    head.embed_tokens.weight.requires_grad_(source is not target)  # the target's is shared, frozen
     return head
+
+
+def init_source(args, width: int, arch):
+    """The causal LM at ``--init-from`` (same vocabulary, the head's width), or None: random start."""
+    if not args.init_from:
+        return None
+    model = load_causal_lm(args.init_from, dtype="float32")
+    size, vocab = model.config.hidden_size, model.config.vocab_size
+    if size != width or vocab != arch.vocab_size:
+        raise SystemExit(
+            f"--init-from {args.init_from}: hidden size {size} and {vocab} tokens; the head needs "
+            f"hidden size {width} and the target's {arch.vocab_size} tokens"
+        )
+    return model
 
 
 @torch.no_grad()
@@ -193,6 +213,10 @@ def main() -> None:
     parser.add_argument("--corpus-chars", type=int, default=4_000_000)
     parser.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test passes (>= 3)")
     parser.add_argument("--draft-vocab-size", type=int, default=2048, help="eagle3")
+    parser.add_argument("--hidden-size", type=int, default=0, help="eagle3: the head's width; 0 = the target's")
+    parser.add_argument("--intermediate-size", type=int, default=0, help="eagle3: 0 = the target's MLP ratio")
+    parser.add_argument("--init-from", help="eagle3 narrower than the target: a causal LM of the head's width "
+                        "whose embedding, LM head and final norm start the head's (default: random)")
     parser.add_argument("--aux-layers", help="eagle3: comma-separated target hidden-state ids")
     parser.add_argument("--n-predict", type=int, default=4, help="mlp_speculator: stages")
     parser.add_argument("--inner-dim", type=int, default=0, help="mlp_speculator: 0 = the target's hidden size")
@@ -221,8 +245,9 @@ def main() -> None:
         head = build_eagle3(target, arch, args, data)
         pool = target_outputs(target, data, args, head.config.aux_layers, head.t2d.nonzero().flatten())
         losses = train(args, head, lambda *batch: eagle3_loss(head, *batch, args.ttt_steps), pool)
-        # the embedding is the target's, frozen: the loader shares it, as vLLM does
-        save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k, embedding=False)
+        # at the target's width the embedding is the target's, frozen: the loader shares it, as vLLM does
+        shared = head.config.hidden_size == arch.hidden_size
+        save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k, embedding=not shared)
     else:
         head = build_mlp(target, arch, args)
         pool = target_outputs(target, data, args, (arch.num_layers,), None)

@@ -34,8 +34,9 @@ PROMPTS = [[3, 7, 1, 12, 30], [5], [9, 9, 9, 2, 2, 2, 9, 9], list(range(1, 21))]
 NUM_NEW_TOKENS = 20
 
 
-def random_head(target_dir, seed: int, draft_vocab: int, aux_layers=None, scale: float = 0.3) -> Eagle3Head:
-    config = eagle3_config_for(read_config(target_dir), draft_vocab, aux_layers)
+def random_head(target_dir, seed: int, draft_vocab: int, aux_layers=None, scale: float = 0.3,
+                hidden_size: int | None = None) -> Eagle3Head:  # fmt: skip
+    config = eagle3_config_for(read_config(target_dir), draft_vocab, aux_layers, hidden_size)
     torch.manual_seed(seed)
     head = Eagle3Head(config)
     with torch.no_grad():
@@ -166,6 +167,36 @@ def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
             accepted += stats.num_accepted_tokens
     assert accepted > 0, "the accepted path must be exercised"
     assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
+
+
+def test_a_head_narrower_than_the_target_is_lossless_and_keeps_its_own_embedding(pair, tmp_path):
+    """``fc`` maps the target's features down to a narrower head (16 wide, grouped-query, against 32)."""
+    target, target_dir, _ = pair
+    save_eagle3(random_head(target_dir, 4, DRAFT_VOCAB, hidden_size=16), tmp_path / "narrow", verifier="target")
+    raw = json.loads((tmp_path / "narrow" / "config.json").read_text())
+    assert raw["target_hidden_size"] == 32 and raw["transformer_layer_config"]["hidden_size"] == 16
+    assert raw["transformer_layer_config"]["num_key_value_heads"] == 1
+    verifier = TargetVerifier(FastCausalLM(target_dir, max_num_seqs=2))
+    proposer = build_head_proposer("eagle3", tmp_path / "narrow", target_dir, max_num_seqs=2)
+    accepted = 0
+    for k in (1, 4):
+        for prompt in PROMPTS:
+            out, stats = [], None
+            for step in generate(proposer, verifier, RejectionSampler(), prompt,
+                                 GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=k)):  # fmt: skip
+                out += step.new_token_ids
+                stats = step.stats or stats
+            assert out == hf_generate_greedy(target, prompt, NUM_NEW_TOKENS), (k, prompt)
+            accepted += stats.num_accepted_tokens
+    assert accepted > 0, "the accepted path must be exercised"
+    weights = load_file(tmp_path / "narrow" / "model.safetensors")
+    del weights["embed_tokens.weight"]
+    save_file(weights, tmp_path / "narrow" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"has no embed_tokens and is 16 wide: it cannot share the 32-wide "
+                                         r"embedding of target"):  # fmt: skip
+        build_head_proposer("eagle3", tmp_path / "narrow", target_dir)
+    with pytest.raises(ValueError, match=r"hidden_size 12 is not a multiple of the target's head_dim 8"):
+        eagle3_config_for(read_config(target_dir), DRAFT_VOCAB, hidden_size=12)
 
 
 def test_missing_or_misfit_hidden_states_are_refused_by_name(pair):

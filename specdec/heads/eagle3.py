@@ -189,9 +189,30 @@ def _ttt_mask(t: int, j: int, device) -> torch.Tensor:  # [T, (j + 1) * T] bool:
     return mask | ~mask.any(1, keepdim=True)  # rows t < j have no base: let them see anything (never scored)
 
 
-def eagle3_config_for(target: LlamaArchConfig, draft_vocab_size: int | None = None, aux_layers=None) -> Eagle3Config:
-    """A head shaped like one layer of ``target`` (what EAGLE-3 trains), over ``draft_vocab_size`` tokens."""
-    layer = LlamaArchConfig(**{**target.__dict__, "num_layers": 1, "tie_word_embeddings": False})
+def eagle3_config_for(
+    target: LlamaArchConfig,
+    draft_vocab_size: int | None = None,
+    aux_layers=None,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+) -> Eagle3Config:
+    """A head shaped like one layer of ``target`` (what EAGLE-3 trains), over ``draft_vocab_size`` tokens.
+
+    ``hidden_size`` narrows the head below the target's width (``fc`` then maps the target's
+    features down to it; the format keeps both as ``target_hidden_size`` and the layer's
+    ``hidden_size``): a step's weights shrink with the square of the width, for a head that
+    must cost less than a small draft model. Heads keep the target's ``head_dim``; the MLP
+    keeps the target's ratio unless ``intermediate_size`` is given.
+    """
+    width = hidden_size or target.hidden_size
+    if width % target.head_dim:
+        raise ValueError(f"hidden_size {width} is not a multiple of the target's head_dim {target.head_dim}")
+    heads = width // target.head_dim
+    layer = LlamaArchConfig(**{
+        **target.__dict__, "num_layers": 1, "tie_word_embeddings": False, "hidden_size": width,
+        "intermediate_size": intermediate_size or target.intermediate_size * width // target.hidden_size,
+        "num_heads": heads, "num_kv_heads": max(1, heads * target.num_kv_heads // target.num_heads),
+    })  # fmt: skip
     return Eagle3Config(
         layer=layer,
         draft_vocab_size=draft_vocab_size or target.vocab_size,

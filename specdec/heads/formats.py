@@ -122,6 +122,11 @@ def load_eagle3(
     config = eagle3_config(path, read_config(target_path), target_path)
     state = _eagle3_state(_read_weights(path), config)
     if "embed_tokens.weight" not in state:
+        if config.hidden_size != config.target_hidden_size:
+            raise ValueError(
+                f"draft head {path!r} has no embed_tokens and is {config.hidden_size} wide: it cannot share the "
+                f"{config.target_hidden_size}-wide embedding of target {target_path!r}; save the head's own"
+            )
         state["embed_tokens.weight"] = _target_embedding(target_path)
     head = Eagle3Head(config)
     expected = {n: tuple(t.shape) for n, t in head.state_dict().items()}
