@@ -19,13 +19,15 @@ class BlsStages:
     # so the scheduler never makes a sample call of its own, and there is no `sample` here
     samples_in_verify = True
 
-    def __init__(self, logger: ModelLogger, secret: str, target_here: ModelDescription | None = None):
-        """``target_here``: the target's description when the orchestrator holds the target itself
-        (``specdec_triton.verify_in_process``): target_verifier is then neither asked nor released."""
+    def __init__(self, logger: ModelLogger, secret: str, target_here: ModelDescription | None = None,
+                 draft_here: ModelDescription | None = None):  # fmt: skip
+        """``target_here`` / ``draft_here``: the description of a model the orchestrator holds itself
+        (``specdec_triton.in_process``): that model is then neither asked nor released."""
         self.logger = logger
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
         self._target_here = target_here
-        self._stateful = self._models_holding(draft=True)  # the models that hold sequences: released
+        self._draft_here = draft_here
+        self._stateful = self._models_holding(draft=draft_here is None)  # the models that hold sequences: released
 
     def _models_holding(self, draft: bool) -> tuple[str, ...]:
         return (wire.DRAFT_PROPOSER,) * draft + (wire.TARGET_VERIFIER,) * (self._target_here is None)
@@ -46,22 +48,24 @@ class BlsStages:
         probe = wire.describe_inputs()
         tokenizer, draft, target, sampler = await asyncio.gather(
             bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
-            bls(wire.DRAFT_PROPOSER, probe,
-                wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS,
-                batched=True),  # fmt: skip
+            self._describe_draft(probe),
             self._describe_target(probe),
             bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
-        descriptions = Descriptions(wire.description_of(tokenizer), wire.description_of(draft), target,
-                                    wire.description_of(sampler))  # fmt: skip
-        described_draft = wire.with_described_settings(hidden_wire.with_described_layers(descriptions.draft, draft), draft)
-        descriptions = replace(descriptions, draft=described_draft)
+        descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
         # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing
-        self._stateful = self._models_holding(draft=not described_draft.settings)
+        self._stateful = self._models_holding(draft=self._draft_here is None and not draft.settings)
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them
         ensure_bls_threads(2 * (descriptions.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
         return descriptions
+
+    async def _describe_draft(self, probe) -> ModelDescription:
+        if self._draft_here is not None:
+            return self._draft_here
+        names = wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS
+        out = await bls(wire.DRAFT_PROPOSER, probe, names, batched=True)
+        return wire.with_described_settings(hidden_wire.with_described_layers(wire.description_of(out), out), out)
 
     async def _describe_target(self, probe) -> ModelDescription:
         if self._target_here is not None:

@@ -67,6 +67,8 @@ class DraftProposerConfig:
     # heads only: the target checkpoint the head drafts for (checked against it, and the
     # embedding a head without its own shares); the target_verifier's target_model
     target_model: str | None = None
+    # draft_model and heads: the orchestrator loads the proposer in its own process (specdec_triton.models_here)
+    run_in_orchestrator: bool = False
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -87,6 +89,7 @@ class DraftProposerConfig:
             given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
             sequence_idle_timeout_s=_idle_timeout(params),
             target_model=params.get_path("target_model", DEFAULT_TARGET_MODEL, must_exist=method in HEAD_METHODS),
+            run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
         )
         params.check_all_read()
         try:
@@ -103,11 +106,15 @@ class DraftProposerConfig:
         path stays set under ``ngram``), but a value set for n-gram lookup alone
         suggests the user believes it is in use.
         """
-        return [
+        unread = [
             f"{name} is set but only method {method} reads it; method is {self.method!r}"
             for method, names in _METHOD_SETTINGS.items() if method != self.method
             for name in names if name in self.given
         ]  # fmt: skip
+        if self.run_in_orchestrator and self.method in _METHOD_SETTINGS:
+            unread.append(f"run_in_orchestrator changes nothing for method {self.method!r}: it runs in "
+                          "speculative_decoding's process always")  # fmt: skip
+        return unread
 
 
 def _suffix_config(params: Parameters) -> SuffixConfig:
@@ -134,7 +141,7 @@ class TargetVerifierConfig:
     max_num_seqs: int  # the orchestrator admits no more sequences than this at once
     cpu_compile: bool = False  # fast engine on CPU: the forward compiled by torch.compile (slower load, faster steps)
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
-    # the orchestrator loads the target in its own process and verifies by a call (specdec_triton.target_here)
+    # the orchestrator loads the target in its own process and verifies by a call (specdec_triton.models_here)
     run_in_orchestrator: bool = False
 
     @classmethod

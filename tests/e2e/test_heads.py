@@ -4,8 +4,9 @@ Each server serves a copy of the repository whose draft_proposer loads a head bu
 with random weights for the shipped target (EAGLE-3 in the speculators format, an MLP
 speculator in its published layout), or the shipped ``tiny-eagle3``, so the target's
 hidden states travel target_verifier -> orchestrator -> draft_proposer on every step (for the
-shipped head, target_verifier's ``run_in_orchestrator`` is set: they start in the orchestrator's
-process, and a trained head is only accepted if they arrive whole).
+shipped head, ``run_in_orchestrator`` is set on target_verifier and draft_proposer: target and
+head run in the orchestrator's process, the hidden states never leave it, and a trained head is
+only accepted if they arrive whole).
 """
 from __future__ import annotations
 
@@ -103,6 +104,18 @@ def test_the_shipped_eagle3_head_is_accepted_and_exact(shipped_eagle3_server, re
         assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
         accepted += result.total_accepted_draft_tokens
     assert accepted > 0  # a trained head: its drafts are accepted through the whole served path
+    log = shipped_eagle3_server.log_path.read_text()
+    assert "target_verifier runs in this process (run_in_orchestrator)" in log
+    assert "draft_proposer runs in this process (run_in_orchestrator)" in log
+
+
+def test_sampled_requests_with_the_head_here_hold_q_in_the_sampler(shipped_eagle3_server):
+    """The head's q goes from the orchestrator's process to rejection_sampler, which judges the step."""
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": 7, "stream": False,
+              "exclude_input_in_output": True}
+    first = generate_http(shipped_eagle3_server.http_url, "ensemble", PROMPTS[1], params)
+    again = generate_http(shipped_eagle3_server.http_url, "ensemble", PROMPTS[1], {**params, "stream": True})
+    assert first.text == again.text and first.total_accepted_draft_tokens > 0
 
 
 def test_eagle3_sampled_requests_are_served(eagle3_server):

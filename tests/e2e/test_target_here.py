@@ -48,4 +48,4 @@ def test_target_verifier_says_it_holds_nothing_and_the_server_keeps_serving(targ
                          {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True}).text  # fmt: skip
     assert reference.greedy_mismatch(prompt, text, MAX_TOKENS) is None
     log = target_here_server.log_path.read_text()
-    assert "the target runs in this process (target_verifier: run_in_orchestrator)" in log
+    assert "target_verifier runs in this process (run_in_orchestrator)" in log

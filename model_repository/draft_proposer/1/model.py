@@ -11,17 +11,17 @@ all sequences drafting at the same moment share each forward. A request with
 checks against the target's; a head (eagle3, mlp_speculator) names there the target
 hidden states it reads, which the orchestrator then asks target_verifier for and sends
 along. A request with ``hold_draft_probs`` set sends each ``q`` drawn to rejection_sampler
-instead of back (:mod:`specdec_triton.sample_hop`). Callers, releases and expiry:
+instead of back (:mod:`specdec_triton.sample_hop`). With ``run_in_orchestrator`` set for a
+draft model or head, speculative_decoding loads it in its own process instead
+(:mod:`specdec_triton.models_here`), and this model holds nothing and answers every
+request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`.
 """
 
-from specdec.build import build_lm
-from specdec.cached_lm import describe_lm
-from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
-from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.configs import DraftProposerConfig
-from specdec_triton.plumbing import ModelLogger, Parameters, answer_batch, instance_device
+from specdec_triton.models_here import MODEL_FREE, build_proposer
+from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
 
@@ -29,36 +29,33 @@ def _outputs(proposals):
     return {**wire.proposal_outputs(proposals), **sample_hop.held_outputs(proposals)}
 
 
+def _refuse(batch):
+    raise ServingError("draft_proposer sets run_in_orchestrator: the draft runs in speculative_decoding's "
+                       "process, and this model holds no sequences")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
-        if config.method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            description = describe_model_free(self.proposer)  # the orchestrator runs it, with these settings
-        elif config.method == "suffix":
-            self.proposer = SuffixProposer(config.suffix)
-            description = describe_model_free(self.proposer)
-        elif config.method in HEAD_METHODS:
-            self.proposer = build_head_proposer(
-                config.method, config.draft_model, config.target_model, config.dtype, device, config.max_num_seqs,
-                config.cpu_compile,
-            )
-            description = describe_head(self.proposer, config.draft_model)
-        else:
-            lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs,
-                          log=self.logger.info, cpu_compile=config.cpu_compile)
-            self.proposer, description = DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model")
+        for warning in config.unread_settings():
+            self.logger.warning(warning)
+        self.runs_elsewhere = config.run_in_orchestrator and config.method not in MODEL_FREE
+        if self.runs_elsewhere:
+            self.logger.info(f"run_in_orchestrator: {config.draft_model} is loaded by speculative_decoding, not here")
+            return
+        loaded = build_proposer(config, device, log=self.logger.info)
+        self.proposer, description = loaded.proposer, loaded.description
         self.host = SequenceHost(args["model_name"], self.proposer, description, config.sequence_idle_timeout_s,
                                  self.logger, args["model_config"], keeps_responses=True,
                                  describe_extra={**hidden_wire.description_hidden_outputs(description),
                                                  **wire.settings_outputs(description)})  # fmt: skip
         self.send_to_sampler = sample_hop.sampler_sender(self.host.secret)
         self.logger.info(f"{config} on {device}: {description}")
-        for warning in config.unread_settings():
-            self.logger.warning(warning)
 
     def execute(self, requests):
+        if self.runs_elsewhere:
+            return answer_batch(requests, (), _refuse)
         names = wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS + sample_hop.PROPOSE_HOLD_INPUTS
         responses = answer_batch(requests, names, self._propose)
         self.host.show_active()

@@ -4,8 +4,8 @@ Decoupled and async: each request runs :class:`specdec_triton.orchestrator.Orche
 as its own coroutine, so many requests progress at once while each awaits its BLS
 calls (tokenizer, draft_proposer, target_verifier, rejection_sampler). A supervisor
 thread watches the composing models' processes (:mod:`specdec_triton.recovery`). When
-target_verifier sets ``run_in_orchestrator``, the target is loaded here and verify is a
-call on it (:mod:`specdec_triton.verify_in_process`).
+target_verifier or draft_proposer sets ``run_in_orchestrator``, that model is loaded here
+and its step is a call on it (:mod:`specdec_triton.in_process`).
 """
 import asyncio
 import functools
@@ -29,8 +29,8 @@ from specdec_triton.plumbing import (
     request_inputs,
 )  # fmt: skip
 from specdec_triton.recovery import RecoveryActions, Supervisor
-from specdec_triton.target_here import load_target_here
-from specdec_triton.verify_in_process import VerifyInProcess
+from specdec_triton.in_process import StagesInProcess
+from specdec_triton.models_here import load_draft_here, load_target_here
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 
@@ -64,14 +64,23 @@ class TritonPythonModel:
         self.logger.info(str(config))
 
     def _stages(self, repository_dir):
-        """BLS requests to the composing models; verify a call here when target_verifier sets run_in_orchestrator."""
+        """BLS requests to the composing models; calls here for a model that sets run_in_orchestrator."""
         secret = boot_secret()
         target = load_target_here(repository_dir, log=self.logger.info)
-        if target is None:
-            return BlsStages(self.logger, secret)
-        self.logger.info(f"the target runs in this process (target_verifier: run_in_orchestrator): {target.description}")
-        judge = functools.partial(sample_hop.sample_in_sampler, send=sample_hop.sampler_sender(secret))
-        return VerifyInProcess(BlsStages(self.logger, secret, target_here=target.description), target.verifier, judge)
+        draft = load_draft_here(repository_dir, log=self.logger.info)
+        stages = BlsStages(self.logger, secret, target_here=target and target.description,
+                           draft_here=draft and draft.description)  # fmt: skip
+        if target is None and draft is None:
+            return stages
+        send = sample_hop.sampler_sender(secret)
+        for name, model in ((wire.TARGET_VERIFIER, target), (wire.DRAFT_PROPOSER, draft)):
+            if model is not None:
+                self.logger.info(f"{name} runs in this process (run_in_orchestrator): {model.description}")
+        return StagesInProcess(
+            stages,
+            target and target.verifier, target and functools.partial(sample_hop.sample_in_sampler, send=send),
+            draft and draft.proposer, draft and functools.partial(sample_hop.hold_in_sampler, send=send),
+        )
 
     async def execute(self, requests):
         self.supervisor.loop = asyncio.get_running_loop()
@@ -118,6 +127,6 @@ class TritonPythonModel:
         if self.orchestrator.num_active_requests:
             self.logger.info(f"shutting down: ending {self.orchestrator.num_active_requests} request(s) in flight")
             self.supervisor.call_on_loop(self.orchestrator.stop_serving, "the server is shutting down")
-        if isinstance(self.orchestrator.stages, VerifyInProcess):
+        if isinstance(self.orchestrator.stages, StagesInProcess):
             self.orchestrator.stages.close()
         self.logger.info("unloaded")

@@ -6,7 +6,7 @@ batches, so with the fast engine all sequences verifying at the same moment shar
 forward. A request with ``describe`` set gets the target's ``ModelDescription``
 (checkpoint, vocabulary, ``max_model_len``, ``max_num_seqs``), which the orchestrator
 checks requests and the draft against. With ``run_in_orchestrator`` set, the target is
-loaded by speculative_decoding in its own process instead (:mod:`specdec_triton.target_here`),
+loaded by speculative_decoding in its own process instead (:mod:`specdec_triton.models_here`),
 and this model holds nothing and answers every request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`. A sampled sequence's ``p`` goes from here
 to rejection_sampler, and its verdict comes back instead (:mod:`specdec_triton.sample_hop`).

@@ -1,5 +1,5 @@
-"""The target loaded in the orchestrator's process: its settings read from target_verifier's config,
-its calls made on one thread, and the served text equal to the engine's (greedy: to HF ``generate``)."""
+"""The target and the draft loaded in the orchestrator's process: their settings read from their own
+configs, their calls made on one thread, and the served text equal to the text through the stages."""
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from specdec.models import CachedCausalLM
-from specdec.types import SamplingParams, VerifyRequest
+from specdec.proposers import DraftModelProposer
+from specdec.types import ProposeRequest, SamplingParams, VerifyRequest
 from specdec.verifier import TargetVerifier
 from specdec_triton import sample_hop, wire
 from specdec_triton.internal import boot_secret
 from specdec_triton.plumbing import ParameterError
-from specdec_triton.target_here import load_target_here, read_target_config
-from specdec_triton.verify_in_process import VerifyInProcess
+from specdec_triton.configs import DraftProposerConfig
+from specdec_triton.models_here import load_draft_here, load_target_here, read_draft_config, read_target_config
+from specdec_triton.in_process import StagesInProcess
 from test_model_inputs import fake_pb_utils, load_model  # noqa: F401  (fake_pb_utils: the autouse fixture)
 from test_triton_orchestrator import PROMPTS, make_orchestrator, request, run, text_of
 
@@ -110,12 +112,12 @@ def test_verify_runs_on_one_thread_and_equals_the_verifiers_own(target_model):
         threads.append(threading.current_thread().name)
         return results
 
-    stages = VerifyInProcess(Inner(), TargetVerifier(CachedCausalLM(target_model)), judge)
+    stages = StagesInProcess(Inner(), TargetVerifier(CachedCausalLM(target_model)), judge)
     expected = TargetVerifier(CachedCausalLM(target_model)).verify(verify_requests(2))
     got = asyncio.run(stages.verify(verify_requests(2)))
     assert [r.argmax.tolist() for r in got] == [r.argmax.tolist() for r in expected]
     asyncio.run(stages.verify([VerifyRequest("s0", 3, [6], 1, SamplingParams())]))
-    assert len(threads) == 2 and len(set(threads)) == 1 and threads[0].startswith("specdec-target")
+    assert len(threads) == 2 and len(set(threads)) == 1 and threads[0].startswith("specdec-models")
     assert asyncio.run(stages.propose([1, 2, 3])) == ["proposed", 3]  # the wrapped stages propose
     stages.close()
 
@@ -124,7 +126,7 @@ def test_sampled_sequences_get_the_judges_verdict(target_model):
     def judge(requests, results):
         return [replace(result, sampled="verdict") for result in results]
 
-    stages = VerifyInProcess(Inner(), TargetVerifier(CachedCausalLM(target_model)), judge)
+    stages = StagesInProcess(Inner(), TargetVerifier(CachedCausalLM(target_model)), judge)
     got = asyncio.run(stages.verify(verify_requests(2, SamplingParams(temperature=0.7))))
     assert [r.sampled for r in got] == ["verdict", "verdict"]
     stages.close()
@@ -134,7 +136,7 @@ def test_sampled_sequences_get_the_judges_verdict(target_model):
 def test_release_frees_the_target_and_the_wrapped_stages(target_model, fail_release):
     inner = Inner(fail_release)
     verifier = TargetVerifier(CachedCausalLM(target_model))
-    stages = VerifyInProcess(inner, verifier, lambda requests, results: results)
+    stages = StagesInProcess(inner, verifier, lambda requests, results: results)
     asyncio.run(stages.verify(verify_requests(2)))
     assert verifier.lm.num_active_sequences == 2
     ended = {"s0": [1, 2], "s1": None}
@@ -147,11 +149,12 @@ def test_release_frees_the_target_and_the_wrapped_stages(target_model, fail_rele
     stages.close()
 
 
-class TargetAway:
-    """``LocalStages`` for everything but the target: a verify reaching them fails, their releases leave it alone."""
+class Away:
+    """``LocalStages`` less the models held here: a call reaching one of those fails, their releases
+    leave those alone."""
 
-    def __init__(self, local):
-        self.local = local
+    def __init__(self, local, target_here: bool, draft_here: bool):
+        self.local, self.target_here, self.draft_here = local, target_here, draft_here
 
     async def tokenize(self, text, stop_words):
         return await self.local.tokenize(text, stop_words)
@@ -160,14 +163,19 @@ class TargetAway:
         return await self.local.describe()
 
     async def propose(self, requests):
+        assert not self.draft_here, "a propose reached the wrapped stages"
         return await self.local.propose(requests)
 
     async def verify(self, requests):
-        raise AssertionError("a verify reached the wrapped stages")
+        assert not self.target_here, "a verify reached the wrapped stages"
+        return await self.local.verify(requests)
 
     async def release(self, ended):
         for seq_id, response in ended.items():
-            self.local.proposer.release(seq_id, response)
+            if not self.draft_here:
+                self.local.proposer.release(seq_id, response)
+            if not self.target_here:
+                self.local.verifier.release(seq_id)
 
 
 @pytest.fixture(scope="module")
@@ -179,30 +187,94 @@ def sampler_model():
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 
-# a draft model's q is held by rejection_sampler when served, not by the local stages: greedy only
-@pytest.mark.parametrize("method, sampling", [("draft_model", {}), ("suffix", {}), ("suffix", SAMPLED)])
-def test_the_orchestrator_serves_the_same_text_with_the_target_here(codec, models, sampler_model, method, sampling):
-    """Same prompts, same seeds: the text through a target held here equals the text through the verify stage."""
-    judged = []
+# sampled with the target away: LocalStages' verify does not judge (served, target_verifier does)
+@pytest.mark.parametrize("method, sampling, here", [
+    ("draft_model", {}, "target"), ("suffix", {}, "target"), ("suffix", SAMPLED, "target"),
+    ("draft_model", {}, "draft"), ("draft_model", {}, "both"), ("draft_model", SAMPLED, "both"),
+])  # fmt: skip
+def test_the_orchestrator_serves_the_same_text_with_models_here(codec, models, sampler_model, method, sampling, here):
+    """Same prompts, same seeds: the text through models held here equals the text through the stages."""
+    sent = []
 
     def send(inputs):
-        judged.append(len(inputs["seq_id"]))
+        sent.append("hold" if sample_hop.is_hold(inputs) else "judge")
         return sampler_model._sample({**inputs, **wire.secret_input(boot_secret())})
 
-    through_stage, _ = make_orchestrator(codec, models, method)
-    here, local = make_orchestrator(codec, models, method)
-    target = local.verifier
-    judge = functools.partial(sample_hop.sample_in_sampler, send=send)
-    here.stages = VerifyInProcess(TargetAway(local), target, judge)
+    through_stages, _ = make_orchestrator(codec, models, method)
+    orchestrator, local = make_orchestrator(codec, models, method)
+    target_here, draft_here = here in ("target", "both"), here in ("draft", "both")
+    judge, hold = (functools.partial(f, send=send) for f in (sample_hop.sample_in_sampler, sample_hop.hold_in_sampler))
+    orchestrator.stages = StagesInProcess(Away(local, target_here, draft_here),
+                                          *((local.verifier, judge) if target_here else (None, None)),
+                                          *((local.proposer, hold) if draft_here else (None, None)))  # fmt: skip
     for prompt in PROMPTS:
-        expected = text_of(run(through_stage, request(prompt, **sampling)))
-        assert text_of(run(here, request(prompt, **sampling))) == expected
-    assert bool(judged) == bool(sampling)  # sampled steps went to the sampler; greedy ones never did
-    assert target.lm.num_active_sequences == 0  # every sequence released, on the target's thread
-    here.stages.close()
+        expected = text_of(run(through_stages, request(prompt, **sampling)))
+        assert text_of(run(orchestrator, request(prompt, **sampling))) == expected
+    # sampled steps went to the sampler (a draft model's q held there first); greedy ones never did
+    assert set(sent) == (set() if not sampling else {"judge", "hold"} if method == "draft_model" else {"judge"})
+    assert local.verifier.lm.num_active_sequences == 0  # every sequence released, here or through the stages
+    assert local.proposer.num_active_sequences == 0
+    orchestrator.stages.close()
 
 
 from test_triton_orchestrator import codec, models  # noqa: E402,F401  (module fixtures)
+
+
+DRAFT_CONFIG = """
+name: "draft_proposer"
+backend: "python"
+parameters [
+  {{ key: "method" value: {{ string_value: "{method}" }} }},
+  {{ key: "draft_model" value: {{ string_value: "{draft}" }} }},
+  {{ key: "run_in_orchestrator" value: {{ string_value: "{here}" }} }}
+]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+"""
+
+
+def write_draft(tmp_path, draft, method="draft_model", here="true"):
+    model_dir = tmp_path / "draft_proposer"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(DRAFT_CONFIG.format(method=method, draft=draft, here=here))
+    return tmp_path
+
+
+def test_the_draft_loads_here_only_for_a_model_method_that_asks(tmp_path, target_dir):
+    assert load_draft_here(write_draft(tmp_path, target_dir, here="false")) is None
+    assert load_draft_here(tmp_path / "elsewhere") is None  # no draft_proposer directory
+    for method in ("ngram", "suffix"):  # they run in the orchestrator's process anyway
+        assert load_draft_here(write_draft(tmp_path, target_dir, method=method)) is None
+        config = read_draft_config(write_draft(tmp_path, target_dir, method=method, here="false"))
+        assert config is None
+    assert "changes nothing for method 'suffix'" in DraftProposerConfig(
+        "suffix", None, None, None, "auto", "fast", 8, run_in_orchestrator=True).unread_settings()[0]  # fmt: skip
+    here = read_draft_config(write_draft(tmp_path, target_dir))
+    assert here.config.method == "draft_model" and here.config.draft_model == str(target_dir) and here.device == "cpu"
+    loaded = load_draft_here(write_draft(tmp_path, target_dir))
+    assert isinstance(loaded.proposer, DraftModelProposer) and loaded.description.method == "draft_model"
+    assert loaded.description.model == str(target_dir)
+
+
+def test_propose_and_verify_share_one_thread_and_release_frees_both(target_model, draft_model):
+    threads = []
+
+    def on_thread(requests, results):
+        threads.append(threading.current_thread().name)
+        return results
+
+    inner = Inner()
+    proposer, verifier = DraftModelProposer(CachedCausalLM(draft_model)), TargetVerifier(CachedCausalLM(target_model))
+    stages = StagesInProcess(inner, verifier, on_thread, proposer, on_thread)
+    [proposal] = asyncio.run(stages.propose([ProposeRequest("s0", 0, [3, 4, 5], 2, SamplingParams(), 0)]))
+    assert len(proposal.token_ids) == 2
+    asyncio.run(stages.verify(verify_requests(1)))
+    assert len(threads) == 2 and len(set(threads)) == 1
+    asyncio.run(stages.release({"s0": [7]}))
+    assert proposer.num_active_sequences == 0 and verifier.lm.num_active_sequences == 0
+    assert inner.released == [{"s0": [7]}]  # the wrapped stages hear of it too (tokenizer-side state, metrics)
+    with pytest.raises(ValueError, match="a verifier here needs its judge"):
+        StagesInProcess(inner, verifier)
+    stages.close()
 
 
 def test_without_the_setting_nothing_else_is_read(tmp_path):

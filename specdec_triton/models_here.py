@@ -1,0 +1,152 @@
+"""Composing models loaded in the orchestrator's process, when their config asks for it.
+
+``run_in_orchestrator: true`` in ``target_verifier/config.pbtxt`` moves the target's
+weights and KV cache into ``speculative_decoding``'s process, which then verifies with a
+function call instead of a BLS request per step; the same setting in
+``draft_proposer/config.pbtxt`` does so for a draft model or head
+(:mod:`specdec_triton.in_process` says what that saves). ngram and suffix run in the
+orchestrator's process always (:mod:`specdec.proposers.model_free`), so for them the
+setting changes nothing.
+
+Each model stays configured in one place: the orchestrator reads the model's
+``config.pbtxt`` from the repository directory, with the ``speculative_config`` overrides
+the model itself would apply, and checks it with the same config class. The device
+follows the model's ``instance_group``: ``KIND_GPU`` its first listed GPU (0 if none is
+listed), ``KIND_AUTO`` GPU 0 when one is visible, otherwise the CPU. Without the setting
+(or without the model's directory) nothing more is checked here: the model checks its own
+configuration when it loads.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.build import build_lm
+from specdec.cached_lm import describe_lm
+from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
+from specdec.types import ModelDescription
+from specdec.verifier import TargetVerifier
+from specdec_triton import speculative_config, wire
+from specdec_triton.configs import DraftProposerConfig, TargetVerifierConfig
+from specdec_triton.plumbing import ParameterError, Parameters
+
+SETTING = "run_in_orchestrator"
+MODEL_FREE = ("ngram", "suffix")  # run in the orchestrator's process whatever the setting says
+
+
+@dataclass(frozen=True)
+class TargetHere:
+    config: TargetVerifierConfig
+    device: str
+
+
+@dataclass(frozen=True)
+class DraftHere:
+    config: DraftProposerConfig
+    device: str
+
+
+@dataclass(frozen=True)
+class LoadedTarget:
+    verifier: TargetVerifier
+    description: ModelDescription
+
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    proposer: object  # a specdec Proposer: DraftModelProposer, Eagle3Proposer or MLPSpeculatorProposer
+    description: ModelDescription
+
+
+def build_proposer(config: DraftProposerConfig, device: str, log=None) -> LoadedDraft:
+    """The proposer ``config`` names, and its description: what draft_proposer serves, wherever it runs."""
+    if config.method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return LoadedDraft(proposer, describe_model_free(proposer))
+    if config.method == "suffix":
+        proposer = SuffixProposer(config.suffix)
+        return LoadedDraft(proposer, describe_model_free(proposer))
+    if config.method in HEAD_METHODS:
+        proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
+                                       config.max_num_seqs, config.cpu_compile)  # fmt: skip
+        return LoadedDraft(proposer, describe_head(proposer, config.draft_model))
+    lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, log=log,
+                  cpu_compile=config.cpu_compile)  # fmt: skip
+    return LoadedDraft(DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model"))
+
+
+def _model_config(path: Path, model: str):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig(), allow_unknown_field=True)
+    except (OSError, text_format.ParseError) as err:
+        raise ParameterError(f"{model}: cannot read {path}: {err}") from None
+
+
+def _settings_here(repository_dir: str | os.PathLike, model: str) -> tuple[Parameters, str] | None:
+    """``model``'s parameters as it would read them and the device of its instance_group, when it sets
+    ``run_in_orchestrator``; None when it does not, or when the repository has no such model (a
+    repository laid out otherwise: the BLS describe names what is missing)."""
+    repository_dir = Path(repository_dir)
+    path = repository_dir / model / "config.pbtxt"
+    if not path.is_file():
+        return None
+    config = _model_config(path, model)
+    raw = {key: value.string_value for key, value in config.parameters.items()}
+    raw = speculative_config.apply(model, raw, str(repository_dir))
+    params = Parameters(raw, base_dir=str(repository_dir), component=model, model_dir=str(repository_dir / model))
+    if not params.get_bool(SETTING, False):
+        return None  # the model checks the rest of its configuration itself
+    return params, _device(config.instance_group)
+
+
+def read_target_config(repository_dir: str | os.PathLike) -> TargetHere | None:
+    """target_verifier's settings when it sets ``run_in_orchestrator``, else None."""
+    found = _settings_here(repository_dir, wire.TARGET_VERIFIER)
+    return None if found is None else TargetHere(TargetVerifierConfig.from_parameters(found[0]), found[1])
+
+
+def read_draft_config(repository_dir: str | os.PathLike) -> DraftHere | None:
+    """draft_proposer's settings when it sets ``run_in_orchestrator`` for a draft model or head, else None."""
+    found = _settings_here(repository_dir, wire.DRAFT_PROPOSER)
+    if found is None:
+        return None
+    config = DraftProposerConfig.from_parameters(found[0])
+    return None if config.method in MODEL_FREE else DraftHere(config, found[1])
+
+
+def _device(instance_groups) -> str:
+    from tritonclient.grpc import model_config_pb2
+
+    kind = model_config_pb2.ModelInstanceGroup
+    for group in instance_groups:
+        gpu = group.kind == kind.KIND_GPU or (group.kind == kind.KIND_AUTO and torch.cuda.is_available())
+        if gpu:
+            return f"cuda:{group.gpus[0] if group.gpus else 0}"
+        if group.kind in (kind.KIND_CPU, kind.KIND_AUTO):
+            return "cpu"
+    return "cuda:0" if torch.cuda.is_available() else "cpu"  # no instance_group: Triton's KIND_AUTO default
+
+
+def load_target_here(repository_dir: str | os.PathLike, log=None) -> LoadedTarget | None:
+    """The target built here when target_verifier sets ``run_in_orchestrator``; None when it does not."""
+    here = read_target_config(repository_dir)
+    if here is None:
+        return None
+    config = here.config
+    lm = build_lm(config.target_model, config.engine, config.dtype, here.device, config.max_num_seqs,
+                  config.max_model_len, log=log, cpu_compile=config.cpu_compile)  # fmt: skip
+    return LoadedTarget(TargetVerifier(lm), describe_lm(lm, config.target_model, "target"))
+
+
+def load_draft_here(repository_dir: str | os.PathLike, log=None) -> LoadedDraft | None:
+    """The draft model or head built here when draft_proposer sets ``run_in_orchestrator``; None when it
+    does not, or when its method is ngram or suffix (they run here anyway)."""
+    here = read_draft_config(repository_dir)
+    return None if here is None else build_proposer(here.config, here.device, log)
