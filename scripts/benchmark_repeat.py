@@ -9,6 +9,10 @@ repetition, on fresh prompts, in an order rotated per repetition:
 * ``repeat``: round 1 sends the held-out prompts, round 2 sends them again;
 * ``templated``: prompts that repeat one code template (``bench/repeat.py``).
 
+A method written ``METHOD+here`` is served with ``run_in_orchestrator`` set on
+target_verifier and draft_proposer (both models in the orchestrator's process); with
+``ngram+here`` listed, its server also runs k = 0 requests (config ``k=0+here``).
+
 Figures per (workload, round, method): tokens/s (median, min, max over repetitions),
 the median of per-repetition ratios against k = 0 on the same prompts, tokens per
 verify step, acceptance, ITL, and whether every output equals k = 0's (greedy).
@@ -39,6 +43,7 @@ from specdec.models import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE_METHOD = "ngram"  # k = 0 requests run on its server: it keeps nothing between requests
+HERE = "+here"  # a configuration suffix: target and draft in the orchestrator's process
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,7 +54,7 @@ def parse_args() -> argparse.Namespace:
                    help="the head's directory for methods eagle3 / mlp_speculator")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--ks", default="ngram:8,suffix:8,draft_model:4",
-                   help="method:k pairs; every method listed gets a server")
+                   help="method:k pairs (METHOD+here: models in the orchestrator); each one gets a server")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per workload and repetition")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -68,17 +73,19 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def server_repository(args, method: str, k: int, workdir: Path) -> Path:
+def server_repository(args, name: str, k: int, workdir: Path) -> Path:
+    method = name.removesuffix(HERE)
+    here = {"run_in_orchestrator": "true"} if name.endswith(HERE) else {}
     edits = {
         PROPOSER_MODEL: {"method": method, "target_model": str(args.target.resolve()),
-                         "draft_model": str((args.head if method in HEAD_METHODS else args.draft).resolve())},
-        "target_verifier": {"target_model": str(args.target.resolve())},
+                         "draft_model": str((args.head if method in HEAD_METHODS else args.draft).resolve()), **here},
+        "target_verifier": {"target_model": str(args.target.resolve()), **here},
         "tokenizer": {"tokenizer_dir": str(args.target.resolve())},
         "detokenizer": {"tokenizer_dir": str(args.target.resolve())},
         ORCHESTRATOR: {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
                        "speculative_disable_by_batch_size": "0"},
     }  # fmt: skip
-    return make_variant(args.repository, workdir / f"repo-{method}", edits)
+    return make_variant(args.repository, workdir / f"repo-{name}", edits)
 
 
 def workloads(args, tokenizer, texts, repetition: int) -> list[tuple[str, int, list]]:
@@ -99,7 +106,8 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, texts = load_tokenizer(args.target), held_out_texts()
     methods = list(args.ks)
-    per_repetition = sum(len(p) for _, _, p in workloads(args, tokenizer, texts, 0)) * (len(methods) + 1)
+    num_configs = len(methods) + 1 + (BASELINE_METHOD + HERE in methods)
+    per_repetition = sum(len(p) for _, _, p in workloads(args, tokenizer, texts, 0)) * num_configs
     progress = Progress(args.repetitions * per_repetition)
     phases: list[RepeatPhase] = []
     with tempfile.TemporaryDirectory(prefix="specdec-repeat-") as tmp, ExitStack() as stack:
@@ -113,10 +121,12 @@ def main() -> None:
         warm = templated_prompts(1, lambda t: tokenizer(t)["input_ids"], seed=-1)[0]
         for method, server in servers.items():
             warm_up(server, [Job(warm, args.max_tokens, k, True) for k in (0, args.ks[method])], burst=args.concurrency)
-        configs = [("k=0", BASELINE_METHOD, 0)] + [(m, m, args.ks[m]) for m in methods]
+        configs = [(m, m, args.ks[m]) for m in methods]
+        if BASELINE_METHOD + HERE in methods:
+            configs.insert(0, ("k=0" + HERE, BASELINE_METHOD + HERE, 0))
         for repetition in range(args.repetitions):
-            shift = repetition % len(methods)  # k=0 first (its outputs are the reference), then the methods rotated
-            order = [configs[0], *configs[1 + shift :], *configs[1 : 1 + shift]]
+            shift = repetition % len(configs)  # k=0 first (its outputs are the reference), then the rest rotated
+            order = [("k=0", BASELINE_METHOD, 0), *configs[shift:], *configs[:shift]]
             baseline_texts = {}
             for workload, round_, prompts in workloads(args, tokenizer, texts, repetition):
                 for config, method, k in order:

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
 from bench.repository import get_parameters, make_variant, parameter_edits, set_parameters
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 PBTXT = """name: "draft_proposer"
@@ -54,3 +58,22 @@ def test_make_variant_copies_edits_and_makes_relative_paths_absolute(tmp_path):
     assert (src / "draft_proposer" / "config.pbtxt").read_text() == PBTXT
     with pytest.raises(KeyError, match="no model 'nope'.*draft_proposer"):
         make_variant(src, tmp_path / "v2", {"nope": {}})
+
+
+def test_the_repeat_benchmark_serves_a_here_config_with_both_models_in_the_orchestrator(tmp_path):
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_repeat", REPO_ROOT / "scripts" / "benchmark_repeat.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    models = REPO_ROOT / "models"
+    args = argparse.Namespace(target=models / "tiny-target", draft=models / "tiny-draft", head=models / "tiny-eagle3",
+                              repository=REPO_ROOT / "model_repository")  # fmt: skip
+    here = script.server_repository(args, "eagle3+here", 4, tmp_path)
+    plain = script.server_repository(args, "eagle3", 4, tmp_path)
+    for repository, expected in ((here, "true"), (plain, "false")):
+        for model in ("target_verifier", "draft_proposer"):
+            parameters = get_parameters((repository / model / "config.pbtxt").read_text())
+            assert parameters["run_in_orchestrator"] == expected, (repository, model)
+    assert get_parameters((here / "draft_proposer" / "config.pbtxt").read_text())["method"] == "eagle3"
