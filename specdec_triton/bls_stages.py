@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec_triton import hidden_wire, sample_hop, wire

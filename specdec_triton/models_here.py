@@ -39,14 +39,10 @@ MODEL_FREE = ("ngram", "suffix")  # run in the orchestrator's process whatever t
 
 
 @dataclass(frozen=True)
-class TargetHere:
-    config: TargetVerifierConfig
-    device: str
+class SettingsHere:
+    """A model's settings, read as the model would, and the device its instance_group names."""
 
-
-@dataclass(frozen=True)
-class DraftHere:
-    config: DraftProposerConfig
+    config: TargetVerifierConfig | DraftProposerConfig
     device: str
 
 
@@ -106,19 +102,19 @@ def _settings_here(repository_dir: str | os.PathLike, model: str) -> tuple[Param
     return params, _device(config.instance_group)
 
 
-def read_target_config(repository_dir: str | os.PathLike) -> TargetHere | None:
+def read_target_config(repository_dir: str | os.PathLike) -> SettingsHere | None:
     """target_verifier's settings when it sets ``run_in_orchestrator``, else None."""
     found = _settings_here(repository_dir, wire.TARGET_VERIFIER)
-    return None if found is None else TargetHere(TargetVerifierConfig.from_parameters(found[0]), found[1])
+    return None if found is None else SettingsHere(TargetVerifierConfig.from_parameters(found[0]), found[1])
 
 
-def read_draft_config(repository_dir: str | os.PathLike) -> DraftHere | None:
+def read_draft_config(repository_dir: str | os.PathLike) -> SettingsHere | None:
     """draft_proposer's settings when it sets ``run_in_orchestrator`` for a draft model or head, else None."""
     found = _settings_here(repository_dir, wire.DRAFT_PROPOSER)
     if found is None:
         return None
     config = DraftProposerConfig.from_parameters(found[0])
-    return None if config.method in MODEL_FREE else DraftHere(config, found[1])
+    return None if config.method in MODEL_FREE else SettingsHere(config, found[1])
 
 
 def _device(instance_groups) -> str:
