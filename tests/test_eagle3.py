@@ -22,7 +22,7 @@ from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for, train_forward
 from specdec.heads.formats import load_eagle3, save_eagle3
 from specdec.models import CachedCausalLM
 from specdec.rejection_sampler import RejectionSampler
-from specdec.sampling import process_logits
+from specdec.sampling import greedy_tokens, process_logits
 from specdec.types import ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
 from test_sampled_losslessness import (
@@ -146,6 +146,32 @@ def test_drafts_equal_the_training_time_test_recurrence(pair, cpu_compile, packe
         expected = process_logits(head.target_logits(steps[j][0, n - 2 + j : n - 1 + j]), sampling)  # [1, vocab]
         torch.testing.assert_close(proposal.probs[j : j + 1], expected, atol=1e-4, rtol=1e-4)
     assert proposal.probs[:, ~head.t2d].abs().max() == 0  # q only where the draft vocabulary reaches
+
+
+def test_greedy_drafts_with_banned_ids_are_the_target_vocabulary_argmax(pair):
+    """A greedy draft is picked on the draft vocabulary, its banned ids masked there: the same
+    token as the argmax of the row put back on the target's vocabulary with those ids banned."""
+    _, target_dir, head_dir = pair
+    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
+    lm = FastCausalLM(target_dir, max_num_seqs=2)
+    tokens = PROMPTS[3]
+    _, hidden = lm.forward_with_hidden([ForwardCall("s", 0, tokens[:-1], 1)], head.config.aux_layers)
+    greedy = SamplingParams()
+
+    def first_draft(banned: tuple[int, ...]) -> int:
+        proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2)
+        [proposal] = proposer.propose([ProposeRequest("s", 0, tokens, 2, greedy, 0, hidden_states=hidden[0],
+                                                      num_banned_tokens=1, banned_token_ids=banned)])  # fmt: skip
+        return int(proposal.token_ids[0])
+
+    features = hidden[0][None]  # [1, n - 1, F]
+    with torch.no_grad():
+        [step] = train_forward(head, torch.tensor([tokens[1:]]), features, num_steps=1)
+    row = head.target_logits(step[0, -1:])  # [1, vocab]: the first draft's logits
+    free = first_draft(())
+    assert free == int(greedy_tokens(row))
+    banned = (free, int(greedy_tokens(row, 1, (free,))))  # the best two: the third is drafted
+    assert first_draft(banned) == int(greedy_tokens(row, 1, banned)) not in banned
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf", "fast-compiled"])

@@ -26,7 +26,7 @@ from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_pl
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
-from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.sampling import make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
 
@@ -55,6 +55,7 @@ class Eagle3Proposer:
             1, layer.num_kv_heads, layer.head_dim, max_num_seqs, self.max_model_len, head.dtype, self.device
         )
         self._seqs: dict[str, _Sequence] = {}
+        self._draft_targets = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [draft_vocab]
         self._head_forward = head  # the module, or its compiled forward
         if cpu_compile:
             if self.device.type != "cpu":
@@ -153,7 +154,7 @@ class Eagle3Proposer:
 
     @torch.inference_mode()  # the warm-up too: grad mode is part of a compiled graph's guards
     def _forward(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ragged pass; each row's last logits on the target vocabulary [B, vocab] and pre-norm [B, h]."""
+        """One ragged pass; each row's last logits on the draft vocabulary [B, draft_vocab] and pre-norm [B, h]."""
         b, s = len(seq_ids), max(len(t) for t in token_lists)
         input_ids = torch.zeros((b, s), dtype=torch.long, device=self.device)  # [B, S]
         hidden = torch.zeros((b, s, self.head.config.hidden_size), dtype=self.head.dtype, device=self.device)
@@ -167,7 +168,7 @@ class Eagle3Proposer:
         logits, prenorm = self._head_forward(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
         last = num_new - 1  # [B]
         rows = torch.arange(b, device=self.device)
-        return self.head.target_logits(logits[rows, last]), prenorm[rows, last]  # [B, vocab], [B, h]
+        return logits[rows, last], prenorm[rows, last]  # [B, draft_vocab], [B, h]
 
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         if not requests:
@@ -198,19 +199,33 @@ class Eagle3Proposer:
                     [[drafts[i][-1]] for i in live], [prenorm[i : i + 1] for i in live],
                 )  # fmt: skip
                 logits, prenorm = _scatter(logits, prenorm, live, rows)
-            picked = []
-            for i in live:
-                banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)
-                if generators[i] is None:
-                    picked.append(greedy_tokens(logits[i : i + 1], *banned))
-                else:
-                    q = process_logits(logits[i : i + 1], requests[i].sampling, *banned)  # [1, vocab]
-                    picked.append(sample_from_probs(q, generators[i]))
-                    q_rows[i].append(q)
-            for i, token in zip(live, torch.cat(picked).tolist()):
+            for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows)):
                 drafts[i].append(token)
         return drafts, q_rows
 
+    def _pick(self, requests, live, step, logits, generators, q_rows) -> list[int]:
+        """Each live sequence's next draft. A greedy row takes the argmax over the draft vocabulary (its
+        banned ids masked there) mapped to a target id, with no target-vocabulary row built; a sampled
+        row's ``q`` is put back on the target's vocabulary, as rejection sampling compares it there."""
+        picked = {}
+        greedy = [i for i in live if generators[i] is None]
+        if greedy:
+            rows = logits[greedy]  # [n, draft_vocab]
+            banned = [requests[i].banned_token_ids if step < requests[i].num_banned_tokens else () for i in greedy]
+            if any(banned):
+                rows = rows.clone()
+                for row, ids in zip(rows, banned):
+                    if ids:
+                        row[torch.isin(self._draft_targets, torch.tensor(ids, device=row.device))] = float("-inf")
+            picked.update(zip(greedy, self._draft_targets[rows.argmax(-1)].tolist()))
+        for i in live:
+            if generators[i] is None:
+                continue
+            banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)
+            q = process_logits(self.head.target_logits(logits[i : i + 1]), requests[i].sampling, *banned)  # [1, vocab]
+            picked[i] = int(sample_from_probs(q, generators[i]))
+            q_rows[i].append(q)
+        return [picked[i] for i in live]
 
 def _scatter(logits, prenorm, live, rows) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the live sequences' new rows over their old ones (the others keep theirs, unread)."""
