@@ -2,11 +2,12 @@
 
 Each server serves a copy of the repository whose draft_proposer loads a head built here
 with random weights for the shipped target (EAGLE-3 in the speculators format, an MLP
-speculator in its published layout), or the shipped ``tiny-eagle3``, so the target's
-hidden states travel target_verifier -> orchestrator -> draft_proposer on every step (for the
-shipped head, ``run_in_orchestrator`` is set on target_verifier and draft_proposer: target and
-head run in the orchestrator's process, the hidden states never leave it, and a trained head is
-only accepted if they arrive whole).
+speculator in its published layout), or a shipped head (``tiny-eagle3``,
+``tiny-mlp-speculator``), so the target's hidden states travel target_verifier ->
+orchestrator -> draft_proposer on every step. For the shipped EAGLE-3 head
+``run_in_orchestrator`` is set on target_verifier and draft_proposer: target and head run
+in the orchestrator's process and the hidden states never leave it. A trained head is only
+accepted if they arrive whole.
 """
 from __future__ import annotations
 
@@ -27,19 +28,22 @@ PROMPTS = ["Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return
 N_PREDICT = 2
 
 
+SHIPPED_HEADS = {"eagle3": "tiny-eagle3", "mlp_speculator": "tiny-mlp-speculator"}
+
+
 def _serve(tmp_path_factory, method: str, write_head, parameters: dict[str, str] | None = None):
-    """A server whose draft_proposer loads the head ``write_head`` writes (None: the shipped ``tiny-eagle3``)."""
+    """A server whose draft_proposer loads the head ``write_head`` writes (None: the shipped head of ``method``)."""
     models = models_dir()
     if not (models / "tiny-target").is_dir():
         pytest.skip(f"model pair not found under {models}")
     workdir = tmp_path_factory.mktemp(f"server_{method}")
-    head = models / "tiny-eagle3"
+    head = models / SHIPPED_HEADS[method]
     if write_head is not None:
         torch.manual_seed(0)
         head = workdir / "head"
         write_head(read_config(models / "tiny-target"), head)
     elif not head.is_dir():
-        pytest.skip(f"no tiny-eagle3 under {models}")
+        pytest.skip(f"no {head.name} under {models}")
     repository = repository_copy(workdir, models, method, parameters={"draft_model": str(head), **(parameters or {})})
     server = server_on_free_ports(workdir, repository)
     server.start()
@@ -71,6 +75,15 @@ def eagle3_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shipped_eagle3_server(tmp_path_factory):
     server = _serve(tmp_path_factory, "eagle3", None, {"run_in_orchestrator": "true"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def shipped_mlp_server(tmp_path_factory):
+    """k = 4, its n_predict (the shipped orchestrator drafts up to 8)."""
+    server = _serve(tmp_path_factory, "mlp_speculator", None,
+                    {"num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,5:0"})
     yield server
     server.stop()
 
@@ -129,7 +142,17 @@ def test_mlp_speculator_serves_k_up_to_n_predict_and_refuses_more_by_name(mlp_se
     params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": False}
     result = generate_http(mlp_server.http_url, "ensemble", PROMPTS[1], {**params, "num_speculative_tokens": N_PREDICT})
     assert reference.greedy_mismatch(PROMPTS[1], result.text, MAX_TOKENS) is None and result.total_draft_tokens > 0
-    with pytest.raises(Exception, match=rf"n_predict={N_PREDICT}"):  # the configured k is 4
+    with pytest.raises(Exception, match=rf"n_predict={N_PREDICT}"):  # the configured k is the shipped 8
         generate_http(mlp_server.http_url, "ensemble", PROMPTS[1], params)
     again = generate_http(mlp_server.http_url, "ensemble", PROMPTS[2], {**params, "num_speculative_tokens": 1})
     assert reference.greedy_mismatch(PROMPTS[2], again.text, MAX_TOKENS) is None
+
+
+def test_the_shipped_mlp_speculator_is_accepted_and_exact(shipped_mlp_server, reference):
+    accepted = 0
+    for prompt in PROMPTS:
+        params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": True}
+        result = generate_grpc(shipped_mlp_server.grpc_url, "ensemble", prompt, params)
+        assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
+        accepted += result.total_accepted_draft_tokens
+    assert accepted > 0  # trained stages: their drafts are accepted through the served path
