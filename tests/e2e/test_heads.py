@@ -109,14 +109,21 @@ def test_eagle3_greedy_output_equals_the_targets(eagle3_server, reference, proto
     assert drafted > 0  # the head drafted from the hidden states it was sent
 
 
-def test_the_shipped_eagle3_head_is_accepted_and_exact(shipped_eagle3_server, reference):
+def _accepted_and_exact(server, reference, stream: bool) -> int:
+    """Greedy text equal to the target's for every prompt; the drafts accepted in all."""
     accepted = 0
     for prompt in PROMPTS:
-        params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": False}
-        result = generate_http(shipped_eagle3_server.http_url, "ensemble", prompt, params)
+        params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": stream}
+        generate = generate_grpc if stream else generate_http
+        result = generate(server.grpc_url if stream else server.http_url, "ensemble", prompt, params)
         assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
         accepted += result.total_accepted_draft_tokens
-    assert accepted > 0  # a trained head: its drafts are accepted through the whole served path
+    return accepted
+
+
+def test_the_shipped_eagle3_head_is_accepted_and_exact(shipped_eagle3_server, reference):
+    # a trained head: its drafts are accepted through the whole served path
+    assert _accepted_and_exact(shipped_eagle3_server, reference, stream=False) > 0
     log = shipped_eagle3_server.log_path.read_text()
     assert "target_verifier runs in this process (run_in_orchestrator)" in log
     assert "draft_proposer runs in this process (run_in_orchestrator)" in log
@@ -149,10 +156,4 @@ def test_mlp_speculator_serves_k_up_to_n_predict_and_refuses_more_by_name(mlp_se
 
 
 def test_the_shipped_mlp_speculator_is_accepted_and_exact(shipped_mlp_server, reference):
-    accepted = 0
-    for prompt in PROMPTS:
-        params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "stream": True}
-        result = generate_grpc(shipped_mlp_server.grpc_url, "ensemble", prompt, params)
-        assert reference.greedy_mismatch(prompt, result.text, MAX_TOKENS) is None
-        accepted += result.total_accepted_draft_tokens
-    assert accepted > 0  # trained stages: their drafts are accepted through the served path
+    assert _accepted_and_exact(shipped_mlp_server, reference, stream=True) > 0  # trained stages accepted
