@@ -81,9 +81,9 @@ def shipped_eagle3_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shipped_mlp_server(tmp_path_factory):
-    """k = 4, its n_predict (the shipped orchestrator drafts up to 8)."""
+    """k = 3, its n_predict (the shipped orchestrator drafts up to 8)."""
     server = _serve(tmp_path_factory, "mlp_speculator", None,
-                    {"num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,5:0"})
+                    {"num_speculative_tokens": "3", "num_speculative_tokens_per_batch_size": "1:3,5:0"})
     yield server
     server.stop()
 
