@@ -8,6 +8,12 @@ random checkpoints, share one vocabulary.
 
     python scripts/make_random_model.py --preset llama-125m --out models/random-125m
     python scripts/make_random_model.py --list
+    python scripts/make_random_model.py --head eagle3 --target models/random-1b --out models/random-1b-eagle3
+
+``--head eagle3|mlp_speculator`` writes a random draft head shaped for ``--target`` instead
+(one decoder layer of the target's width for EAGLE-3, ``n_predict`` stages of its hidden
+size for the MLP speculator), in the format ``draft_model`` loads: its cost per drafted
+token is a trained head's, its proposals are noise.
 """
 from __future__ import annotations
 
@@ -63,7 +69,15 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--list", action="store_true", help="print the presets and their sizes")
+    parser.add_argument("--head", choices=("eagle3", "mlp_speculator"), help="write a draft head for --target")
+    parser.add_argument("--target", type=Path, help="--head: the target checkpoint it drafts for")
+    parser.add_argument("--n-predict", type=int, default=4, help="--head mlp_speculator: stages")
     args = parser.parse_args()
+    if args.head:
+        if args.target is None or args.out is None:
+            parser.error("--head needs --target and --out")
+        write_random_head(args.head, args.target, args.out, getattr(torch, args.dtype), args.seed, args.n_predict)
+        return
 
     vocab_size = _vocab_size(args.tokenizer)
     if args.list:
@@ -104,6 +118,27 @@ def main() -> None:
         if (args.tokenizer / name).exists():
             shutil.copy(args.tokenizer / name, args.out / name)
     print(f"[make_random_model] wrote {args.out} in {time.time() - started:.1f} s", flush=True)
+
+
+def write_random_head(method: str, target: Path, out: Path, dtype: torch.dtype, seed: int, n_predict: int) -> None:
+    sys.path.insert(0, str(REPO_ROOT))
+    from specdec.fast.checkpoint import read_config
+
+    arch = read_config(target)
+    torch.manual_seed(seed)
+    if method == "eagle3":
+        from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for
+        from specdec.heads.formats import save_eagle3
+
+        head = Eagle3Head(eagle3_config_for(arch)).to(dtype)
+        save_eagle3(head, out, verifier=str(target))
+    else:
+        from specdec.heads.mlp_speculator import MLPSpeculator, save_mlp_speculator
+
+        config = dict(n_predict=n_predict, emb_dim=arch.hidden_size, inner_dim=arch.hidden_size,
+                      vocab_size=arch.vocab_size, tie_weights=False, scale_input=True)  # fmt: skip
+        save_mlp_speculator(MLPSpeculator(config).to(dtype), out)
+    print(f"[make_random_model] wrote a random {method} head for {target} to {out}", flush=True)
 
 
 def _tokenizer_json(tokenizer_dir: Path) -> Path:

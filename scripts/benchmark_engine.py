@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Benchmark the engine in this process: the step scheduler over the fast engine, no server.
+
+What a served step costs on top of its forward is measured by ``scripts/benchmark.py``;
+this script measures the engine underneath, on any device and without ``tritonserver``
+(a lent GPU has none). One run compares, on the same target and prompts, closed loop at
+each concurrency, with the configurations interleaved round by round:
+
+* ``k0`` -- plain decoding through the same scheduler (one target pass per token);
+* ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``ngram`` or ``suffix``
+  drafting K tokens every step;
+* each of them with CUDA graphs captured and without (``--cuda-graphs on,off``, CUDA only);
+* ``hf plain`` -- Hugging Face ``generate`` on the same target, one request at a time.
+
+Figures: tokens/s, ITL p50/p99, tokens per verify step, acceptance per position, each
+configuration against its own k0 (same graphs setting) and against HF plain, and at one
+stream the analytic bound (``bench.bound``) from the target's forward times measured here
+and the proposer's measured cost per step, with the efficiency against it. With
+``--synthetic-acceptance-rate R`` (random-weight checkpoints, whose drafts the target
+never accepts) each draft position is accepted with probability R whatever the tokens
+are; otherwise decoding is greedy and every configuration's output must equal k0's token
+for token, or the run fails. Writes ``benchmarks/results/engine-<UTC date-time>-<commit>.json``.
+
+    python scripts/benchmark_engine.py --target models/tiny-target --draft models/tiny-draft \\
+        --configs k0,draft_model:4,eagle3:4 --eagle3 models/tiny-eagle3 --concurrency 1,4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench import report  # noqa: E402
+from bench.bound import forward_ms, speedup_bound  # noqa: E402
+from bench.engine import LocalStages, run_phase  # noqa: E402
+from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
+from specdec.engine import GenerationParams  # noqa: E402
+from specdec.fast import FastCausalLM  # noqa: E402
+from specdec.heads import HEAD_METHODS, build_head_proposer  # noqa: E402
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer  # noqa: E402
+from specdec.rejection_sampler import RejectionSampler  # noqa: E402
+from specdec.verifier import TargetVerifier  # noqa: E402
+
+METHODS = ("draft_model", *HEAD_METHODS, "ngram", "suffix")
+MODEL_FREE = ("ngram", "suffix")
+HF_PLAIN = "hf plain"
+
+
+def parse_configs(text: str) -> list[tuple[str, int]]:
+    """``k0,draft_model:4,eagle3:4`` -> [("k0", 0), ("draft_model", 4), ("eagle3", 4)]."""
+    configs = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item == "k0":
+            configs.append(("k0", 0))
+            continue
+        method, _, k = item.partition(":")
+        if method not in METHODS or not k.isdigit() or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0 or METHOD:K with METHOD in {METHODS}, K >= 1")
+        configs.append((method, int(k)))
+    if ("k0", 0) not in configs:
+        configs.insert(0, ("k0", 0))  # every ratio is against it
+    return configs
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "tiny-target")
+    p.add_argument("--draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
+    p.add_argument("--eagle3", type=Path, default=REPO_ROOT / "models" / "tiny-eagle3", help="EAGLE-3 head directory")
+    p.add_argument("--mlp-speculator", type=Path, default=REPO_ROOT / "models" / "tiny-mlp-speculator")
+    p.add_argument("--configs", type=parse_configs, default=parse_configs("k0,draft_model:4"))
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--cuda-graphs", default="on", help="on, off or on,off (CUDA only)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="configurations interleaved, medians over rounds")
+    p.add_argument("--prompts", choices=("held-out", "random"), default="held-out",
+                   help="held-out text (the target's tokenizer) or random token ids")  # fmt: skip
+    p.add_argument("--synthetic-acceptance-rate", type=float, default=None)
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF generate baseline")
+    p.add_argument("--timing-repeats", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    p.add_argument("--commit", default=None, help="recorded commit (default: git's; a copy without .git says unknown)")
+    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.graphs = [{"on": True, "off": False}[g.strip()] for g in args.cuda_graphs.split(",")]
+    if args.device == "cpu":
+        args.graphs = [False]
+    return args
+
+
+def make_prompts(args, vocab_size: int) -> list[list[int]]:
+    if args.prompts == "random":
+        gen = torch.Generator().manual_seed(args.seed)
+        return [torch.randint(0, vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+                for _ in range(args.num_prompts)]  # fmt: skip
+    from transformers import AutoTokenizer
+
+    from bench.workload import held_out_texts, select_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    chosen = select_prompts(held_out_texts(), lambda t: tokenizer(t)["input_ids"], args.num_prompts,
+                            args.prompt_tokens, args.seed)  # fmt: skip
+    return [p.token_ids for p in chosen]
+
+
+def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, graphs: bool):
+    if method == "draft_model":
+        lm = FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=graphs)
+        return DraftModelProposer(lm)
+    if method in HEAD_METHODS:
+        path = args.eagle3 if method == "eagle3" else args.mlp_speculator
+        return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs)
+    return NgramProposer() if method == "ngram" else SuffixProposer()
+
+
+def step_times(lm: FastCausalLM, ks: list[int], context: int, repeats: int) -> dict[str, float]:
+    shapes = {f"target_{n}": (lm, n) for n in sorted({1, *(k + 1 for k in ks)})}
+    return forward_ms(shapes, context, repeats=repeats)
+
+
+def run(args) -> dict:
+    ks = sorted({k for _, k in args.configs if k})
+    max_model_len = args.prompt_tokens + args.max_tokens + max(ks, default=0) + 8
+    max_num_seqs = max(*args.concurrency, len(ks) + 1)  # the step timings hold one sequence per shape
+    sampler = RejectionSampler(*(("synthetic", args.synthetic_acceptance_rate)
+                                 if args.synthetic_acceptance_rate is not None else ("strict", 0.0)))  # fmt: skip
+    params_for = {k: GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, num_speculative_tokens=k)
+                  for k in {0, *ks}}  # fmt: skip
+    rows, times, prompts, floor, failures, k0_outputs = [], {}, None, None, [], None
+    for graphs in args.graphs:
+        tag = "graphs" if graphs else ("eager" if args.device != "cpu" else "cpu")
+        print(f"[engine] loading {args.target} ({tag}) on {args.device}", flush=True)
+        lm = FastCausalLM(args.target, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=graphs)
+        prompts = prompts or make_prompts(args, lm.vocab_size)
+        verifier = TargetVerifier(lm)
+        proposers = {m: build_proposer(m, args, max_num_seqs, max_model_len, graphs) for m, k in args.configs if k}
+        times[tag] = step_times(lm, ks, args.prompt_tokens + args.max_tokens // 2, args.timing_repeats)
+        floor = floor or roofline(lm, args.device)
+        print(f"[engine] {tag} target step ms: " + ", ".join(f"{n} {ms:.2f}" for n, ms in times[tag].items()), flush=True)
+        results: dict[tuple[str, int, int], list[dict]] = {}
+        outputs: dict[tuple[str, int, int], list[list[int]]] = {}
+        warm = [(m, k) for m, k in args.configs]
+        for method, k in warm:  # one unmeasured request each: lazy allocations, kernel choice
+            stages = LocalStages(verifier, sampler, proposers.get(method))
+            run_phase(stages, prompts[:1], params_for[k], 1, getattr(stages.proposer, "hidden_state_layers", ()),
+                      args.synthetic_acceptance_rate is None, name="warm")  # fmt: skip
+        for r in range(args.rounds):
+            order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
+            for c in args.concurrency:
+                for method, k in order:
+                    if method in MODEL_FREE:  # a fresh suffix tree: the phases repeat the same prompts
+                        proposers[method] = build_proposer(method, args, max_num_seqs, max_model_len, graphs)
+                    stages = LocalStages(verifier, sampler, proposers.get(method))
+                    phase = run_phase(stages, prompts, params_for[k], c,
+                                      getattr(stages.proposer, "hidden_state_layers", ()),
+                                      args.synthetic_acceptance_rate is None, name=f"r{r}")  # fmt: skip
+                    results.setdefault((method, k, c), []).append(phase.summary())
+                    outputs[(method, k, c)] = phase.outputs
+                    s = results[(method, k, c)][-1]
+                    print(f"[engine] round {r + 1}/{args.rounds} {tag} c={c} {method} k={k}: "
+                          f"{s['tokens_per_s_aggregate']:.1f} tok/s, ITL p50 {s['itl_ms_p50']:.2f} ms, "
+                          f"L {s['mean_accepted_length']:.2f}", flush=True)  # fmt: skip
+        if args.synthetic_acceptance_rate is None:
+            failures += lossless_failures(outputs)
+            k0_outputs = k0_outputs or outputs[("k0", 0, args.concurrency[0])]
+        rows += summarize(results, tag, times[tag])
+        del proposers, verifier, lm
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.hf:
+        row, hf_outputs = hf_plain_row(args, prompts)
+        rows.append(row)
+        if k0_outputs is not None:
+            failures += lossless_failures({(HF_PLAIN, 0, 1): hf_outputs, ("k0", 0, 1): k0_outputs})
+    add_ratios(rows)
+    greedy = args.synthetic_acceptance_rate is None
+    for line in failures:
+        print(f"[engine] NOT LOSSLESS: {line}", flush=True)
+    lossless = {"checked": greedy, "failures": failures,
+                "reference": "k0 of the same engine, and HF generate" if args.hf else "k0 of the same engine"}
+    return {"rows": rows, "step_times_ms": times, "roofline": floor, "lossless": lossless}
+
+
+def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:
+    """Greedy decoding: each configuration's tokens against k0's, prompt by prompt (empty: all equal)."""
+    failures = []
+    for (method, k, c), got in outputs.items():
+        want = outputs[(reference, 0, c)]
+        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        if bad or len(got) != len(want):
+            failures.append(f"{method} k={k} at concurrency {c}: output differs from {reference}'s on prompts {bad}")
+    return failures
+
+
+def summarize(results: dict, tag: str, times: dict[str, float]) -> list[dict]:
+    rows = []
+    for (method, k, c), rounds in results.items():
+        row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if _numeric(rounds[0][key])}
+        row["per_position_acceptance"] = rounds[-1]["per_position_acceptance"]
+        row["tokens_per_s_rounds"] = [r["tokens_per_s_aggregate"] for r in rounds]
+        row.update(config=f"{method} k={k}" if k else "k0", method=method, k=k, concurrency=c, graphs=tag)
+        if k and c == 1 and f"target_{k + 1}" in times and not math.isnan(row["mean_accepted_length"]):
+            draft_ms = row["propose_ms_per_drafting_step"] / k  # measured in the run: a head's step, the draft's, or 0
+            row["bound"] = speedup_bound(row["mean_accepted_length"], k, times["target_1"], times[f"target_{k + 1}"],
+                                         draft_ms)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _numeric(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row against k0 of the same graphs setting and concurrency, and against HF plain."""
+    k0 = {(r["graphs"], r["concurrency"]): r["tokens_per_s_aggregate"] for r in rows if r["method"] == "k0"}
+    hf = next((r["tokens_per_s_aggregate"] for r in rows if r["config"] == HF_PLAIN), None)
+    for row in rows:
+        base = k0.get((row.get("graphs"), row["concurrency"]))
+        row["x_k0"] = row["tokens_per_s_aggregate"] / base if base else None
+        row["x_hf_plain"] = row["tokens_per_s_aggregate"] / hf if hf else None
+        if "bound" in row and row["x_k0"]:
+            row["efficiency"] = row["x_k0"] / row["bound"]
+
+
+def hf_plain_row(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
+    """HF ``generate`` on the same target, one prompt at a time: its row and its outputs."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from bench.hf import generation_config, run_hf
+    from bench.stats import latency_summary
+    from bench.workload import Prompt
+    from specdec.models import resolve_dtype
+
+    transformers.utils.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype, args.device))
+    model.to(args.device).eval()
+    config = generation_config(args.max_tokens, None, ignore_eos=True)
+    wrapped = [Prompt("", "", ids) for ids in prompts]
+    list(run_hf(model, wrapped[:1], config, "plain"))  # warm-up
+    rounds = []
+    for _ in range(args.rounds):
+        started = time.perf_counter()
+        finished = list(run_hf(model, wrapped, config, "plain"))
+        rounds.append(latency_summary([timing for timing, _ in finished], time.perf_counter() - started))
+    row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    print(f"[engine] {HF_PLAIN}: {row['tokens_per_s_aggregate']:.1f} tok/s, ITL p50 {row['itl_ms_p50']:.2f} ms", flush=True)
+    row = {**row, "config": HF_PLAIN, "method": None, "k": 0, "concurrency": 1, "graphs": None}
+    return row, [ids for _, ids in finished]
+
+
+def roofline(lm: FastCausalLM, device: str) -> dict:
+    """The target's weight bytes over measured copy bandwidth: the least time a one-token step can take."""
+    embedding = lm.model.model.embed_tokens.weight  # a table lookup reads a few rows, not the matrix
+    total = sum(p.numel() * p.element_size() for p in lm.model.parameters()) - embedding.numel() * embedding.element_size()
+    bandwidth = memory_bandwidth_gbps(device)
+    return {"weight_bytes": total, "bandwidth_gbps": bandwidth, "floor_ms": floor_ms(total, bandwidth)}
+
+
+def table(rows: list[dict]) -> str:
+    head = "| config | graphs | c | tok/s | x k0 | x HF plain | ITL p50 ms | tokens/step | accept per position | bound | eff. |"
+    lines = [head, "|" + "---|" * 11]
+    fmt = lambda v, p=2: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{p}f}"  # noqa: E731
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r.get('graphs') or ''} | {r['concurrency']} | {fmt(r['tokens_per_s_aggregate'], 1)} | "
+            f"{fmt(r.get('x_k0'))} | {fmt(r.get('x_hf_plain'))} | {fmt(r['itl_ms_p50'])} | "
+            f"{fmt(r.get('mean_accepted_length'))} | {' '.join(f'{x:.2f}' for x in r.get('per_position_acceptance') or [])} | "
+            f"{fmt(r.get('bound'))} | {fmt(r.get('efficiency'))} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0])), *sys.argv[1:]])
+    commit, dirty = report.git_commit(REPO_ROOT)
+    commit = args.commit or commit
+    measured = run(args)
+    out = args.out_dir / ("engine-" + report.result_path(args.out_dir, commit).name)
+    document = report.result_document(measured.pop("rows"), command=command, args=vars(args), commit=commit,
+                                      dirty=dirty, **measured)  # fmt: skip
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1, default=str))
+    print(table(document["rows"]))
+    print(f"[engine] wrote {out}")
+    if document["lossless"]["failures"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# What a GPU machine checks, in one run of a few minutes (the image's own python3 with torch,
+# transformers and triton; no tritonserver needed):
+#   1. the GPU tests: CUDA graphs against eager, the Triton rejection-sampling and attention
+#      kernels compiled for the device;
+#   2. losslessness on the GPU: the shipped pair and heads in float32, every method's greedy
+#      output against k = 0 of the same engine and against HF generate (benchmark_engine.py
+#      fails on any difference);
+#   3. speed on a >= 1B random-weight target (bfloat16, synthetic acceptance): k = 0 against
+#      a draft model, EAGLE-3 and the MLP speculator, with CUDA graphs, then the same without.
+# Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs.
+#   COMMIT=$(git rev-parse --short HEAD) scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+PY=${PYTHON:-python3}
+MODELS=${MODELS:-/tmp/specdec-random}
+COMMIT=${COMMIT:-unknown}
+RATE=${RATE:-0.7}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT" "$MODELS"
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/run.log, remember a failure
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date -u +%T))" | tee -a "$OUT/run.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/run.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc" | tee -a "$OUT/run.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/run.log"
+$PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/run.log"
+
+step "gpu tests" 180 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
+  tests/test_fast_cuda_graphs.py tests/test_rejection_kernel.py tests/test_fast_attention_kernel.py \
+  tests/test_rejection_sampler.py tests/test_eagle3.py tests/test_mlp_speculator.py
+
+step "lossless on GPU (shipped models, float32)" 120 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
+  --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4 --concurrency 1,4 --num-prompts 8 \
+  --max-tokens 64 --rounds 1 --commit "$COMMIT" --out-dir "$OUT/tiny"
+
+step "random checkpoints" 150 bash -c "
+  $PY scripts/make_random_model.py --preset llama-1b --out $MODELS/llama-1b &&
+  $PY scripts/make_random_model.py --preset llama-125m --out $MODELS/llama-125m &&
+  $PY scripts/make_random_model.py --head eagle3 --target $MODELS/llama-1b --out $MODELS/llama-1b-eagle3 &&
+  $PY scripts/make_random_model.py --head mlp_speculator --n-predict 3 --target $MODELS/llama-1b --out $MODELS/llama-1b-mlp"
+
+RANDOM_PAIR=(--device cuda --dtype bfloat16 --target "$MODELS/llama-1b" --draft "$MODELS/llama-125m"
+  --eagle3 "$MODELS/llama-1b-eagle3" --mlp-speculator "$MODELS/llama-1b-mlp" --prompts random
+  --synthetic-acceptance-rate "$RATE" --commit "$COMMIT")
+step "1B, CUDA graphs" 240 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs on \
+  --configs k0,draft_model:2,draft_model:4,eagle3:4,mlp_speculator:3 --concurrency 1,4,16 \
+  --num-prompts 16 --max-tokens 64 --rounds 3 --out-dir "$OUT/1b"
+
+step "1B, eager" 150 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
+  --configs k0,draft_model:4,eagle3:4 --concurrency 1,16 --num-prompts 16 --max-tokens 64 --rounds 2 \
+  --out-dir "$OUT/1b-eager"
+
+echo "=== done, status $status" | tee -a "$OUT/run.log"
+exit $status
