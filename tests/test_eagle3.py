@@ -17,7 +17,9 @@ from specdec.cached_lm import ForwardCall
 from specdec.engine import GenerationParams, generate
 from specdec.fast.checkpoint import read_config
 from specdec.fast.runner import FastCausalLM
+from specdec.fast.cuda_graphs import StaticShapeRunner
 from specdec.heads import build_head_proposer
+from specdec.heads.cuda_graphs import StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for, train_forward
 from specdec.heads.formats import load_eagle3, save_eagle3
 from specdec.models import CachedCausalLM
@@ -193,6 +195,40 @@ def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
             accepted += stats.num_accepted_tokens
     assert accepted > 0, "the accepted path must be exercised"
     assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
+
+
+def _static_or_graphed(target_dir, head_dir, device: str):
+    """Target and head whose passes run at fixed shapes: captured on CUDA, the same passes uncaptured on CPU."""
+    lm = FastCausalLM(target_dir, dtype="float32", device=device, max_num_seqs=4)
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, "float32", device, max_num_seqs=4)
+    if device == "cpu":
+        lm.graphs = StaticShapeRunner(lm.model, lm.cache, (1, 2, 4, 8))
+        proposer.graphs = StaticHeadRunner(proposer.head, proposer.cache)
+    assert lm.graphs is not None and proposer.graphs is not None
+    return lm, proposer
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs CUDA")]),
+])  # fmt: skip
+def test_fixed_shape_passes_of_target_and_head_are_lossless(pair, device):
+    """The verify passes that export hidden states and the head's passes replay graphs; output stays HF's."""
+    target, target_dir, head_dir = pair
+    lm, proposer = _static_or_graphed(target_dir, head_dir, device)
+    verifier = TargetVerifier(lm)
+    accepted = 0
+    for k in (1, 3, 5):
+        for prompt in PROMPTS:
+            params = GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=k)
+            out, stats = [], None
+            for step in generate(proposer, verifier, RejectionSampler(), prompt, params):
+                out += step.new_token_ids
+                stats = step.stats or stats
+            assert out == hf_generate_greedy(target, prompt, NUM_NEW_TOKENS), (device, k, prompt)
+            accepted += stats.num_accepted_tokens
+    assert accepted > 0
+    assert set(lm._graphs_with_hidden) == {proposer.hidden_state_layers}  # verify passes with features ran fixed-shape
 
 
 def test_a_head_narrower_than_the_target_is_lossless_and_keeps_its_own_embedding(pair, tmp_path):

@@ -57,6 +57,28 @@ def test_static_shape_runner_matches_eager_on_cpu(llama):
     assert scratch.abs().sum() > 0  # padding was written, and only there: the results above are unaffected
 
 
+def run_steps_with_hidden(lm: FastCausalLM, layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for step in ragged_steps():
+        logits, hidden = lm.forward_with_hidden(step, layers)
+        out += list(zip(logits, hidden))
+    return out
+
+
+def test_static_shape_runner_with_hidden_states_matches_eager_on_cpu(llama):
+    """A head's verify passes run at fixed shapes too: the hidden states come out of the bucket's rows."""
+    path, _ = llama
+    eager = FastCausalLM(path, dtype="float32", max_num_seqs=4, max_model_len=32)
+    static = FastCausalLM(path, dtype="float32", max_num_seqs=4, max_model_len=32)
+    static.graphs = StaticShapeRunner(static.model, static.cache, (1, 2, 4))
+    layers = (0, 1, static.model.config.num_layers)
+    got, want = run_steps_with_hidden(static, layers), run_steps_with_hidden(eager, layers)
+    assert set(static._graphs_with_hidden) == {layers}  # made on the first pass that asked, then kept
+    for (g_logits, g_hidden), (w_logits, w_hidden) in zip(got, want):
+        torch.testing.assert_close(g_logits, w_logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(g_hidden, w_hidden, atol=ATOL, rtol=0)
+
+
 def cuda_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
 
@@ -93,3 +115,17 @@ def test_cuda_graph_draft_matches_eager(llama):
                 assert g.probs is None and e.probs is None
             else:
                 torch.testing.assert_close(g.probs, e.probs, atol=ATOL, rtol=0)
+
+
+@cuda_test
+def test_cuda_graph_with_hidden_states_matches_eager(llama):
+    path, _ = llama
+    kwargs = dict(dtype="float32", device="cuda", max_num_seqs=4, max_model_len=64)
+    graphed = FastCausalLM(path, cuda_graphs=True, **kwargs)
+    eager = FastCausalLM(path, cuda_graphs=False, **kwargs)
+    layers = (1, graphed.model.config.num_layers)
+    got, want = run_steps_with_hidden(graphed, layers), run_steps_with_hidden(eager, layers)
+    assert layers in graphed._graphs_with_hidden
+    for (g_logits, g_hidden), (w_logits, w_hidden) in zip(got, want):
+        torch.testing.assert_close(g_logits, w_logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(g_hidden, w_hidden, atol=ATOL, rtol=0)

@@ -8,10 +8,16 @@ and written by slice before each replay, and attention always spans the whole
 size: unused rows get zero new tokens and the cache's scratch slot, so they never
 touch a live sequence. Shapes outside the captured buckets run eagerly.
 
+A runner built with ``hidden_layers`` also returns those hidden states of every row
+(what an EAGLE-3 head or MLP speculator reads from the target), so a verify pass that
+feeds a head replays a graph too instead of falling back to eager launches.
+
 ``StaticShapeRunner`` is the fixed-shape pass without capture (it runs anywhere, so
 the padding and buffer logic is tested on CPU); ``CudaGraphRunner`` captures it.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -32,12 +38,56 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def smallest_bucket(
+    batch_sizes: tuple[int, ...], num_tokens: tuple[int, ...], batch_size: int, tokens: int
+) -> tuple[int, int] | None:
+    """The smallest captured (batch, tokens) shape that holds a pass, or None (run it eagerly)."""
+    b = next((x for x in batch_sizes if x >= batch_size), None)
+    s = next((x for x in num_tokens if x >= tokens), None)
+    return None if b is None or s is None else (b, s)
+
+
+@torch.inference_mode()
+def capture_passes(batch_sizes: tuple[int, ...], num_tokens: tuple[int, ...], forward: Callable[[int, int], object],
+                   pool=None) -> tuple[dict, dict, object]:  # fmt: skip
+    """Capture ``forward(b, s)`` for every bucket: (graphs, their outputs, the memory pool), by (b, s).
+
+    Largest first, so smaller graphs reuse the shared memory pool. Each shape runs a few
+    times on a side stream first, so lazy allocations and kernel selection happen outside
+    the capture. ``forward`` must read persistent buffers whose unused rows write nowhere
+    that matters (the scratch slot).
+    """
+    graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+    outputs: dict[tuple[int, int], object] = {}
+    for b in reversed(batch_sizes):
+        for s in reversed(num_tokens):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(_WARMUP_RUNS):
+                    forward(b, s)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[(b, s)] = forward(b, s)
+            pool = graph.pool()
+            graphs[(b, s)] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs, pool
+
+
+# (logits [b * s, vocab], hidden states [b * s, len(hidden_layers) * hidden] or None)
+PassOutput = tuple[torch.Tensor, torch.Tensor | None]
+
+
 class StaticShapeRunner:
-    def __init__(self, model: FastLlama, cache: StaticKVCache, num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS):
+    def __init__(self, model: FastLlama, cache: StaticKVCache, num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS,
+                 hidden_layers: tuple[int, ...] = ()):  # fmt: skip
         if not num_tokens or min(num_tokens) < 1:
             raise ValueError(f"graph_num_tokens must be non-empty and >= 1, got {num_tokens}")
         device = cache.kv.device
         self.model, self.cache = model, cache
+        self.hidden_layers = tuple(hidden_layers)
         self.batch_sizes = batch_buckets(cache.max_num_seqs)
         self.num_tokens = tuple(sorted({n for n in num_tokens if n <= cache.max_model_len}))
         max_b, max_s = self.batch_sizes[-1], self.num_tokens[-1]
@@ -48,10 +98,7 @@ class StaticShapeRunner:
         self.slots = torch.full((max_b,), cache.scratch_slot, dtype=torch.long, device=device)  # [max_b]
 
     def bucket(self, batch_size: int, num_tokens: int) -> tuple[int, int] | None:
-        """The smallest (batch, tokens) shape that holds the request, or None (run eagerly)."""
-        b = next((x for x in self.batch_sizes if x >= batch_size), None)
-        s = next((x for x in self.num_tokens if x >= num_tokens), None)
-        return None if b is None or s is None else (b, s)
+        return smallest_bucket(self.batch_sizes, self.num_tokens, batch_size, num_tokens)
 
     def run(
         self,
@@ -60,7 +107,7 @@ class StaticShapeRunner:
         starts: torch.Tensor,  # [b]
         num_new: torch.Tensor,  # [b]
         slots: torch.Tensor,  # [b]
-    ) -> torch.Tensor:  # [B * S, vocab] for the bucket's (B, S); may be overwritten by the next run
+    ) -> PassOutput:  # rows of the bucket's (B, S) pass; may be overwritten by the next run
         b, s = input_ids.shape
         big_b = bucket[0]
         self.input_ids[:b, :s].copy_(input_ids, non_blocking=True)
@@ -72,44 +119,28 @@ class StaticShapeRunner:
         self.slots[b:big_b].fill_(self.cache.scratch_slot)
         return self._execute(bucket)
 
-    def _execute(self, bucket: tuple[int, int]) -> torch.Tensor:
+    def _execute(self, bucket: tuple[int, int]) -> PassOutput:
         return self._forward(*bucket)
 
-    def _forward(self, b: int, s: int) -> torch.Tensor:  # [b * s, vocab]
-        return self.model(
+    def _forward(self, b: int, s: int) -> PassOutput:
+        out = self.model(
             self.input_ids[:b, :s], self.starts[:b], self.num_new[:b], self.slots[:b],
-            self.cache.kv, kv_len=self.cache.max_model_len,
+            self.cache.kv, kv_len=self.cache.max_model_len, hidden_layers=self.hidden_layers,
         )
+        return out if self.hidden_layers else (out, None)
 
 
 class CudaGraphRunner(StaticShapeRunner):
-    def __init__(self, model: FastLlama, cache: StaticKVCache, num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS):
+    def __init__(self, model: FastLlama, cache: StaticKVCache, num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS,
+                 hidden_layers: tuple[int, ...] = (), pool=None):  # fmt: skip
+        """``pool``: a memory pool of graphs captured before (another runner's ``pool``), to share: the
+        runners of one model never replay at once."""
         if cache.kv.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {cache.kv.device}")
-        super().__init__(model, cache, num_tokens)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (b, s) -> [b * s, vocab], written by replay
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._capture_all()
+        super().__init__(model, cache, num_tokens, hidden_layers)
+        # (b, s) -> the pass's rows, written by each replay
+        self.graphs, self.outputs, self.pool = capture_passes(self.batch_sizes, self.num_tokens, self._forward, pool)
 
-    def _execute(self, bucket: tuple[int, int]) -> torch.Tensor:
+    def _execute(self, bucket: tuple[int, int]) -> PassOutput:
         self.graphs[bucket].replay()
         return self.outputs[bucket]
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        """Capture largest first so smaller graphs reuse the shared memory pool."""
-        pool = None
-        for b in reversed(self.batch_sizes):
-            for s in reversed(self.num_tokens):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # every row is unused: writes go to the scratch slot only
-                    for _ in range(_WARMUP_RUNS):
-                        self._forward(b, s)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[(b, s)] = self._forward(b, s)
-                pool = graph.pool()
-                self.graphs[(b, s)] = graph
-        torch.cuda.synchronize()

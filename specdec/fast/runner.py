@@ -85,7 +85,9 @@ class FastCausalLM:
                 self.model.dtype, self.device,
             )
         self._forward = self.model  # what an eager-shaped pass calls: the module, or its compiled forward
-        self.graphs: StaticShapeRunner | None = None
+        self.graphs: StaticShapeRunner | None = None  # passes that want logits alone
+        self._graphs_with_hidden: dict[tuple[int, ...], StaticShapeRunner] = {}  # hidden_layers -> their runner
+        self._log = log
         if cpu_compile:
             with timed_phase(log, "compiling the forward for CPU (torch.compile; cached on disk for the next load)"):
                 self._forward = compile_forward(self.model)
@@ -150,6 +152,23 @@ class FastCausalLM:
             self.cache.set_length(call.seq_id, call.position + len(call.token_ids))
         return logits, hidden
 
+    def _graphs_for(self, hidden_layers: tuple[int, ...]) -> StaticShapeRunner | None:
+        """The fixed-shape runner for passes that want ``hidden_layers``; None where passes run eagerly.
+
+        A head reads the same layers every step, so the first pass that asks for a set of
+        layers captures its graphs (once, about as long as the load's capture) and every
+        later verify of that head replays them.
+        """
+        if self.graphs is None or not hidden_layers:
+            return self.graphs
+        runner = self._graphs_with_hidden.get(hidden_layers)
+        if runner is None:
+            with timed_phase(self._log, f"capturing CUDA graphs with hidden states {list(hidden_layers)}"):
+                extra = {"pool": self.graphs.pool} if isinstance(self.graphs, CudaGraphRunner) else {}
+                runner = type(self.graphs)(self.model, self.cache, self.graphs.num_tokens, hidden_layers, **extra)
+            self._graphs_with_hidden[hidden_layers] = runner
+        return runner
+
     def _run(
         self, calls: list[ForwardCall], hidden_layers: tuple[int, ...] = ()
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -160,23 +179,26 @@ class FastCausalLM:
         starts = torch.tensor([c.position for c in calls], dtype=torch.long)  # [B]
         num_new = torch.tensor([len(c.token_ids) for c in calls], dtype=torch.long)  # [B]
         slots = torch.tensor([self.cache.slot(c.seq_id) for c in calls], dtype=torch.long)  # [B]
-        # The captured graphs return logits alone: a pass that wants hidden states runs eagerly.
-        bucket = self.graphs.bucket(b, s) if self.graphs is not None and not hidden_layers else None
+        graphs = self._graphs_for(hidden_layers)
+        bucket = graphs.bucket(b, s) if graphs is not None else None
         width = bucket[1] if bucket is not None else s  # padded tokens per row of the pass that runs
         rows = torch.tensor(
             [i * width + len(c.token_ids) - c.num_logits + j for i, c in enumerate(calls) for j in range(c.num_logits)],
             dtype=torch.long, device=self.device,
         )  # [R]: flattened [B, width] indices of the wanted logits
+        hidden_rows = torch.tensor(
+            [i * width + j for i, c in enumerate(calls) for j in range(len(c.token_ids))],
+            dtype=torch.long, device=self.device,
+        ) if hidden_layers else None  # [N]: every token fed
         hidden = None
         if bucket is not None:
-            logits = self.graphs.run(bucket, input_ids, starts, num_new, slots).index_select(0, rows)  # [R, vocab]
+            all_logits, all_hidden = graphs.run(bucket, input_ids, starts, num_new, slots)  # every row of the bucket
+            logits = all_logits.index_select(0, rows)  # [R, vocab]
+            if hidden_layers:
+                hidden = all_hidden.index_select(0, hidden_rows)  # [N, n * hidden]
         else:
             kv_len = int((starts + num_new).max())
             to = dict(device=self.device, non_blocking=True)
-            hidden_rows = torch.tensor(
-                [i * width + j for i, c in enumerate(calls) for j in range(len(c.token_ids))],
-                dtype=torch.long, device=self.device,
-            )  # [N]: every token fed
             out = self._forward(
                 input_ids.to(**to), starts.to(**to), num_new.to(**to), slots.to(**to),
                 self.cache.kv, kv_len=kv_len, logit_rows=rows, hidden_layers=hidden_layers, hidden_rows=hidden_rows,

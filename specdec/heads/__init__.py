@@ -26,11 +26,13 @@ def build_head_proposer(
     device: str | torch.device = "cpu",
     max_num_seqs: int = 8,
     cpu_compile: bool = False,
+    cuda_graphs: bool | None = None,
 ):
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
 
     ``cpu_compile``: an EAGLE-3 head's forward compiled on CPU (``specdec.fast.cpu_compile``);
-    ignored on GPU and for the MLP speculator, whose stages are a few plain ops.
+    ignored on GPU and for the MLP speculator, whose stages are a few plain ops. ``cuda_graphs``: an
+    EAGLE-3 head's passes replay captured graphs (None: wherever it runs on CUDA).
     """
     from specdec.heads.formats import head_kind, read_head_config
 
@@ -50,7 +52,8 @@ def build_head_proposer(
         if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
             pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
         # the head's cache spans the target's positions (as in vLLM), not those its layer config names
-        return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings, compiled)
+        return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings, compiled,
+                              cuda_graphs)  # fmt: skip
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 

@@ -24,6 +24,7 @@ import torch
 
 from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
 from specdec.fast.kv_cache import StaticKVCache
+from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.sampling import make_generator, process_logits, sample_from_probs
@@ -41,8 +42,10 @@ class Eagle3Proposer:
     method = "eagle3"
 
     def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 cpu_compile: bool = False):  # fmt: skip
-        """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only)."""
+                 cpu_compile: bool = False, cuda_graphs: bool | None = None):  # fmt: skip
+        """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only);
+        ``cuda_graphs``: passes of up to ``DEFAULT_GRAPH_NUM_TOKENS`` tokens per row replay captured graphs
+        (None: wherever the head is on CUDA)."""
         config = head.config
         self.head = head
         self.device = head.device
@@ -57,6 +60,12 @@ class Eagle3Proposer:
         self._seqs: dict[str, _Sequence] = {}
         self._draft_targets = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [draft_vocab]
         self._head_forward = head  # the module, or its compiled forward
+        self.graphs: StaticHeadRunner | None = None
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got {str(self.device)!r}")
+        if on_cuda if cuda_graphs is None else cuda_graphs:
+            self.graphs = HeadGraphRunner(head, self.cache)
         if cpu_compile:
             if self.device.type != "cpu":
                 raise ValueError(f"cpu_compile is for CPU devices, got {str(self.device)!r}")
@@ -164,8 +173,12 @@ class Eagle3Proposer:
         num_new = torch.tensor([len(t) for t in token_lists], dtype=torch.long, device=self.device)  # [B]
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
-        kv_len = int((starts_t + num_new).max())
-        logits, prenorm = self._head_forward(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
+        bucket = self.graphs.bucket(b, s) if self.graphs is not None else None
+        if bucket is not None:  # [B', S', ...] for the bucket's (B', S'): rows past b and s are padding
+            logits, prenorm = self.graphs.run(bucket, input_ids, hidden, starts_t, num_new, slots)
+        else:
+            kv_len = int((starts_t + num_new).max())
+            logits, prenorm = self._head_forward(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
         last = num_new - 1  # [B]
         rows = torch.arange(b, device=self.device)
         return logits[rows, last], prenorm[rows, last]  # [B, draft_vocab], [B, h]
