@@ -46,6 +46,7 @@ from bench.engine import LocalStages, run_phase  # noqa: E402
 from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
 from specdec.fast import FastCausalLM  # noqa: E402
+from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import HEAD_METHODS, build_head_proposer  # noqa: E402
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
@@ -136,18 +137,18 @@ def step_times(lm: FastCausalLM, ks: list[int], context: int, repeats: int) -> d
 
 def run(args) -> dict:
     ks = sorted({k for _, k in args.configs if k})
-    max_model_len = args.prompt_tokens + args.max_tokens + max(ks, default=0) + 8
+    prompts = make_prompts(args, read_config(args.target).vocab_size)
+    max_model_len = max(map(len, prompts)) + args.max_tokens + max(ks, default=0) + 8  # held-out prompts end on a line
     max_num_seqs = max(*args.concurrency, len(ks) + 1)  # the step timings hold one sequence per shape
     sampler = RejectionSampler(*(("synthetic", args.synthetic_acceptance_rate)
                                  if args.synthetic_acceptance_rate is not None else ("strict", 0.0)))  # fmt: skip
     params_for = {k: GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, num_speculative_tokens=k)
                   for k in {0, *ks}}  # fmt: skip
-    rows, times, prompts, floor, failures, k0_outputs = [], {}, None, None, [], None
+    rows, times, floor, failures, k0_outputs = [], {}, None, [], None
     for graphs in args.graphs:
         tag = "graphs" if graphs else ("eager" if args.device != "cpu" else "cpu")
         print(f"[engine] loading {args.target} ({tag}) on {args.device}", flush=True)
         lm = FastCausalLM(args.target, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=graphs)
-        prompts = prompts or make_prompts(args, lm.vocab_size)
         verifier = TargetVerifier(lm)
         proposers = {m: build_proposer(m, args, max_num_seqs, max_model_len, graphs) for m, k in args.configs if k}
         times[tag] = step_times(lm, ks, args.prompt_tokens + args.max_tokens // 2, args.timing_repeats)

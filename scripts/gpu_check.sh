@@ -6,7 +6,8 @@
 #   2. losslessness on the GPU: the shipped pair and heads in float32, every method's greedy
 #      output against k = 0 of the same engine and against HF generate (benchmark_engine.py
 #      fails on any difference);
-#   3. speed on a >= 1B random-weight target (bfloat16, synthetic acceptance): k = 0 against
+#   3. speed on a 1.2B random-weight target (Llama-3.2-1B's shape and 128k vocabulary, bfloat16,
+#      synthetic acceptance): k = 0 against
 #      a draft model, EAGLE-3 and the MLP speculator, with CUDA graphs, then the same without.
 # Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs.
 #   COMMIT=$(git rev-parse --short HEAD) scripts/gpu_check.sh
@@ -33,17 +34,17 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/run.log
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/run.log"
 $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/run.log"
 
-step "gpu tests" 100 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
+step "gpu tests" 90 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
   tests/test_fast_cuda_graphs.py tests/test_rejection_kernel.py tests/test_fast_attention_kernel.py \
   tests/test_rejection_sampler.py tests/test_eagle3.py tests/test_mlp_speculator.py
 
-step "lossless on GPU (shipped models, float32)" 80 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
+step "lossless on GPU (shipped models, float32)" 70 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
   --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4 --concurrency 1,4 --num-prompts 8 \
   --max-tokens 64 --rounds 1 --commit "$COMMIT" --out-dir "$OUT/tiny"
 
-step "random checkpoints" 80 bash -c "
-  $PY scripts/make_random_model.py --preset llama-1b --out $MODELS/llama-1b &&
-  $PY scripts/make_random_model.py --preset llama-125m --out $MODELS/llama-125m &&
+step "random checkpoints" 90 bash -c "
+  $PY scripts/make_random_model.py --preset llama-1b --vocab-size 128256 --out $MODELS/llama-1b &&
+  $PY scripts/make_random_model.py --preset llama-125m --vocab-size 128256 --out $MODELS/llama-125m &&
   $PY scripts/make_random_model.py --head eagle3 --target $MODELS/llama-1b --out $MODELS/llama-1b-eagle3 &&
   $PY scripts/make_random_model.py --head mlp_speculator --n-predict 3 --target $MODELS/llama-1b --out $MODELS/llama-1b-mlp"
 
@@ -51,11 +52,11 @@ RANDOM_PAIR=(--device cuda --dtype bfloat16 --target "$MODELS/llama-1b" --draft 
   --eagle3 "$MODELS/llama-1b-eagle3" --mlp-speculator "$MODELS/llama-1b-mlp" --prompts random
   --synthetic-acceptance-rate "$RATE" --commit "$COMMIT")
 step "1B, CUDA graphs" 150 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs on \
-  --configs k0,draft_model:2,draft_model:4,eagle3:4,mlp_speculator:3 --concurrency 1,4,16 \
+  --configs k0,draft_model:2,draft_model:4,eagle3:2,eagle3:4,mlp_speculator:3 --concurrency 1,4,16 \
   --num-prompts 16 --max-tokens 64 --rounds ${ROUNDS:-2} --out-dir "$OUT/1b"
 
-step "1B, eager" 90 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
-  --configs k0,draft_model:4,eagle3:4 --concurrency 1,16 --num-prompts 16 --max-tokens 64 --rounds 1 \
+step "1B, eager" 60 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
+  --configs k0,eagle3:4 --concurrency 1,16 --num-prompts 16 --max-tokens 64 --rounds 1 \
   --out-dir "$OUT/1b-eager"
 
 echo "=== done, status $status" | tee -a "$OUT/run.log"

@@ -67,6 +67,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="dir with tokenizer.json")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--vocab-size", type=int, default=0,
+                        help="0: the tokenizer's; larger (e.g. 128256, Llama 3's) sizes the embedding and LM head of "
+                             "a real model, whose extra ids the tokenizer never produces")  # fmt: skip
+    parser.add_argument("--draft-vocab-size", type=int, default=32000,
+                        help="--head eagle3: rows of its LM head (at most the target's vocabulary)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--list", action="store_true", help="print the presets and their sizes")
     parser.add_argument("--head", choices=("eagle3", "mlp_speculator"), help="write a draft head for --target")
@@ -76,10 +81,11 @@ def main() -> None:
     if args.head:
         if args.target is None or args.out is None:
             parser.error("--head needs --target and --out")
-        write_random_head(args.head, args.target, args.out, getattr(torch, args.dtype), args.seed, args.n_predict)
+        write_random_head(args.head, args.target, args.out, getattr(torch, args.dtype), args.seed, args.n_predict,
+                          args.draft_vocab_size)  # fmt: skip
         return
 
-    vocab_size = _vocab_size(args.tokenizer)
+    vocab_size = max(args.vocab_size, _vocab_size(args.tokenizer))
     if args.list:
         for name, preset in PRESETS.items():
             print(f"{name:12s} {parameter_count(preset, vocab_size) / 1e6:8.0f} M params  {asdict(preset)}")
@@ -120,7 +126,8 @@ def main() -> None:
     print(f"[make_random_model] wrote {args.out} in {time.time() - started:.1f} s", flush=True)
 
 
-def write_random_head(method: str, target: Path, out: Path, dtype: torch.dtype, seed: int, n_predict: int) -> None:
+def write_random_head(method: str, target: Path, out: Path, dtype: torch.dtype, seed: int, n_predict: int,
+                      draft_vocab_size: int) -> None:  # fmt: skip
     sys.path.insert(0, str(REPO_ROOT))
     from specdec.fast.checkpoint import read_config
 
@@ -130,7 +137,7 @@ def write_random_head(method: str, target: Path, out: Path, dtype: torch.dtype, 
         from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for
         from specdec.heads.formats import save_eagle3
 
-        head = Eagle3Head(eagle3_config_for(arch)).to(dtype)
+        head = Eagle3Head(eagle3_config_for(arch, min(draft_vocab_size, arch.vocab_size))).to(dtype)
         save_eagle3(head, out, verifier=str(target))
     else:
         from specdec.heads.mlp_speculator import MLPSpeculator, save_mlp_speculator
