@@ -126,7 +126,8 @@ def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, gra
         return DraftModelProposer(lm)
     if method in HEAD_METHODS:
         path = args.eagle3 if method == "eagle3" else args.mlp_speculator
-        return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs)
+        return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
+                                   cuda_graphs=graphs if args.device != "cpu" else None)  # fmt: skip
     return NgramProposer() if method == "ngram" else SuffixProposer()
 
 
@@ -135,67 +136,87 @@ def step_times(lm: FastCausalLM, ks: list[int], context: int, repeats: int) -> d
     return forward_ms(shapes, context, repeats=repeats)
 
 
-def run(args) -> dict:
-    ks = sorted({k for _, k in args.configs if k})
-    prompts = make_prompts(args, read_config(args.target).vocab_size)
-    max_model_len = max(map(len, prompts)) + args.max_tokens + max(ks, default=0) + 8  # held-out prompts end on a line
-    max_num_seqs = max(*args.concurrency, len(ks) + 1)  # the step timings hold one sequence per shape
-    sampler = RejectionSampler(*(("synthetic", args.synthetic_acceptance_rate)
-                                 if args.synthetic_acceptance_rate is not None else ("strict", 0.0)))  # fmt: skip
-    params_for = {k: GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, num_speculative_tokens=k)
-                  for k in {0, *ks}}  # fmt: skip
-    rows, times, floor, failures, k0_outputs = [], {}, None, [], None
-    for graphs in args.graphs:
+class Run:
+    """One run's measurements as they accumulate; ``document()`` at any point is what was measured so far."""
+
+    def __init__(self, args):
+        self.args = args
+        self.ks = sorted({k for _, k in args.configs if k})
+        self.prompts = make_prompts(args, read_config(args.target).vocab_size)
+        # held-out prompts end on a line, so some are longer than --prompt-tokens
+        self.max_model_len = max(map(len, self.prompts)) + args.max_tokens + max(self.ks, default=0) + 8
+        self.max_num_seqs = max(*args.concurrency, len(self.ks) + 1)  # the step timings hold one sequence per shape
+        rule = ("synthetic", args.synthetic_acceptance_rate) if args.synthetic_acceptance_rate is not None else ("strict", 0.0)
+        self.sampler = RejectionSampler(*rule)
+        self.params_for = {k: GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens,
+                                               num_speculative_tokens=k) for k in {0, *self.ks}}  # fmt: skip
+        self.results: dict[tuple[str, str, int, int], list[dict]] = {}  # (graphs, method, k, c) -> rounds
+        self.times: dict[str, dict[str, float]] = {}
+        self.floor: dict | None = None
+        self.failures: list[str] = []
+        self.k0_outputs: list[list[int]] | None = None
+        self.hf: dict | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.args.synthetic_acceptance_rate is None
+
+    def measure(self, graphs: bool, save) -> None:
+        """Every configuration at every concurrency, rounds interleaved, on one engine setting; ``save()`` after each round."""
+        args = self.args
         tag = "graphs" if graphs else ("eager" if args.device != "cpu" else "cpu")
         print(f"[engine] loading {args.target} ({tag}) on {args.device}", flush=True)
-        lm = FastCausalLM(args.target, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=graphs)
+        lm = FastCausalLM(args.target, args.dtype, args.device, self.max_num_seqs, self.max_model_len, cuda_graphs=graphs)
         verifier = TargetVerifier(lm)
-        proposers = {m: build_proposer(m, args, max_num_seqs, max_model_len, graphs) for m, k in args.configs if k}
-        times[tag] = step_times(lm, ks, args.prompt_tokens + args.max_tokens // 2, args.timing_repeats)
-        floor = floor or roofline(lm, args.device)
-        print(f"[engine] {tag} target step ms: " + ", ".join(f"{n} {ms:.2f}" for n, ms in times[tag].items()), flush=True)
-        results: dict[tuple[str, int, int], list[dict]] = {}
+        proposers = {m: self._proposer(m, graphs) for m, k in args.configs if k}
+        self.times[tag] = step_times(lm, self.ks, args.prompt_tokens + args.max_tokens // 2, args.timing_repeats)
+        self.floor = self.floor or roofline(lm, args.device)
+        print(f"[engine] {tag} target step ms: " + ", ".join(f"{n} {ms:.2f}" for n, ms in self.times[tag].items()))
+        for method, k in args.configs:  # one unmeasured request each: lazy allocations, kernel choice, graph capture
+            self._phase(LocalStages(verifier, self.sampler, proposers.get(method)), self.prompts[:1], k, 1, "warm")
         outputs: dict[tuple[str, int, int], list[list[int]]] = {}
-        warm = [(m, k) for m, k in args.configs]
-        for method, k in warm:  # one unmeasured request each: lazy allocations, kernel choice
-            stages = LocalStages(verifier, sampler, proposers.get(method))
-            run_phase(stages, prompts[:1], params_for[k], 1, getattr(stages.proposer, "hidden_state_layers", ()),
-                      args.synthetic_acceptance_rate is None, name="warm")  # fmt: skip
         for r in range(args.rounds):
             order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
             for c in args.concurrency:
                 for method, k in order:
                     if method in MODEL_FREE:  # a fresh suffix tree: the phases repeat the same prompts
-                        proposers[method] = build_proposer(method, args, max_num_seqs, max_model_len, graphs)
-                    stages = LocalStages(verifier, sampler, proposers.get(method))
-                    phase = run_phase(stages, prompts, params_for[k], c,
-                                      getattr(stages.proposer, "hidden_state_layers", ()),
-                                      args.synthetic_acceptance_rate is None, name=f"r{r}")  # fmt: skip
-                    results.setdefault((method, k, c), []).append(phase.summary())
+                        proposers[method] = self._proposer(method, graphs)
+                    phase = self._phase(LocalStages(verifier, self.sampler, proposers.get(method)), self.prompts, k, c,
+                                        f"r{r}")  # fmt: skip
+                    summary = phase.summary()
+                    self.results.setdefault((tag, method, k, c), []).append(summary)
                     outputs[(method, k, c)] = phase.outputs
-                    s = results[(method, k, c)][-1]
                     print(f"[engine] round {r + 1}/{args.rounds} {tag} c={c} {method} k={k}: "
-                          f"{s['tokens_per_s_aggregate']:.1f} tok/s, ITL p50 {s['itl_ms_p50']:.2f} ms, "
-                          f"L {s['mean_accepted_length']:.2f}", flush=True)  # fmt: skip
-        if args.synthetic_acceptance_rate is None:
-            failures += lossless_failures(outputs)
-            k0_outputs = k0_outputs or outputs[("k0", 0, args.concurrency[0])]
-        rows += summarize(results, tag, times[tag])
-        del proposers, verifier, lm
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    if args.hf:
-        row, hf_outputs = hf_plain_row(args, prompts)
-        rows.append(row)
-        if k0_outputs is not None:
-            failures += lossless_failures({(HF_PLAIN, 0, 1): hf_outputs, ("k0", 0, 1): k0_outputs})
-    add_ratios(rows)
-    greedy = args.synthetic_acceptance_rate is None
-    for line in failures:
-        print(f"[engine] NOT LOSSLESS: {line}", flush=True)
-    lossless = {"checked": greedy, "failures": failures,
-                "reference": "k0 of the same engine, and HF generate" if args.hf else "k0 of the same engine"}
-    return {"rows": rows, "step_times_ms": times, "roofline": floor, "lossless": lossless}
+                          f"{summary['tokens_per_s_aggregate']:.1f} tok/s, ITL p50 {summary['itl_ms_p50']:.2f} ms, "
+                          f"L {summary['mean_accepted_length']:.2f}", flush=True)  # fmt: skip
+            save()
+        if self.greedy:
+            self.failures += lossless_failures(outputs)
+            self.k0_outputs = self.k0_outputs or outputs[("k0", 0, args.concurrency[0])]
+            save()
+
+    def measure_hf(self) -> None:
+        row, hf_outputs = hf_plain_row(self.args, self.prompts)
+        self.hf = row
+        if self.greedy and self.k0_outputs is not None:
+            self.failures += lossless_failures({(HF_PLAIN, 0, 1): hf_outputs, ("k0", 0, 1): self.k0_outputs})
+
+    def sections(self) -> dict:
+        """The rows so far (medians over the rounds done) and the run's other sections."""
+        rows = summarize(self.results, self.times)
+        if self.hf is not None:
+            rows.append(self.hf)
+        add_ratios(rows)
+        lossless = {"checked": self.greedy, "failures": self.failures,
+                    "reference": "k0 of the same engine" + (", and HF generate" if self.args.hf else "")}  # fmt: skip
+        return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless}
+
+    def _proposer(self, method: str, graphs: bool):
+        return build_proposer(method, self.args, self.max_num_seqs, self.max_model_len, graphs)
+
+    def _phase(self, stages: LocalStages, prompts: list[list[int]], k: int, concurrency: int, name: str):
+        layers = getattr(stages.proposer, "hidden_state_layers", ())
+        return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
 
 
 def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:
@@ -209,16 +230,17 @@ def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:
     return failures
 
 
-def summarize(results: dict, tag: str, times: dict[str, float]) -> list[dict]:
+def summarize(results: dict, times: dict[str, dict[str, float]]) -> list[dict]:
     rows = []
-    for (method, k, c), rounds in results.items():
+    for (tag, method, k, c), rounds in results.items():
         row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if _numeric(rounds[0][key])}
         row["per_position_acceptance"] = rounds[-1]["per_position_acceptance"]
         row["tokens_per_s_rounds"] = [r["tokens_per_s_aggregate"] for r in rounds]
         row.update(config=f"{method} k={k}" if k else "k0", method=method, k=k, concurrency=c, graphs=tag)
-        if k and c == 1 and f"target_{k + 1}" in times and not math.isnan(row["mean_accepted_length"]):
+        step = times.get(tag, {})
+        if k and c == 1 and f"target_{k + 1}" in step and not math.isnan(row["mean_accepted_length"]):
             draft_ms = row["propose_ms_per_drafting_step"] / k  # measured in the run: a head's step, the draft's, or 0
-            row["bound"] = speedup_bound(row["mean_accepted_length"], k, times["target_1"], times[f"target_{k + 1}"],
+            row["bound"] = speedup_bound(row["mean_accepted_length"], k, step["target_1"], step[f"target_{k + 1}"],
                                          draft_ms)  # fmt: skip
         rows.append(row)
     return rows
@@ -296,15 +318,30 @@ def main() -> None:
     command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0])), *sys.argv[1:]])
     commit, dirty = report.git_commit(REPO_ROOT)
     commit = args.commit or commit
-    measured = run(args)
     out = args.out_dir / ("engine-" + report.result_path(args.out_dir, commit).name)
-    document = report.result_document(measured.pop("rows"), command=command, args=vars(args), commit=commit,
-                                      dirty=dirty, **measured)  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(document, indent=1, default=str))
+    run = Run(args)
+
+    def save(complete: bool = False) -> dict:
+        """Write what was measured so far: a run cut off (a time limit) keeps its finished rounds."""
+        sections = run.sections()
+        document = report.result_document(sections.pop("rows"), command=command, args=vars(args), commit=commit,
+                                          dirty=dirty, complete=complete, **sections)  # fmt: skip
+        out.write_text(json.dumps(document, indent=1, default=str))
+        return document
+
+    for graphs in args.graphs:
+        run.measure(graphs, save)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.hf:
+        run.measure_hf()
+    document = save(complete=True)
+    for line in run.failures:
+        print(f"[engine] NOT LOSSLESS: {line}", flush=True)
     print(table(document["rows"]))
     print(f"[engine] wrote {out}")
-    if document["lossless"]["failures"]:
+    if run.failures:
         sys.exit(1)
 
 

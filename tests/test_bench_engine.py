@@ -1,0 +1,72 @@
+"""bench/engine.py: the step scheduler over in-process stages decodes as the target alone does."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from bench.engine import LocalStages, run_phase
+from conftest import REPO_ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.engine import GenerationParams
+from specdec.fast import FastCausalLM
+from specdec.proposers import DraftModelProposer
+from specdec.rejection_sampler import RejectionSampler
+from specdec.verifier import TargetVerifier
+from tiny_llama import hf_generate_greedy
+
+PROMPTS = [[5, 17, 99, 3, 250, 8], [42, 42, 42, 7], list(range(300, 330))]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def stages(shipped_pair):
+    target = FastCausalLM(SHIPPED_TARGET, "float32", max_num_seqs=4, max_model_len=128)
+    draft = FastCausalLM(SHIPPED_DRAFT, "float32", max_num_seqs=4, max_model_len=128)
+    return LocalStages(TargetVerifier(target), RejectionSampler("strict"), DraftModelProposer(draft))
+
+
+@pytest.mark.parametrize("k, concurrency", [(0, 1), (3, 1), (3, 2), (4, 3)])
+def test_a_phase_equals_hf_generate_and_counts_what_it_did(shipped_pair, stages, k, concurrency):
+    params = GenerationParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, num_speculative_tokens=k)
+    phase = run_phase(stages, PROMPTS, params, concurrency)
+    assert phase.outputs == [hf_generate_greedy(shipped_pair.target, p, MAX_TOKENS) for p in PROMPTS]
+    summary = phase.summary()
+    assert summary["requests"] == len(PROMPTS) and summary["output_tokens"] == len(PROMPTS) * MAX_TOKENS
+    assert max(len(s.sequences) for s in phase.steps) == min(concurrency, len(PROMPTS))  # the slots it was given
+    if k:
+        acceptance = phase.acceptance
+        assert acceptance.num_accepted_tokens > 0  # the accepted path ran
+        assert sum(acceptance.accepted_per_position) == acceptance.num_accepted_tokens
+        assert 1.0 < summary["mean_accepted_length"] <= k + 1
+    assert stages.verifier.num_active_sequences == 0 and stages.proposer.num_active_sequences == 0
+
+
+def test_a_step_that_asks_for_drafts_without_a_proposer_fails_the_phase(stages):
+    no_proposer = LocalStages(stages.verifier, stages.sampler)
+    with pytest.raises(ValueError, match="no proposer"):
+        run_phase(no_proposer, PROMPTS[:1], GenerationParams(max_tokens=4, num_speculative_tokens=2), 1)
+    assert stages.verifier.num_active_sequences == 0
+
+
+def _benchmark_engine():
+    spec = importlib.util.spec_from_file_location("benchmark_engine", REPO_ROOT / "scripts" / "benchmark_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("benchmark_engine", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lossless_check_names_a_configuration_that_differs():
+    check = _benchmark_engine().lossless_failures
+    same = {("k0", 0, 1): [[1, 2], [3]], ("eagle3", 4, 1): [[1, 2], [3]]}
+    assert check(same) == []
+    differs = {("k0", 0, 1): [[1, 2], [3]], ("eagle3", 4, 1): [[1, 2], [4]]}
+    assert check(differs) == ["eagle3 k=4 at concurrency 1: output differs from k0's on prompts [1]"]
+
+
+def test_configs_parse_and_always_include_k0():
+    parse = _benchmark_engine().parse_configs
+    assert parse("draft_model:4,eagle3:2") == [("k0", 0), ("draft_model", 4), ("eagle3", 2)]
+    with pytest.raises(Exception, match="METHOD:K"):
+        parse("medusa:3")
