@@ -12,5 +12,7 @@ A top-level package, not part of ``specdec``: it talks to ``tritonserver`` with
 * :mod:`bench.report` -- the machine description and the markdown table;
 * :mod:`bench.repository` -- model repository variants (``config.pbtxt`` edits);
 * :mod:`bench.server` / :mod:`bench.client` / :mod:`bench.hf` --
-  running the server, streaming requests to it, and the in-process Hugging Face baselines.
+  running the server, streaming requests to it, and the in-process Hugging Face baselines;
+* :mod:`bench.engine` -- the step scheduler over in-process stages, no server
+  (``scripts/benchmark_engine.py``, where no ``tritonserver`` runs: a lent GPU).
 """
