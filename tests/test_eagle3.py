@@ -183,8 +183,14 @@ def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
     lm = FastCausalLM(target_dir, max_num_seqs=4, cpu_compile=compiled) if engine != "hf" else CachedCausalLM(target)
     verifier = TargetVerifier(lm)
     proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=compiled)
+    assert decode_every_prompt_as_hf(target, proposer, verifier, range(1, 6)) > 0, "the accepted path must run"
+    assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
+
+
+def decode_every_prompt_as_hf(target, proposer, verifier, ks) -> int:
+    """Greedy speculative output equals HF generate's for each k and prompt; returns the drafts accepted."""
     accepted = 0
-    for k in range(1, 6):
+    for k in ks:
         for prompt in PROMPTS:
             params = GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=k)
             out, stats = [], None
@@ -193,8 +199,7 @@ def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
                 stats = step.stats or stats
             assert out == hf_generate_greedy(target, prompt, NUM_NEW_TOKENS), (k, prompt)
             accepted += stats.num_accepted_tokens
-    assert accepted > 0, "the accepted path must be exercised"
-    assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
+    return accepted
 
 
 def _static_or_graphed(target_dir, head_dir, device: str):
@@ -216,18 +221,7 @@ def test_fixed_shape_passes_of_target_and_head_are_lossless(pair, device):
     """The verify passes that export hidden states and the head's passes replay graphs; output stays HF's."""
     target, target_dir, head_dir = pair
     lm, proposer = _static_or_graphed(target_dir, head_dir, device)
-    verifier = TargetVerifier(lm)
-    accepted = 0
-    for k in (1, 3, 5):
-        for prompt in PROMPTS:
-            params = GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=k)
-            out, stats = [], None
-            for step in generate(proposer, verifier, RejectionSampler(), prompt, params):
-                out += step.new_token_ids
-                stats = step.stats or stats
-            assert out == hf_generate_greedy(target, prompt, NUM_NEW_TOKENS), (device, k, prompt)
-            accepted += stats.num_accepted_tokens
-    assert accepted > 0
+    assert decode_every_prompt_as_hf(target, proposer, TargetVerifier(lm), (1, 3, 5)) > 0
     assert set(lm._graphs_with_hidden) == {proposer.hidden_state_layers}  # verify passes with features ran fixed-shape
 
 

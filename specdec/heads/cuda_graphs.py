@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, batch_buckets, capture_passes, smallest_bucket
+from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, StaticShapeRunner, capture_passes
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.heads.eagle3 import Eagle3Head
 
@@ -22,48 +22,30 @@ from specdec.heads.eagle3 import Eagle3Head
 HeadOutput = tuple[torch.Tensor, torch.Tensor]
 
 
-class StaticHeadRunner:
+class StaticHeadRunner(StaticShapeRunner):
+    """The target's fixed-shape runner with one more persistent input: the hidden rows each token reads."""
+
     def __init__(self, head: Eagle3Head, cache: StaticKVCache, num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS):
-        device, h = cache.kv.device, head.config.hidden_size
-        self.head, self.cache = head, cache
-        self.batch_sizes = batch_buckets(cache.max_num_seqs)
-        self.num_tokens = tuple(sorted({n for n in num_tokens if n <= cache.max_model_len}))
+        super().__init__(head, cache, num_tokens)
         max_b, max_s = self.batch_sizes[-1], self.num_tokens[-1]
-        self.input_ids = torch.zeros((max_b, max_s), dtype=torch.long, device=device)  # [max_b, max_s]
-        self.hidden = torch.zeros((max_b, max_s, h), dtype=head.dtype, device=device)  # [max_b, max_s, h]
-        self.starts = torch.zeros(max_b, dtype=torch.long, device=device)  # [max_b]
-        self.num_new = torch.zeros(max_b, dtype=torch.long, device=device)  # [max_b]
-        self.slots = torch.full((max_b,), cache.scratch_slot, dtype=torch.long, device=device)  # [max_b]
+        self.hidden = torch.zeros((max_b, max_s, head.config.hidden_size), dtype=head.dtype,
+                                  device=cache.kv.device)  # [max_b, max_s, h]  # fmt: skip
 
-    def bucket(self, batch_size: int, num_tokens: int) -> tuple[int, int] | None:
-        return smallest_bucket(self.batch_sizes, self.num_tokens, batch_size, num_tokens)
-
-    def run(
+    def run_head(
         self,
         bucket: tuple[int, int],
-        input_ids: torch.Tensor,  # [b, s] int64, right-padded, on the head's device
+        input_ids: torch.Tensor,  # [b, s] int64, right-padded
         hidden: torch.Tensor,  # [b, s, h]
         starts: torch.Tensor,  # [b]
         num_new: torch.Tensor,  # [b]
         slots: torch.Tensor,  # [b]
     ) -> HeadOutput:  # may be overwritten by the next run
         b, s = input_ids.shape
-        big_b, big_s = bucket
-        self.input_ids[:b, :s].copy_(input_ids)
         self.hidden[:b, :s].copy_(hidden)
-        self.starts[:b].copy_(starts)
-        self.num_new[:b].copy_(num_new)
-        self.slots[:b].copy_(slots)
-        self.starts[b:big_b].zero_()  # unused rows: no tokens, scratch slot
-        self.num_new[b:big_b].zero_()
-        self.slots[b:big_b].fill_(self.cache.scratch_slot)
-        return self._execute(bucket)
-
-    def _execute(self, bucket: tuple[int, int]) -> HeadOutput:
-        return self._forward(*bucket)
+        return self.run(bucket, input_ids, starts, num_new, slots)
 
     def _forward(self, b: int, s: int) -> HeadOutput:
-        return self.head(
+        return self.model(
             self.input_ids[:b, :s], self.hidden[:b, :s], self.starts[:b], self.num_new[:b], self.slots[:b],
             self.cache.kv, self.cache.max_model_len,
         )

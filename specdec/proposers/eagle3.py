@@ -175,7 +175,7 @@ class Eagle3Proposer:
         slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
         bucket = self.graphs.bucket(b, s) if self.graphs is not None else None
         if bucket is not None:  # [B', S', ...] for the bucket's (B', S'): rows past b and s are padding
-            logits, prenorm = self.graphs.run(bucket, input_ids, hidden, starts_t, num_new, slots)
+            logits, prenorm = self.graphs.run_head(bucket, input_ids, hidden, starts_t, num_new, slots)
         else:
             kv_len = int((starts_t + num_new).max())
             logits, prenorm = self._head_forward(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
