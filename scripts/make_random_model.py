@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=32000,
                         help="--head eagle3: rows of its LM head (at most the target's vocabulary)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the random weights are drawn (the same seed draws other numbers on another device)")
     parser.add_argument("--list", action="store_true", help="print the presets and their sizes")
     parser.add_argument("--head", choices=("eagle3", "mlp_speculator"), help="write a draft head for --target")
     parser.add_argument("--target", type=Path, help="--head: the target checkpoint it drafts for")
@@ -113,7 +115,8 @@ def main() -> None:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialise directly in the target dtype: an 8B model fits in memory
     try:
-        model = LlamaForCausalLM(config)
+        with torch.device(args.init_device):  # a GPU draws a billion random weights in seconds, a CPU in a minute
+            model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
     model.eval()
