@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 
 from bench.engine import LocalStages, run_phase
-from conftest import REPO_ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
 from specdec.engine import GenerationParams
 from specdec.fast import FastCausalLM
 from specdec.proposers import DraftModelProposer
@@ -15,6 +15,8 @@ from specdec.rejection_sampler import RejectionSampler
 from specdec.verifier import TargetVerifier
 from tiny_llama import hf_generate_greedy
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TARGET, SHIPPED_DRAFT = REPO_ROOT / "models" / "tiny-target", REPO_ROOT / "models" / "tiny-draft"
 PROMPTS = [[5, 17, 99, 3, 250, 8], [42, 42, 42, 7], list(range(300, 330))]
 MAX_TOKENS = 20
 
