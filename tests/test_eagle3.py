@@ -176,6 +176,36 @@ def test_greedy_drafts_with_banned_ids_are_the_target_vocabulary_argmax(pair):
     assert first_draft(banned) == int(greedy_tokens(row, 1, banned)) not in banned
 
 
+def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(pair, monkeypatch):
+    """Uniform greedy batches feed each draft to the next pass on the device; the drafts are the
+    per-step loop's, bans (for the first two drafts of one sequence) included."""
+    _, target_dir, head_dir = pair
+    lm = FastCausalLM(target_dir, max_num_seqs=4)
+    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
+    prompts = {"a": PROMPTS[3], "b": PROMPTS[2], "c": PROMPTS[0]}
+    calls = [ForwardCall(s, 0, t[:-1], 1) for s, t in prompts.items()]
+    hidden = dict(zip(prompts, lm.forward_with_hidden(calls, head.config.aux_layers)[1]))
+
+    def drafts(on_device: bool, k: int, banned: tuple[int, ...]) -> list[list[int]]:
+        proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4)
+        monkeypatch.setattr(proposer, "_uniform_greedy", lambda requests: on_device)
+        used = {}
+        original = proposer._draft_greedy_on_device
+        monkeypatch.setattr(proposer, "_draft_greedy_on_device", lambda *a: used.setdefault("yes", original(*a)))
+        requests = [ProposeRequest(s, 0, t, k, SamplingParams(), 0, hidden_states=hidden[s],
+                                   num_banned_tokens=2 if s == "b" else 0, banned_token_ids=banned if s == "b" else ())
+                    for s, t in prompts.items()]  # fmt: skip
+        out = [p.token_ids.tolist() for p in proposer.propose(requests)]
+        assert ("yes" in used) == on_device
+        return out
+
+    free = drafts(False, 3, ())
+    banned = (free[1][0],)  # b's first draft: banned, the drafts change
+    assert drafts(False, 3, banned)[1] != free[1]
+    for k in (1, 3, 5):
+        assert drafts(True, k, banned) == drafts(False, k, banned)
+
+
 @pytest.mark.parametrize("engine", ["fast", "hf", "fast-compiled"])
 def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
     target, target_dir, head_dir = pair

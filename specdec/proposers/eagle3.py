@@ -163,7 +163,7 @@ class Eagle3Proposer:
 
     @torch.inference_mode()  # the warm-up too: grad mode is part of a compiled graph's guards
     def _forward(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ragged pass; each row's last logits on the draft vocabulary [B, draft_vocab] and pre-norm [B, h]."""
+        """One ragged pass of Python lists; each row's last logits [B, draft_vocab] and pre-norm [B, h]."""
         b, s = len(seq_ids), max(len(t) for t in token_lists)
         input_ids = torch.zeros((b, s), dtype=torch.long, device=self.device)  # [B, S]
         hidden = torch.zeros((b, s, self.head.config.hidden_size), dtype=self.head.dtype, device=self.device)
@@ -173,15 +173,7 @@ class Eagle3Proposer:
         num_new = torch.tensor([len(t) for t in token_lists], dtype=torch.long, device=self.device)  # [B]
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
-        bucket = self.graphs.bucket(b, s) if self.graphs is not None else None
-        if bucket is not None:  # [B', S', ...] for the bucket's (B', S'): rows past b and s are padding
-            logits, prenorm = self.graphs.run_head(bucket, input_ids, hidden, starts_t, num_new, slots)
-        else:
-            kv_len = int((starts_t + num_new).max())
-            logits, prenorm = self._head_forward(input_ids, hidden, starts_t, num_new, slots, self.cache.kv, kv_len)
-        last = num_new - 1  # [B]
-        rows = torch.arange(b, device=self.device)
-        return logits[rows, last], prenorm[rows, last]  # [B, draft_vocab], [B, h]
+        return self._pass(input_ids, hidden, starts_t, num_new, slots)
 
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         if not requests:
@@ -200,6 +192,8 @@ class Eagle3Proposer:
         logits, prenorm = self._forward([r.seq_id for r in requests], starts, tokens, hidden)
         for seq in seqs:
             seq.rows = len(seq.tokens) - 1
+        if self._uniform_greedy(requests):
+            return self._draft_greedy_on_device(requests, seqs, logits, prenorm), [[] for _ in requests]
         generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -215,6 +209,50 @@ class Eagle3Proposer:
             for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows)):
                 drafts[i].append(token)
         return drafts, q_rows
+
+    @staticmethod
+    def _uniform_greedy(requests: list[ProposeRequest]) -> bool:
+        """One k for every sequence and none sampled: the drafts can stay on the device between steps."""
+        return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy for r in requests)
+
+    def _draft_greedy_on_device(self, requests, seqs, logits, prenorm) -> list[list[int]]:
+        """Greedy drafts of one k for every sequence, each step fed by the last without the host.
+
+        The per-step loop below reads every draft back (``tolist``) before it can build the
+        next pass, so a GPU idles between the head's small passes. Here each step's argmax
+        (banned ids masked while ``min_tokens`` bans them) stays a device tensor that feeds
+        the next pass, and the k drafts come back in one copy at the end: the passes queue
+        back to back. The drafts are the per-step loop's, token for token.
+        """
+        b, k = len(requests), requests[0].num_tokens
+        banned = torch.zeros((b, self.head.config.draft_vocab_size), dtype=torch.bool, device=self.device)
+        for i, r in enumerate(requests):  # [B, draft_vocab]: the draft ids whose target ids are banned
+            if r.banned_token_ids and r.num_banned_tokens:
+                banned[i] = torch.isin(self._draft_targets, torch.tensor(r.banned_token_ids, device=self.device))
+        num_banned = torch.tensor([r.num_banned_tokens for r in requests], device=self.device)  # [B]
+        base = torch.tensor([len(seq.tokens) - 2 for seq in seqs], dtype=torch.long, device=self.device)  # [B]
+        slots = torch.tensor([self.cache.slot(r.seq_id) for r in requests], dtype=torch.long, device=self.device)
+        ones = torch.ones(b, dtype=torch.long, device=self.device)  # [B]: one new token per row
+        drafts = []  # k x [B] target ids
+        for step in range(k):
+            if step:  # the last draft and the head's own pre-norm output of the row before
+                logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots)
+            masked = logits.masked_fill(banned & (step < num_banned)[:, None], float("-inf"))  # [B, draft_vocab]
+            drafts.append(self._draft_targets[masked.argmax(-1)])  # [B]
+        return torch.stack(drafts, 1).tolist()  # [B, k]: the one copy to the host
+
+    def _pass(self, input_ids, hidden, starts, num_new, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of device tensors ([B, S] ids, [B, S, h] hidden, [B] each): the last row's logits and pre-norm."""
+        b, s = input_ids.shape
+        bucket = self.graphs.bucket(b, s) if self.graphs is not None else None
+        if bucket is not None:  # [B', S', ...] for the bucket's (B', S'): rows past b and s are padding
+            logits, prenorm = self.graphs.run_head(bucket, input_ids, hidden, starts, num_new, slots)
+        else:
+            kv_len = int((starts + num_new).max())
+            logits, prenorm = self._head_forward(input_ids, hidden, starts, num_new, slots, self.cache.kv, kv_len)
+        last = num_new - 1  # [B]
+        rows = torch.arange(b, device=self.device)
+        return logits[rows, last], prenorm[rows, last]  # [B, draft_vocab], [B, h]
 
     def _pick(self, requests, live, step, logits, generators, q_rows) -> list[int]:
         """Each live sequence's next draft. A greedy row takes the argmax over the draft vocabulary (its
