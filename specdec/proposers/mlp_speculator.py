@@ -90,8 +90,8 @@ class MLPSpeculatorProposer:
         state = self.model.first_state(torch.stack([s.last_hidden for s in seqs]))  # [B, emb_dim]
         tokens = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=self.device)  # [B]
         generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
-        drafts: list[list[int]] = [[] for _ in requests]
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        picks: list[torch.Tensor] = []  # one [B] per stage, on the device: read back once, after the last stage
         for step in range(max(r.num_tokens for r in requests)):
             logits, state = self.model.stage(step, state, tokens)  # [B, vocab], [B, inner]
             logits = logits.float()
@@ -106,7 +106,6 @@ class MLPSpeculatorProposer:
                     if r.num_tokens > step:
                         q_rows[i].append(q)
             tokens = torch.cat(picked)  # [B]
-            for i, token in enumerate(tokens.tolist()):
-                if requests[i].num_tokens > step:
-                    drafts[i].append(token)
-        return drafts, q_rows
+            picks.append(tokens)
+        rows = torch.stack(picks, 1).tolist()  # [B, max k]
+        return [row[: r.num_tokens] for row, r in zip(rows, requests)], q_rows
