@@ -42,7 +42,7 @@ step "lossless on GPU (shipped models, float32)" 70 $PY scripts/benchmark_engine
   --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4 --concurrency 1,4 --num-prompts 8 \
   --max-tokens 64 --rounds 1 --commit "$COMMIT" --out-dir "$OUT/tiny"
 
-step "random checkpoints" 120 bash -c "
+step "random checkpoints" 90 bash -c "
   $PY scripts/make_random_model.py --preset llama-1b --vocab-size 128256 --out $MODELS/llama-1b &&
   $PY scripts/make_random_model.py --preset llama-125m --vocab-size 128256 --out $MODELS/llama-125m &&
   $PY scripts/make_random_model.py --head eagle3 --target $MODELS/llama-1b --out $MODELS/llama-1b-eagle3 &&
@@ -51,7 +51,7 @@ step "random checkpoints" 120 bash -c "
 RANDOM_PAIR=(--device cuda --dtype bfloat16 --target "$MODELS/llama-1b" --draft "$MODELS/llama-125m"
   --eagle3 "$MODELS/llama-1b-eagle3" --mlp-speculator "$MODELS/llama-1b-mlp" --prompts random
   --synthetic-acceptance-rate "$RATE" --commit "$COMMIT")
-step "1B, CUDA graphs" 150 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs on \
+step "1B, CUDA graphs" 200 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs on \
   --configs k0,draft_model:2,draft_model:4,eagle3:2,eagle3:4,mlp_speculator:3 --concurrency 1,4,16 \
   --num-prompts 16 --max-tokens 64 --rounds ${ROUNDS:-2} --out-dir "$OUT/1b"
 
