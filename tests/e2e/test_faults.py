@@ -164,8 +164,11 @@ def test_an_abandoned_http_request_is_cut_at_max_request_seconds_and_a_dead_mode
     server = stopping_server
     generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
     start = time.monotonic()
-    with pytest.raises(GenerateError, match=r"max_request_seconds=3"):  # HTTP /generate: one response, never streamed
-        generate_http(server.http_url, "ensemble", PROMPTS[1], {"max_tokens": 1900, "min_tokens": 1900})
+    # HTTP /generate: one response, never streamed. k = 0: a loop the draft predicts whole could otherwise
+    # emit the 1900 tokens in under the limit, at up to k + 1 tokens a step
+    with pytest.raises(GenerateError, match=r"max_request_seconds=3"):
+        generate_http(server.http_url, "ensemble", PROMPTS[1],
+                      {"max_tokens": 1900, "min_tokens": 1900, "num_speculative_tokens": 0})  # fmt: skip
     assert MAX_REQUEST_SECONDS <= time.monotonic() - start < MAX_REQUEST_SECONDS + 5
     wait_until_idle(server)
     killed_at = time.monotonic()
