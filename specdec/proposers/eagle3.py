@@ -173,7 +173,8 @@ class Eagle3Proposer:
         num_new = torch.tensor([len(t) for t in token_lists], dtype=torch.long, device=self.device)  # [B]
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
-        return self._pass(input_ids, hidden, starts_t, num_new, slots)
+        kv_len = max(start + len(t) for start, t in zip(starts, token_lists))
+        return self._pass(input_ids, hidden, starts_t, num_new, slots, kv_len)
 
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         if not requests:
@@ -218,8 +219,8 @@ class Eagle3Proposer:
     def _draft_greedy_on_device(self, requests, seqs, logits, prenorm) -> list[list[int]]:
         """Greedy drafts of one k for every sequence, each step fed by the last without the host.
 
-        The per-step loop below reads every draft back (``tolist``) before it can build the
-        next pass, so a GPU idles between the head's small passes. Here each step's argmax
+        The per-step loop (sampled or mixed-k batches) reads every draft back before it can
+        build the next pass, so a GPU idles between the head's small passes. Here each step's argmax
         (banned ids masked while ``min_tokens`` bans them) stays a device tensor that feeds
         the next pass, and the k drafts come back in one copy at the end: the passes queue
         back to back. The drafts are the per-step loop's, token for token.
@@ -230,25 +231,29 @@ class Eagle3Proposer:
             if r.banned_token_ids and r.num_banned_tokens:
                 banned[i] = torch.isin(self._draft_targets, torch.tensor(r.banned_token_ids, device=self.device))
         num_banned = torch.tensor([r.num_banned_tokens for r in requests], device=self.device)  # [B]
-        base = torch.tensor([len(seq.tokens) - 2 for seq in seqs], dtype=torch.long, device=self.device)  # [B]
+        bases = [len(seq.tokens) - 2 for seq in seqs]  # the position of each row's step 1 is base + 1
+        base = torch.tensor(bases, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(r.seq_id) for r in requests], dtype=torch.long, device=self.device)
         ones = torch.ones(b, dtype=torch.long, device=self.device)  # [B]: one new token per row
         drafts = []  # k x [B] target ids
         for step in range(k):
             if step:  # the last draft and the head's own pre-norm output of the row before
-                logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots)
+                logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots,
+                                             max(bases) + step + 1)  # fmt: skip
             masked = logits.masked_fill(banned & (step < num_banned)[:, None], float("-inf"))  # [B, draft_vocab]
             drafts.append(self._draft_targets[masked.argmax(-1)])  # [B]
         return torch.stack(drafts, 1).tolist()  # [B, k]: the one copy to the host
 
-    def _pass(self, input_ids, hidden, starts, num_new, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of device tensors ([B, S] ids, [B, S, h] hidden, [B] each): the last row's logits and pre-norm."""
+    def _pass(self, input_ids, hidden, starts, num_new, slots, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of device tensors ([B, S] ids, [B, S, h] hidden, [B] each): the last row's logits and pre-norm.
+
+        ``kv_len`` (positions attended, from the host's own counts) bounds an eager pass without
+        reading the device; a captured one spans the whole cache."""
         b, s = input_ids.shape
         bucket = self.graphs.bucket(b, s) if self.graphs is not None else None
         if bucket is not None:  # [B', S', ...] for the bucket's (B', S'): rows past b and s are padding
             logits, prenorm = self.graphs.run_head(bucket, input_ids, hidden, starts, num_new, slots)
         else:
-            kv_len = int((starts + num_new).max())
             logits, prenorm = self._head_forward(input_ids, hidden, starts, num_new, slots, self.cache.kv, kv_len)
         last = num_new - 1  # [B]
         rows = torch.arange(b, device=self.device)
