@@ -226,11 +226,14 @@ class Eagle3Proposer:
         back to back. The drafts are the per-step loop's, token for token.
         """
         b, k = len(requests), requests[0].num_tokens
-        banned = torch.zeros((b, self.head.config.draft_vocab_size), dtype=torch.bool, device=self.device)
-        for i, r in enumerate(requests):  # [B, draft_vocab]: the draft ids whose target ids are banned
-            if r.banned_token_ids and r.num_banned_tokens:
-                banned[i] = torch.isin(self._draft_targets, torch.tensor(r.banned_token_ids, device=self.device))
-        num_banned = torch.tensor([r.num_banned_tokens for r in requests], device=self.device)  # [B]
+        banning = [i for i, r in enumerate(requests) if r.banned_token_ids and r.num_banned_tokens]
+        banned = None  # [B, draft_vocab]: the draft ids whose target ids are banned, where any are
+        if banning:
+            banned = torch.zeros((b, self.head.config.draft_vocab_size), dtype=torch.bool, device=self.device)
+            for i in banning:
+                ids = torch.tensor(requests[i].banned_token_ids, device=self.device)
+                banned[i] = torch.isin(self._draft_targets, ids)
+            num_banned = torch.tensor([r.num_banned_tokens for r in requests], device=self.device)  # [B]
         bases = [len(seq.tokens) - 2 for seq in seqs]  # the position of each row's step 1 is base + 1
         base = torch.tensor(bases, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(r.seq_id) for r in requests], dtype=torch.long, device=self.device)
@@ -240,8 +243,9 @@ class Eagle3Proposer:
             if step:  # the last draft and the head's own pre-norm output of the row before
                 logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots,
                                              max(bases) + step + 1)  # fmt: skip
-            masked = logits.masked_fill(banned & (step < num_banned)[:, None], float("-inf"))  # [B, draft_vocab]
-            drafts.append(self._draft_targets[masked.argmax(-1)])  # [B]
+            if banned is not None:
+                logits = logits.masked_fill(banned & (step < num_banned)[:, None], float("-inf"))  # [B, draft_vocab]
+            drafts.append(self._draft_targets[logits.argmax(-1)])  # [B]
         return torch.stack(drafts, 1).tolist()  # [B, k]: the one copy to the host
 
     def _pass(self, input_ids, hidden, starts, num_new, slots, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
