@@ -137,7 +137,7 @@ def step_times(lm: FastCausalLM, ks: list[int], context: int, repeats: int) -> d
 
 
 class Run:
-    """One run's measurements as they accumulate; ``document()`` at any point is what was measured so far."""
+    """One run's measurements as they accumulate; ``sections()`` at any point is what was measured so far."""
 
     def __init__(self, args):
         self.args = args
@@ -251,12 +251,21 @@ def _numeric(value) -> bool:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each row against k0 of the same graphs setting and concurrency, and against HF plain."""
-    k0 = {(r["graphs"], r["concurrency"]): r["tokens_per_s_aggregate"] for r in rows if r["method"] == "k0"}
+    """Each row against k0 of the same graphs setting and concurrency, and against HF plain.
+
+    ``x_k0`` is the median of the per-round ratios (``x_k0_rounds``): round r of a
+    configuration ran beside round r of k0, so the pair shares the machine's speed then.
+    """
+    k0 = {(r["graphs"], r["concurrency"]): r for r in rows if r["method"] == "k0"}
     hf = next((r["tokens_per_s_aggregate"] for r in rows if r["config"] == HF_PLAIN), None)
     for row in rows:
         base = k0.get((row.get("graphs"), row["concurrency"]))
-        row["x_k0"] = row["tokens_per_s_aggregate"] / base if base else None
+        if base is not None:
+            pairs = zip(row["tokens_per_s_rounds"], base["tokens_per_s_rounds"])
+            row["x_k0_rounds"] = [a / b for a, b in pairs]
+            row["x_k0"] = statistics.median(row["x_k0_rounds"]) if row["x_k0_rounds"] else None
+        else:
+            row["x_k0"] = None
         row["x_hf_plain"] = row["tokens_per_s_aggregate"] / hf if hf else None
         if "bound" in row and row["x_k0"]:
             row["efficiency"] = row["x_k0"] / row["bound"]
