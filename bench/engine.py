@@ -11,6 +11,7 @@ come from ``scripts/benchmark.py``. Nothing here imports ``tritonclient``.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -46,8 +47,8 @@ class LocalStages:
 
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
         return [
-            self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed if c.seed is not None else 0, c.method,
-                         c.position)  # fmt: skip
+            self.sampler(c.draft_token_ids, c.draft_probs, c.verify,
+                         c.seed if c.seed is not None else secrets.randbits(63), c.method, c.position)  # fmt: skip
             for c in calls
         ]
 
@@ -75,13 +76,13 @@ class PhaseResult:
         drafting = [s for s in self.steps if any(seq.num_draft_tokens for seq in s.sequences)]
         propose_s = sum(s.calls["propose"][1] for s in self.steps if "propose" in s.calls)
         verify_s = sum(s.calls["verify"][1] for s in self.steps if "verify" in s.calls)
-        decode_steps = sum(s.num_sequences for s in self.steps)  # sequence-steps (prefills included)
+        sequence_steps = sum(s.num_sequences for s in self.steps)  # one per sequence per step, prefills included
         return {
             **latency_summary(self.timings, self.elapsed_s),
             **self.acceptance.as_dict(),
             "steps": len(self.steps),
-            "decode_steps": decode_steps,
-            "mean_sequences_per_step": decode_steps / len(self.steps) if self.steps else 0.0,
+            "sequence_steps": sequence_steps,
+            "mean_sequences_per_step": sequence_steps / len(self.steps) if self.steps else 0.0,
             "step_ms_mean": 1e3 * self.elapsed_s / len(self.steps) if self.steps else float("nan"),
             "propose_ms_per_drafting_step": 1e3 * propose_s / len(drafting) if drafting else 0.0,
             "verify_ms_per_step": 1e3 * verify_s / len(self.steps) if self.steps else float("nan"),

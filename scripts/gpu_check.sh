@@ -6,7 +6,7 @@
 #   2. losslessness on the GPU: the shipped pair and heads in float32, every method's greedy
 #      output against k = 0 of the same engine and against HF generate (benchmark_engine.py
 #      fails on any difference);
-#   3. speed on a 1.2B random-weight target (Llama-3.2-1B's shape and 128k vocabulary, bfloat16,
+#   3. speed on a 1.5 B random-weight target (Llama-3.2-1B's shape, untied 128k vocabulary, bfloat16,
 #      synthetic acceptance): k = 0 against
 #      a draft model, EAGLE-3 and the MLP speculator, with CUDA graphs, then the same without.
 # Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs.

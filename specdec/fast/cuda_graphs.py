@@ -38,15 +38,6 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def smallest_bucket(
-    batch_sizes: tuple[int, ...], num_tokens: tuple[int, ...], batch_size: int, tokens: int
-) -> tuple[int, int] | None:
-    """The smallest captured (batch, tokens) shape that holds a pass, or None (run it eagerly)."""
-    b = next((x for x in batch_sizes if x >= batch_size), None)
-    s = next((x for x in num_tokens if x >= tokens), None)
-    return None if b is None or s is None else (b, s)
-
-
 @torch.inference_mode()
 def capture_passes(batch_sizes: tuple[int, ...], num_tokens: tuple[int, ...], forward: Callable[[int, int], object],
                    pool=None) -> tuple[dict, dict, object]:  # fmt: skip
@@ -98,7 +89,10 @@ class StaticShapeRunner:
         self.slots = torch.full((max_b,), cache.scratch_slot, dtype=torch.long, device=device)  # [max_b]
 
     def bucket(self, batch_size: int, num_tokens: int) -> tuple[int, int] | None:
-        return smallest_bucket(self.batch_sizes, self.num_tokens, batch_size, num_tokens)
+        """The smallest (batch, tokens) shape that holds the pass, or None (run it eagerly)."""
+        b = next((x for x in self.batch_sizes if x >= batch_size), None)
+        s = next((x for x in self.num_tokens if x >= num_tokens), None)
+        return None if b is None or s is None else (b, s)
 
     def run(
         self,

@@ -161,7 +161,6 @@ class FastCausalLM:
         """
         if self.graphs is None or not hidden_layers:
             return self.graphs
-        hidden_layers = tuple(hidden_layers)  # a key: requests may name the layers in a list
         runner = self._graphs_with_hidden.get(hidden_layers)
         if runner is None:
             with timed_phase(self._log, f"capturing CUDA graphs with hidden states {list(hidden_layers)}"):

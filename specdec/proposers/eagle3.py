@@ -193,8 +193,9 @@ class Eagle3Proposer:
         logits, prenorm = self._forward([r.seq_id for r in requests], starts, tokens, hidden)
         for seq in seqs:
             seq.rows = len(seq.tokens) - 1
+        bans = self._ban_masks(requests)
         if self._uniform_greedy(requests):
-            return self._draft_greedy_on_device(requests, seqs, logits, prenorm), [[] for _ in requests]
+            return self._draft_greedy_on_device(requests, seqs, logits, prenorm, bans), [[] for _ in requests]
         generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -207,7 +208,7 @@ class Eagle3Proposer:
                     [[drafts[i][-1]] for i in live], [prenorm[i : i + 1] for i in live],
                 )  # fmt: skip
                 logits, prenorm = _scatter(logits, prenorm, live, rows)
-            for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows)):
+            for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows, bans)):
                 drafts[i].append(token)
         return drafts, q_rows
 
@@ -216,7 +217,7 @@ class Eagle3Proposer:
         """One k for every sequence and none sampled: the drafts can stay on the device between steps."""
         return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy for r in requests)
 
-    def _draft_greedy_on_device(self, requests, seqs, logits, prenorm) -> list[list[int]]:
+    def _draft_greedy_on_device(self, requests, seqs, logits, prenorm, bans) -> list[list[int]]:
         """Greedy drafts of one k for every sequence, each step fed by the last without the host.
 
         The per-step loop (sampled or mixed-k batches) reads every draft back before it can
@@ -226,14 +227,6 @@ class Eagle3Proposer:
         back to back. The drafts are the per-step loop's, token for token.
         """
         b, k = len(requests), requests[0].num_tokens
-        banning = [i for i, r in enumerate(requests) if r.banned_token_ids and r.num_banned_tokens]
-        banned = None  # [B, draft_vocab]: the draft ids whose target ids are banned, where any are
-        if banning:
-            banned = torch.zeros((b, self.head.config.draft_vocab_size), dtype=torch.bool, device=self.device)
-            for i in banning:
-                ids = torch.tensor(requests[i].banned_token_ids, device=self.device)
-                banned[i] = torch.isin(self._draft_targets, ids)
-            num_banned = torch.tensor([r.num_banned_tokens for r in requests], device=self.device)  # [B]
         bases = [len(seq.tokens) - 2 for seq in seqs]  # the position of each row's step 1 is base + 1
         base = torch.tensor(bases, dtype=torch.long, device=self.device)  # [B]
         slots = torch.tensor([self.cache.slot(r.seq_id) for r in requests], dtype=torch.long, device=self.device)
@@ -243,9 +236,7 @@ class Eagle3Proposer:
             if step:  # the last draft and the head's own pre-norm output of the row before
                 logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots,
                                              max(bases) + step + 1)  # fmt: skip
-            if banned is not None:
-                logits = logits.masked_fill(banned & (step < num_banned)[:, None], float("-inf"))  # [B, draft_vocab]
-            drafts.append(self._draft_targets[logits.argmax(-1)])  # [B]
+            drafts.append(self._greedy_ids(logits, step, bans))  # [B]
         return torch.stack(drafts, 1).tolist()  # [B, k]: the one copy to the host
 
     def _pass(self, input_ids, hidden, starts, num_new, slots, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,21 +254,32 @@ class Eagle3Proposer:
         rows = torch.arange(b, device=self.device)
         return logits[rows, last], prenorm[rows, last]  # [B, draft_vocab], [B, h]
 
-    def _pick(self, requests, live, step, logits, generators, q_rows) -> list[int]:
-        """Each live sequence's next draft. A greedy row takes the argmax over the draft vocabulary (its
-        banned ids masked there) mapped to a target id, with no target-vocabulary row built; a sampled
-        row's ``q`` is put back on the target's vocabulary, as rejection sampling compares it there."""
+    def _ban_masks(self, requests: list[ProposeRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each sequence's banned draft ids ([B, draft_vocab] bool: those whose target ids ``min_tokens``
+        bans) and how many of its drafts they bind ([B]); None when no sequence bans any."""
+        banning = [i for i, r in enumerate(requests) if r.banned_token_ids and r.num_banned_tokens]
+        if not banning:
+            return None
+        mask = torch.zeros((len(requests), self.head.config.draft_vocab_size), dtype=torch.bool, device=self.device)
+        for i in banning:
+            mask[i] = torch.isin(self._draft_targets, torch.tensor(requests[i].banned_token_ids, device=self.device))
+        return mask, torch.tensor([r.num_banned_tokens for r in requests], device=self.device)
+
+    def _greedy_ids(self, logits: torch.Tensor, step: int, bans, rows: list[int] | None = None) -> torch.Tensor:
+        """The argmax over the draft vocabulary of ``logits`` [n, draft_vocab] (the requests' ``rows``, all
+        if None), banned ids masked while they bind, mapped to target ids [n]; no target-vocabulary row."""
+        if bans is not None:
+            mask, num_banned = bans if rows is None else (bans[0][rows], bans[1][rows])
+            logits = logits.masked_fill(mask & (step < num_banned)[:, None], float("-inf"))
+        return self._draft_targets[logits.argmax(-1)]
+
+    def _pick(self, requests, live, step, logits, generators, q_rows, bans) -> list[int]:
+        """Each live sequence's next draft: a greedy row's is ``_greedy_ids``; a sampled row's ``q`` is put
+        back on the target's vocabulary, as rejection sampling compares it there."""
         picked = {}
         greedy = [i for i in live if generators[i] is None]
         if greedy:
-            rows = logits[greedy]  # [n, draft_vocab]
-            banned = [requests[i].banned_token_ids if step < requests[i].num_banned_tokens else () for i in greedy]
-            if any(banned):
-                rows = rows.clone()
-                for row, ids in zip(rows, banned):
-                    if ids:
-                        row[torch.isin(self._draft_targets, torch.tensor(ids, device=row.device))] = float("-inf")
-            picked.update(zip(greedy, self._draft_targets[rows.argmax(-1)].tolist()))
+            picked.update(zip(greedy, self._greedy_ids(logits[greedy], step, bans, greedy).tolist()))
         for i in live:
             if generators[i] is None:
                 continue
