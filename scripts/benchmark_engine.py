@@ -19,7 +19,8 @@ and the proposer's measured cost per step, with the efficiency against it. With
 ``--synthetic-acceptance-rate R`` (random-weight checkpoints, whose drafts the target
 never accepts) each draft position is accepted with probability R whatever the tokens
 are; otherwise decoding is greedy and every configuration's output must equal k0's token
-for token, or the run fails. Writes ``benchmarks/results/engine-<UTC date-time>-<commit>.json``.
+for token, or the run fails. On a CPU the forwards run uncompiled (the served models'
+``cpu_compile`` is not applied here): its CPU steps are slower than the served models'. Writes ``benchmarks/results/engine-<UTC date-time>-<commit>.json``.
 
     python scripts/benchmark_engine.py --target models/tiny-target --draft models/tiny-draft \\
         --configs k0,draft_model:4,eagle3:4 --eagle3 models/tiny-eagle3 --concurrency 1,4
