@@ -87,6 +87,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "tiny-target")
     p.add_argument("--draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
+    p.add_argument("--eagle3", type=Path, default=REPO_ROOT / "models" / "tiny-eagle3",
+                   help="the EAGLE-3 head the eagle3 servers load (draft_model of method eagle3)")
+    p.add_argument("--mlp-speculator", type=Path, default=REPO_ROOT / "models" / "tiny-mlp-speculator",
+                   help="the MLP speculator the mlp_speculator servers load")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--methods", default="suffix,draft_model,ngram", help="draft_proposer methods, comma-separated")
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
@@ -241,8 +245,9 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
         edits[ORCHESTRATOR].update(num_speculative_tokens_per_batch_size="", speculative_disable_by_batch_size="0")
     if fixed and max(args.ks) > shipped_k:  # a request may ask for at most the configured k
         edits[ORCHESTRATOR]["num_speculative_tokens"] = str(max(args.ks))
-    if method == "draft_model":
-        edits[PROPOSER_MODEL]["draft_model"] = str(args.draft.resolve())
+    heads = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
+    if method in heads:  # draft_model names the checkpoint of each learned method
+        edits[PROPOSER_MODEL]["draft_model"] = str(heads[method].resolve())
     if method == "suffix":  # every phase sends the same prompts: a global tree would draft earlier phases' outputs
         edits[PROPOSER_MODEL]["suffix_decoding_max_cached_requests"] = "0"
     if args.synthetic_acceptance_rate is not None:
