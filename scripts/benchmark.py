@@ -234,7 +234,8 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
     row measures that k; the ``default`` row has a server of its own, as shipped.
     """
     edits = {
-        PROPOSER_MODEL: {"method": method},
+        # target_model: the checkpoint a head drafts for (the proposer checks that the head fits it)
+        PROPOSER_MODEL: {"method": method, "target_model": str(args.target.resolve())},
         TARGET_MODEL: {"target_model": str(args.target.resolve())},
         # ids must index the target's vocabulary, so the target's tokenizer encodes and decodes
         TOKENIZER_MODEL: {"tokenizer_dir": str(args.target.resolve())},

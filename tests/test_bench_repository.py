@@ -77,3 +77,20 @@ def test_the_repeat_benchmark_serves_a_here_config_with_both_models_in_the_orche
             parameters = get_parameters((repository / model / "config.pbtxt").read_text())
             assert parameters["run_in_orchestrator"] == expected, (repository, model)
     assert get_parameters((here / "draft_proposer" / "config.pbtxt").read_text())["method"] == "eagle3"
+
+
+def test_the_served_benchmark_points_each_method_at_its_checkpoint_and_the_target(tmp_path):
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark", REPO_ROOT / "scripts" / "benchmark.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    target, draft, eagle3, mlp = (tmp_path / name for name in ("target", "draft", "eagle3", "mlp"))
+    args = argparse.Namespace(target=target, draft=draft, eagle3=eagle3, mlp_speculator=mlp, ks=[2],
+                              synthetic_acceptance_rate=None)  # fmt: skip
+    for method, checkpoint in (("draft_model", draft), ("eagle3", eagle3), ("mlp_speculator", mlp), ("ngram", None)):
+        proposer = script.server_edits(args, method, shipped_k=4, fixed=True)["draft_proposer"]
+        assert proposer["method"] == method
+        assert proposer["target_model"] == str(target.resolve())  # a head is checked against the served target
+        assert proposer.get("draft_model") == (str(checkpoint.resolve()) if checkpoint else None)
