@@ -246,9 +246,9 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
         edits[ORCHESTRATOR].update(num_speculative_tokens_per_batch_size="", speculative_disable_by_batch_size="0")
     if fixed and max(args.ks) > shipped_k:  # a request may ask for at most the configured k
         edits[ORCHESTRATOR]["num_speculative_tokens"] = str(max(args.ks))
-    heads = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
-    if method in heads:  # draft_model names the checkpoint of each learned method
-        edits[PROPOSER_MODEL]["draft_model"] = str(heads[method].resolve())
+    checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
+    if method in checkpoints:  # draft_model names the checkpoint of each learned method
+        edits[PROPOSER_MODEL]["draft_model"] = str(checkpoints[method].resolve())
     if method == "suffix":  # every phase sends the same prompts: a global tree would draft earlier phases' outputs
         edits[PROPOSER_MODEL]["suffix_decoding_max_cached_requests"] = "0"
     if args.synthetic_acceptance_rate is not None:
