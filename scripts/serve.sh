@@ -36,7 +36,9 @@ if ! (cd / && "$PYTHON" -c "import specdec, specdec_triton" 2>/dev/null); then
     exit 1
 fi
 if ! "$PYTHON" -c "import numpy, sys; sys.exit(int(numpy.__version__.split('.')[0]) >= 2)"; then
-    echo "serve.sh: the Python backend stub needs numpy<2 in $VENV" >&2
+    # Triton 2.51's stub is built against numpy 1.x: under numpy 2 it hands BYTES tensors over
+    # corrupted (a request's text fails in deserialize_bytes_tensor), so refuse to start instead.
+    echo "serve.sh: the Python backend stub of Triton 2.51 needs numpy<2 in $VENV (pip install 'numpy<2')" >&2
     exit 1
 fi
 
