@@ -57,6 +57,31 @@ def absolute_paths(pbtxt: str, base_dir: Path) -> dict[str, str]:
     return out
 
 
+def checkpoint_edits(
+    target: Path | None = None, method: str | None = None, draft: Path | None = None, tokenizer: Path | None = None,
+) -> dict[str, dict[str, str]]:
+    """The ``make_variant`` edits that serve these checkpoints, as absolute paths.
+
+    The target goes to every model that reads it: target_verifier, draft_proposer (which
+    checks a head against the target it drafts for) and, unless ``tokenizer`` names
+    another, the tokenizer and detokenizer (the target's tokenizer is the one whose ids
+    index its logits). ``draft`` is ``method``'s checkpoint: a draft model or a head.
+    """
+    edits: dict[str, dict[str, str]] = {}
+    tokenizer = tokenizer or target
+    if target:
+        edits["target_verifier"] = {"target_model": str(Path(target).resolve())}
+        edits["draft_proposer"] = {"target_model": str(Path(target).resolve())}
+    if tokenizer:
+        for model in ("tokenizer", "detokenizer"):
+            edits[model] = {"tokenizer_dir": str(Path(tokenizer).resolve())}
+    if method:
+        edits.setdefault("draft_proposer", {})["method"] = method
+    if draft:
+        edits.setdefault("draft_proposer", {})["draft_model"] = str(Path(draft).resolve())
+    return edits
+
+
 def make_variant(source: Path, dest: Path, edits: dict[str, dict[str, str]]) -> Path:
     """Copy the repository ``source`` to ``dest`` and apply ``{model: {key: value}}`` edits."""
     source, dest = Path(source).resolve(), Path(dest)

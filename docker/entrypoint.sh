@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The images' entry point: serve the image's model repository, or a copy made for mounted checkpoints.
 #
-#   SPECDEC_TARGET=/models/target [SPECDEC_DRAFT=/models/draft] [SPECDEC_PARAMS="MODEL.KEY=VALUE ..."]
+#   SPECDEC_TARGET=/models/target [SPECDEC_DRAFT=/models/draft] [SPECDEC_METHOD=method]
+#   [SPECDEC_PARAMS="MODEL.KEY=VALUE ..."]
 #
-# With SPECDEC_TARGET set, scripts/new_repository.sh writes a repository for it under /tmp (the
-# draft: SPECDEC_DRAFT, or n-gram prompt lookup when unset) and that one is served. Arguments go
-# to scripts/serve.sh and on to tritonserver (a --model-repository among them serves a mounted one).
+# With SPECDEC_TARGET set, scripts/new_repository.sh writes a repository for it under /tmp and
+# that one is served. SPECDEC_METHOD: draft_model (the default with SPECDEC_DRAFT), eagle3 or
+# mlp_speculator (SPECDEC_DRAFT names the head), ngram (the default without) or suffix. Arguments
+# go to scripts/serve.sh and on to tritonserver (a --model-repository among them serves a mounted one).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -14,10 +16,26 @@ if [[ -n "${SPECDEC_TARGET:-}" ]]; then
     repository="${TMPDIR:-/tmp}/specdec_model_repository"
     rm -rf "$repository"
     options=(--target "$SPECDEC_TARGET")
-    if [[ -n "${SPECDEC_DRAFT:-}" ]]; then
-        options+=(--draft "$SPECDEC_DRAFT")
-    else
-        options+=(--ngram)
+    draft="${SPECDEC_DRAFT:-}"
+    method="${SPECDEC_METHOD:-$([[ -n "$draft" ]] && echo draft_model || echo ngram)}"
+    case "$method" in
+        draft_model) options+=(--draft "$draft") ;;
+        eagle3) options+=(--eagle3 "$draft") ;;
+        mlp_speculator) options+=(--mlp-speculator "$draft") ;;
+        ngram | suffix) options+=("--$method") ;;
+        *)
+            echo "entrypoint: SPECDEC_METHOD must be draft_model, eagle3, mlp_speculator, ngram or suffix," \
+                "got '$method'" >&2
+            exit 2 ;;
+    esac
+    if [[ "$method" == ngram || "$method" == suffix ]]; then
+        if [[ -n "$draft" ]]; then
+            echo "entrypoint: SPECDEC_METHOD=$method drafts without a checkpoint; unset SPECDEC_DRAFT" >&2
+            exit 2
+        fi
+    elif [[ -z "$draft" ]]; then
+        echo "entrypoint: SPECDEC_METHOD=$method needs SPECDEC_DRAFT (its checkpoint)" >&2
+        exit 2
     fi
     read -r -a settings <<< "${SPECDEC_PARAMS:-}"  # split on spaces, no glob: a value may be a regex
     for setting in "${settings[@]}"; do

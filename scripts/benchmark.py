@@ -49,19 +49,17 @@ from bench.bound import forward_ms
 from bench.client import Job
 from bench.hf import generation_config, run_hf
 from bench.phase import (
-    DETOKENIZER_MODEL,
     ORCHESTRATOR,
     PROPOSER_MODEL,
     SAMPLER_MODEL,
     TARGET_MODEL,
-    TOKENIZER_MODEL,
     PhaseMeasurement,
     Progress,
     measure_phase,
     phase_row,
     warm_up,
 )
-from bench.repository import get_parameters, make_variant
+from bench.repository import checkpoint_edits, get_parameters, make_variant
 from bench.results import (
     DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
     match_reference, step_time_keys,
@@ -233,22 +231,13 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
     batch-size table and ``speculative_disable_by_batch_size`` cleared), so each ``k=K``
     row measures that k; the ``default`` row has a server of its own, as shipped.
     """
-    edits = {
-        # target_model: the checkpoint a head drafts for (the proposer checks that the head fits it)
-        PROPOSER_MODEL: {"method": method, "target_model": str(args.target.resolve())},
-        TARGET_MODEL: {"target_model": str(args.target.resolve())},
-        # ids must index the target's vocabulary, so the target's tokenizer encodes and decodes
-        TOKENIZER_MODEL: {"tokenizer_dir": str(args.target.resolve())},
-        DETOKENIZER_MODEL: {"tokenizer_dir": str(args.target.resolve())},
-    }
+    checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
+    edits = checkpoint_edits(args.target, method, checkpoints.get(method))
     edits[ORCHESTRATOR] = {}
     if fixed:
         edits[ORCHESTRATOR].update(num_speculative_tokens_per_batch_size="", speculative_disable_by_batch_size="0")
     if fixed and max(args.ks) > shipped_k:  # a request may ask for at most the configured k
         edits[ORCHESTRATOR]["num_speculative_tokens"] = str(max(args.ks))
-    checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
-    if method in checkpoints:  # draft_model names the checkpoint of each learned method
-        edits[PROPOSER_MODEL]["draft_model"] = str(checkpoints[method].resolve())
     if method == "suffix":  # every phase sends the same prompts: a global tree would draft earlier phases' outputs
         edits[PROPOSER_MODEL]["suffix_decoding_max_cached_requests"] = "0"
     if args.synthetic_acceptance_rate is not None:

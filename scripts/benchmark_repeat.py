@@ -35,7 +35,7 @@ from bench import report
 from bench.client import Job
 from bench.phase import PROPOSER_MODEL, ORCHESTRATOR, Progress, measure_phase, phase_row, warm_up
 from bench.repeat import COLUMNS, RepeatPhase, summary_rows, templated_prompts
-from bench.repository import make_variant
+from bench.repository import checkpoint_edits, make_variant
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.workload import held_out_texts, select_prompts
 from specdec.heads import HEAD_METHODS
@@ -76,15 +76,11 @@ def parse_args() -> argparse.Namespace:
 def server_repository(args, name: str, k: int, workdir: Path) -> Path:
     method = name.removesuffix(HERE)
     here = {"run_in_orchestrator": "true"} if name.endswith(HERE) else {}
-    edits = {
-        PROPOSER_MODEL: {"method": method, "target_model": str(args.target.resolve()),
-                         "draft_model": str((args.head if method in HEAD_METHODS else args.draft).resolve()), **here},
-        "target_verifier": {"target_model": str(args.target.resolve()), **here},
-        "tokenizer": {"tokenizer_dir": str(args.target.resolve())},
-        "detokenizer": {"tokenizer_dir": str(args.target.resolve())},
-        ORCHESTRATOR: {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
-                       "speculative_disable_by_batch_size": "0"},
-    }  # fmt: skip
+    edits = checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft)
+    for model in (PROPOSER_MODEL, "target_verifier"):
+        edits[model].update(here)
+    edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
+                           "speculative_disable_by_batch_size": "0"}  # fmt: skip
     return make_variant(args.repository, workdir / f"repo-{name}", edits)
 
 

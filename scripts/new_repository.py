@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Write a copy of the model repository to tune or to serve other checkpoints.
 
-    scripts/new_repository.sh DIR [--target CKPT] [--draft CKPT | --ngram] [--tokenizer DIR]
+    scripts/new_repository.sh DIR [--target CKPT] [--tokenizer DIR]
+                                  [--draft CKPT | --eagle3 HEAD | --mlp-speculator HEAD | --ngram | --suffix]
                                   [--param MODEL.KEY=VALUE ...] [--source REPOSITORY]
 
 Every checkpoint and tokenizer path of the copy is written absolute (resolved by the rule
 of ``specdec_triton/paths.py`` against the source, with ``SPECDEC_MODELS_DIR`` defaulting
 to this checkout's ``models/``), so the copy serves from anywhere, with or without the
 variable set. ``--target`` also sets the tokenizer and detokenizer (the target's tokenizer
-is the one whose ids index its logits) unless ``--tokenizer`` names another. Each model's
-parameters are then read by the model's own config class, so a bad value or unknown key
+is the one whose ids index its logits) unless ``--tokenizer`` names another, and the
+proposer's ``target_model`` (a head is checked against the target it drafts for). One of
+the method flags picks ``draft_proposer.method`` and, for a learned one, its checkpoint.
+Each model's parameters are then read by the model's own config class, and a head's
+config against the target's, so a bad value, an unknown key or a head for another target
 fails here, with the message the load would give, instead of at server start.
 
     scripts/new_repository.sh /srv/repo --target /ckpt/llama-3-8b --draft /ckpt/llama-3.2-1b \\
@@ -27,7 +31,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, whichever checkout the venv installed
 
-from bench.repository import get_parameters, make_variant, parameter_edits  # noqa: E402
+from bench.repository import checkpoint_edits, get_parameters, make_variant, parameter_edits  # noqa: E402
+from specdec.heads import HEAD_METHODS, check_head  # noqa: E402
 from specdec_triton import configs, wire  # noqa: E402
 from specdec_triton.paths import MODELS_DIR_VARIABLE, resolve_path  # noqa: E402
 from specdec_triton.plumbing import ParameterError, Parameters  # noqa: E402
@@ -37,7 +42,7 @@ ORCHESTRATOR = "speculative_decoding"
 PATH_PARAMETERS = {
     wire.TOKENIZER: ("tokenizer_dir",),
     wire.DETOKENIZER: ("tokenizer_dir",),
-    wire.DRAFT_PROPOSER: ("draft_model",),
+    wire.DRAFT_PROPOSER: ("draft_model", "target_model"),
     wire.TARGET_VERIFIER: ("target_model",),
 }
 CONFIGS = {
@@ -55,37 +60,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("dest", type=Path, metavar="DIR", help="the new repository; must not exist")
     p.add_argument("--source", type=Path, default=REPO_ROOT / "model_repository", help="the repository to copy")
     p.add_argument("--target", type=Path, help="target checkpoint (Hugging Face directory)")
-    p.add_argument("--draft", type=Path, help="draft checkpoint; sets draft_proposer.method=draft_model")
-    p.add_argument("--ngram", action="store_true", help="draft by prompt lookup: draft_proposer.method=ngram")
+    methods = p.add_mutually_exclusive_group()
+    for flag, help_text in (("--draft", "draft model checkpoint: draft_proposer.method=draft_model"),
+                            ("--eagle3", "EAGLE-3 head (speculators or original layout): method=eagle3"),
+                            ("--mlp-speculator", "MLP speculator checkpoint: method=mlp_speculator")):  # fmt: skip
+        methods.add_argument(flag, type=Path, metavar="CKPT", help=help_text)
+    methods.add_argument("--ngram", action="store_true", help="draft by prompt lookup: method=ngram")
+    methods.add_argument("--suffix", action="store_true", help="suffix decoding: method=suffix")
     p.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the target's)")
     p.add_argument("--param", action="append", default=[], metavar="MODEL.KEY=VALUE",
                    help="any other parameter; repeatable")  # fmt: skip
     args = p.parse_args(argv)
-    if args.draft and args.ngram:
-        p.error("--draft and --ngram exclude each other: --ngram drafts without a model")
     if args.dest.exists():
         p.error(f"{args.dest} exists; name a new directory")
-    for flag in ("source", "target", "draft", "tokenizer"):
+    for flag in ("source", "target", "draft", "eagle3", "mlp_speculator", "tokenizer"):
         path = getattr(args, flag)
         if path is not None and not path.exists():
-            p.error(f"--{flag} {path}: no such path")
+            p.error(f"--{flag.replace('_', '-')} {path}: no such path")
     return args
 
 
-def checkpoint_edits(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """The edits the checkpoint flags ask for, as absolute paths."""
-    edits: dict[str, dict[str, str]] = {}
-    tokenizer = args.tokenizer or args.target
-    if args.target:
-        edits[wire.TARGET_VERIFIER] = {"target_model": str(args.target.resolve())}
-    if tokenizer:
-        for model in (wire.TOKENIZER, wire.DETOKENIZER):
-            edits[model] = {"tokenizer_dir": str(tokenizer.resolve())}
-    if args.draft:
-        edits[wire.DRAFT_PROPOSER] = {"method": "draft_model", "draft_model": str(args.draft.resolve())}
-    if args.ngram:
-        edits[wire.DRAFT_PROPOSER] = {"method": "ngram"}
-    return edits
+def method_and_checkpoint(args: argparse.Namespace) -> tuple[str | None, Path | None]:
+    """The proposer method the flags pick (None: the source's) and its checkpoint, if it has one."""
+    for method, checkpoint in (("draft_model", args.draft), ("eagle3", args.eagle3),
+                               ("mlp_speculator", args.mlp_speculator)):  # fmt: skip
+        if checkpoint is not None:
+            return method, checkpoint
+    return ("ngram" if args.ngram else "suffix" if args.suffix else None), None
 
 
 def absolute_path_edits(source: Path, edits: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
@@ -106,19 +107,22 @@ def absolute_path_edits(source: Path, edits: dict[str, dict[str, str]]) -> dict[
 
 
 def check_configs(repository: Path) -> None:
-    """Read each model's parameters with its own config class: the checks its load would make."""
+    """Read each model's parameters with its own config class: the checks its load would make,
+    and for a head, that it is the method's kind and fits the target (from the configs alone)."""
     for model, config_type in CONFIGS.items():
         config = repository / model / "config.pbtxt"
         if config.is_file():
             raw = get_parameters(config.read_text())
-            config_type.from_parameters(Parameters(raw, str(repository), model, str(repository / model)))
+            checked = config_type.from_parameters(Parameters(raw, str(repository), model, str(repository / model)))
+            if model == wire.DRAFT_PROPOSER and checked.method in HEAD_METHODS:
+                check_head(checked.method, checked.draft_model, checked.target_model)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     source = args.source.resolve()
     try:
-        edits = checkpoint_edits(args)
+        edits = checkpoint_edits(args.target, *method_and_checkpoint(args), tokenizer=args.tokenizer)
         for model, values in parameter_edits(args.param).items():
             edits.setdefault(model, {}).update(values)
         for model, values in absolute_path_edits(source, edits).items():

@@ -39,6 +39,53 @@ def test_cpu_base_image_matches_the_test():
     assert f"ARG PYTHON_IMAGE={CPU_BASE_IMAGE}\n" in (REPO_ROOT / "docker" / "Dockerfile.cpu").read_text()
 
 
+@pytest.mark.parametrize("env, method, draft", [
+    ({"SPECDEC_DRAFT": "tiny-draft"}, "draft_model", "tiny-draft"),
+    ({"SPECDEC_DRAFT": "tiny-eagle3", "SPECDEC_METHOD": "eagle3"}, "eagle3", "tiny-eagle3"),
+    ({"SPECDEC_DRAFT": "tiny-mlp-speculator", "SPECDEC_METHOD": "mlp_speculator"}, "mlp_speculator",
+     "tiny-mlp-speculator"),
+    ({}, "ngram", None),
+    ({"SPECDEC_METHOD": "suffix"}, "suffix", None),
+])  # fmt: skip
+def test_the_entry_point_serves_a_repository_for_the_mounted_checkpoints(tmp_path, env, method, draft):
+    """docker/entrypoint.sh with the real new_repository.sh and a serve.sh that only reports its arguments."""
+    from bench.repository import get_parameters
+
+    (tmp_path / "docker").mkdir()
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO_ROOT / "docker" / "entrypoint.sh", tmp_path / "docker")
+    for name, body in (("new_repository.sh", f'exec {REPO_ROOT}/scripts/new_repository.sh "$@"'),
+                       ("serve.sh", 'echo "serve.sh $*"')):  # fmt: skip
+        script = tmp_path / "scripts" / name
+        script.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        script.chmod(0o755)
+    models = REPO_ROOT / "models"
+    environ = {"PATH": "/usr/bin:/bin", "VENV": str(Path(sys.executable).parent.parent), "TMPDIR": str(tmp_path),
+               "SPECDEC_TARGET": str(models / "tiny-target"),
+               **{k: str(models / v) if k == "SPECDEC_DRAFT" else v for k, v in env.items()}}  # fmt: skip
+    result = subprocess.run([str(tmp_path / "docker" / "entrypoint.sh")], env=environ, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    repository = tmp_path / "specdec_model_repository"
+    assert f"serve.sh --model-repository {repository}" in result.stdout
+    proposer = get_parameters((repository / "draft_proposer" / "config.pbtxt").read_text())
+    assert proposer["method"] == method
+    assert proposer["target_model"] == str(models / "tiny-target")
+    if draft:
+        assert proposer["draft_model"] == str(models / draft)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SPECDEC_METHOD": "eagle3"}, "SPECDEC_METHOD=eagle3 needs SPECDEC_DRAFT"),
+    ({"SPECDEC_METHOD": "ngram", "SPECDEC_DRAFT": "/x"}, "drafts without a checkpoint; unset SPECDEC_DRAFT"),
+    ({"SPECDEC_METHOD": "medusa"}, "SPECDEC_METHOD must be draft_model, eagle3"),
+])  # fmt: skip
+def test_the_entry_point_refuses_a_method_and_checkpoint_that_do_not_go_together(env, message):
+    result = subprocess.run([str(REPO_ROOT / "docker" / "entrypoint.sh")], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "SPECDEC_TARGET": "/models/target", **env})  # fmt: skip
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 def _docker_or_skip() -> str:
     docker = shutil.which("docker")
     if docker is None:

@@ -38,7 +38,8 @@ def test_a_copy_gets_absolute_checkpoint_paths_and_serves_without_the_variable(t
     assert new_repository.main(argv) == 0
     assert path_parameters(dest) == {
         ("tokenizer", "tokenizer_dir"): str(target), ("detokenizer", "tokenizer_dir"): str(target),
-        ("draft_proposer", "draft_model"): str(draft), ("target_verifier", "target_model"): str(target),
+        ("draft_proposer", "draft_model"): str(draft), ("draft_proposer", "target_model"): str(target),
+        ("target_verifier", "target_model"): str(target),
     }  # fmt: skip
     assert parameters(dest, "target_verifier")["max_num_seqs"] == "3"
     source = REPO_ROOT / "model_repository"
@@ -83,7 +84,35 @@ def test_bad_input_fails_naming_it_and_leaves_no_copy(tmp_path, capsys):
     assert not dest.exists()
     for argv, message in (([str(tmp_path)], "exists; name a new directory"),
                           ([str(dest), "--draft", str(tmp_path / "no")], "--draft .*no: no such path"),
-                          ([str(dest), "--draft", str(MODELS / "tiny-draft"), "--ngram"], "exclude each other")):  # fmt: skip
+                          ([str(dest), "--draft", str(MODELS / "tiny-draft"), "--ngram"], "not allowed with"),
+                          ([str(dest), "--eagle3", str(tmp_path / "no")], "--eagle3 .*no: no such path")):  # fmt: skip
         with pytest.raises(SystemExit):
             new_repository.main(argv)
         assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flag, method, head", [("--eagle3", "eagle3", "tiny-eagle3"),
+                                                ("--mlp-speculator", "mlp_speculator", "tiny-mlp-speculator")])
+def test_a_head_is_served_for_the_target_it_names_and_checked_against_it(tmp_path, monkeypatch, flag, method, head):
+    """The proposer checks a head against its own target_model: --target must reach it too."""
+    monkeypatch.delenv("SPECDEC_MODELS_DIR", raising=False)
+    target = tmp_path / "ckpt" / "target"
+    shutil.copytree(MODELS / "tiny-target", target)
+    dest = tmp_path / "repo"
+    assert new_repository.main([str(dest), "--target", str(target), flag, str(MODELS / head)]) == 0
+    proposer = parameters(dest, "draft_proposer")
+    assert (proposer["method"], proposer["draft_model"], proposer["target_model"]) == (
+        method, str(MODELS / head), str(target))
+
+
+def test_a_head_of_another_kind_or_for_another_target_is_refused_before_any_copy(tmp_path, capsys):
+    dest = tmp_path / "repo"
+    assert new_repository.main([str(dest), "--eagle3", str(MODELS / "tiny-mlp-speculator")]) == 1
+    assert "is a mlp_speculator checkpoint, not eagle3" in capsys.readouterr().err
+    assert not dest.exists()
+    other = tmp_path / "other-target"  # the draft's shape: a narrower model than the heads were built for
+    shutil.copytree(MODELS / "tiny-draft", other)
+    for flag, head in (("--eagle3", "tiny-eagle3"), ("--mlp-speculator", "tiny-mlp-speculator")):
+        assert new_repository.main([str(dest), "--target", str(other), flag, str(MODELS / head)]) == 1
+        assert f"does not fit target {str(other)!r}" in capsys.readouterr().err
+        assert not dest.exists()

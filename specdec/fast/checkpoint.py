@@ -109,7 +109,14 @@ def read_config(path: str | os.PathLike) -> LlamaArchConfig:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in model path {os.fspath(path)!r}")
     with open(config_path) as f:
-        return LlamaArchConfig.from_dict(json.load(f))
+        raw = json.load(f)
+    try:
+        return LlamaArchConfig.from_dict(raw)
+    except KeyError as missing:  # a head's or another architecture's config.json
+        raise ValueError(
+            f"{config_path} is not a Llama-family model's config: it has no {missing.args[0]!r} "
+            f"(model_type {raw.get('model_type')!r})"
+        ) from None
 
 
 def safetensors_files(path: str | os.PathLike) -> list[str]:

@@ -18,6 +18,24 @@ from specdec.types import ModelDescription
 HEAD_METHODS = ("eagle3", "mlp_speculator")
 
 
+def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathLike) -> None:
+    """Refuse a head of another kind than ``method``, or one built for another target, from the
+    configs alone: what a load would refuse, without reading weights."""
+    from specdec.heads.formats import eagle3_config, head_kind, read_head_config
+    from specdec.heads.mlp_speculator import mlp_speculator_config
+
+    kind = head_kind(read_head_config(path))
+    if kind != method:
+        raise ValueError(
+            f"draft head {os.fspath(path)!r} is a {kind or 'plain causal LM'} checkpoint, not {method}; "
+            f"set method to match it (one of {HEAD_METHODS}, or draft_model for a causal LM)"
+        )
+    if method == "eagle3":
+        eagle3_config(path, read_config(target_path), os.fspath(target_path))
+    else:
+        mlp_speculator_config(path, target_path)
+
+
 def build_head_proposer(
     method: str,
     path: str | os.PathLike,
@@ -34,14 +52,7 @@ def build_head_proposer(
     ignored on GPU and for the MLP speculator, whose stages are a few plain ops. ``cuda_graphs``: an
     EAGLE-3 head's passes replay captured graphs (None: wherever it runs on CUDA).
     """
-    from specdec.heads.formats import head_kind, read_head_config
-
-    kind = head_kind(read_head_config(path))
-    if kind != method:
-        raise ValueError(
-            f"draft head {os.fspath(path)!r} is a {kind or 'plain causal LM'} checkpoint, not {method}; "
-            f"set method to match it (one of {HEAD_METHODS}, or draft_model for a causal LM)"
-        )
+    check_head(method, path, target_path)
     torch_dtype = resolve_dtype(dtype, device)
     if method == "eagle3":
         from specdec.heads.formats import load_eagle3

@@ -85,16 +85,13 @@ class MLPSpeculator(nn.Module):
         return self.head[i](state), state
 
 
-def load_mlp_speculator(
-    path: str | os.PathLike, target_path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
-) -> MLPSpeculator:
-    """Load the speculator at ``path`` for the target at ``target_path``; one for another target is refused."""
-    path, target_path = check_model_dir(path), check_model_dir(target_path)
+def mlp_speculator_config(path: str | os.PathLike, target_path: str | os.PathLike) -> dict:
+    """The speculator's ``config.json``, checked against the target's (no weights read)."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     missing = [k for k in ("n_predict", "emb_dim", "vocab_size") if k not in config]
     if missing:
-        raise ValueError(f"MLP speculator {path!r}: config.json lacks {missing}")
+        raise ValueError(f"MLP speculator {os.fspath(path)!r}: config.json lacks {missing}")
     target = read_config(target_path)
     if config["emb_dim"] != target.hidden_size or config["vocab_size"] != target.vocab_size:
         raise ValueError(
@@ -102,7 +99,15 @@ def load_mlp_speculator(
             f"{config['vocab_size']}) does not fit target {os.path.realpath(target_path)!r} (hidden size "
             f"{target.hidden_size}, vocabulary {target.vocab_size})"
         )
-    model = MLPSpeculator(config)
+    return config
+
+
+def load_mlp_speculator(
+    path: str | os.PathLike, target_path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+) -> MLPSpeculator:
+    """Load the speculator at ``path`` for the target at ``target_path``; one for another target is refused."""
+    path, target_path = check_model_dir(path), check_model_dir(target_path)
+    model = MLPSpeculator(mlp_speculator_config(path, target_path))
     params = dict(model.named_parameters())  # tied stages: only the first stage's names
     loaded = set()
     for file in safetensors_files(path):
