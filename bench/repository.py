@@ -62,16 +62,16 @@ def checkpoint_edits(
 ) -> dict[str, dict[str, str]]:
     """The ``make_variant`` edits that serve these checkpoints, as absolute paths.
 
-    The target goes to every model that reads it: target_verifier, draft_proposer (which
-    checks a head against the target it drafts for) and, unless ``tokenizer`` names
-    another, the tokenizer and detokenizer (the target's tokenizer is the one whose ids
-    index its logits). ``draft`` is ``method``'s checkpoint: a draft model or a head.
+    The target goes to target_verifier, and draft_proposer's own ``target_model`` is
+    cleared, so that a head drafts for target_verifier's (one owner); the tokenizer and
+    detokenizer get the target's tokenizer (the one whose ids index its logits) unless
+    ``tokenizer`` names another. ``draft`` is ``method``'s checkpoint: a draft model or a head.
     """
     edits: dict[str, dict[str, str]] = {}
     tokenizer = tokenizer or target
     if target:
         edits["target_verifier"] = {"target_model": str(Path(target).resolve())}
-        edits["draft_proposer"] = {"target_model": str(Path(target).resolve())}
+        edits["draft_proposer"] = {"target_model": ""}
     if tokenizer:
         for model in ("tokenizer", "detokenizer"):
             edits[model] = {"tokenizer_dir": str(Path(tokenizer).resolve())}

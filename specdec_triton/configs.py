@@ -88,7 +88,7 @@ class DraftProposerConfig:
             suffix=_suffix_config(params),
             given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
             sequence_idle_timeout_s=_idle_timeout(params),
-            target_model=params.get_path("target_model", DEFAULT_TARGET_MODEL, must_exist=method in HEAD_METHODS),
+            target_model=_head_target(params, method),
             run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
         )
         params.check_all_read()
@@ -130,6 +130,24 @@ def _suffix_config(params: Parameters) -> SuffixConfig:
         return SuffixConfig(**values)
     except ValueError as err:
         raise ParameterError(f"draft_proposer: parameter {err}") from None
+
+
+def _head_target(params: Parameters, method: str) -> str | None:
+    """The checkpoint a head drafts for: draft_proposer's own ``target_model`` when set, else
+    target_verifier's in the same repository (the checkpoint the server verifies with), so a
+    repository names its target once. Methods without a head read none."""
+    if method not in HEAD_METHODS:
+        params.get_str("target_model", None)  # read, so that a value left from a head method is no unknown key
+        return None
+    own = params.get_path("target_model", None)
+    if own is not None:
+        return own
+    from specdec_triton.repository_config import model_settings
+
+    found = model_settings(params.repository_dir, "target_verifier") if params.repository_dir else None
+    if found is None:  # read outside a repository: the default target_verifier itself would serve
+        return params.get_path("target_model", DEFAULT_TARGET_MODEL)
+    return TargetVerifierConfig.from_parameters(found[0]).target_model
 
 
 @dataclass(frozen=True)

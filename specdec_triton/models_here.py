@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -30,9 +29,10 @@ from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec.types import ModelDescription
 from specdec.verifier import TargetVerifier
-from specdec_triton import speculative_config, wire
+from specdec_triton import wire
 from specdec_triton.configs import DraftProposerConfig, TargetVerifierConfig
-from specdec_triton.plumbing import ParameterError, Parameters
+from specdec_triton.plumbing import Parameters
+from specdec_triton.repository_config import model_settings
 
 SETTING = "run_in_orchestrator"
 MODEL_FREE = ("ngram", "suffix")  # run in the orchestrator's process whatever the setting says
@@ -75,28 +75,14 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     return LoadedDraft(DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model"))
 
 
-def _model_config(path: Path, model: str):
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    try:
-        return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig(), allow_unknown_field=True)
-    except (OSError, text_format.ParseError) as err:
-        raise ParameterError(f"{model}: cannot read {path}: {err}") from None
-
-
 def _settings_here(repository_dir: str | os.PathLike, model: str) -> tuple[Parameters, str] | None:
     """``model``'s parameters as it would read them and the device of its instance_group, when it sets
     ``run_in_orchestrator``; None when it does not, or when the repository has no such model (a
     repository laid out otherwise: the BLS describe names what is missing)."""
-    repository_dir = Path(repository_dir)
-    path = repository_dir / model / "config.pbtxt"
-    if not path.is_file():
+    found = model_settings(repository_dir, model)
+    if found is None:
         return None
-    config = _model_config(path, model)
-    raw = {key: value.string_value for key, value in config.parameters.items()}
-    raw = speculative_config.apply(model, raw, str(repository_dir))
-    params = Parameters(raw, base_dir=str(repository_dir), component=model, model_dir=str(repository_dir / model))
+    params, config = found
     if not params.get_bool(SETTING, False):
         return None  # the model checks the rest of its configuration itself
     return params, _device(config.instance_group)

@@ -57,6 +57,11 @@ class Parameters:
         self._component = component
         self._read: set[str] = set()
 
+    @property
+    def repository_dir(self) -> str | None:
+        """The model repository the parameters come from (None: read outside one)."""
+        return self._base_dir
+
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> Parameters:
         """From ``initialize(args)``: relative paths resolve against the model repository directory."""

@@ -92,5 +92,6 @@ def test_the_served_benchmark_points_each_method_at_its_checkpoint_and_the_targe
     for method, checkpoint in (("draft_model", draft), ("eagle3", eagle3), ("mlp_speculator", mlp), ("ngram", None)):
         proposer = script.server_edits(args, method, shipped_k=4, fixed=True)["draft_proposer"]
         assert proposer["method"] == method
-        assert proposer["target_model"] == str(target.resolve())  # a head is checked against the served target
+        assert proposer["target_model"] == ""  # a head drafts for target_verifier's, which is the target
+        assert script.server_edits(args, method, 4, True)["target_verifier"]["target_model"] == str(target.resolve())
         assert proposer.get("draft_model") == (str(checkpoint.resolve()) if checkpoint else None)

@@ -70,7 +70,9 @@ def test_the_entry_point_serves_a_repository_for_the_mounted_checkpoints(tmp_pat
     assert f"serve.sh --model-repository {repository}" in result.stdout
     proposer = get_parameters((repository / "draft_proposer" / "config.pbtxt").read_text())
     assert proposer["method"] == method
-    assert proposer["target_model"] == str(models / "tiny-target")
+    assert proposer["target_model"] == ""  # target_verifier's
+    assert get_parameters((repository / "target_verifier" / "config.pbtxt").read_text())["target_model"] == str(
+        models / "tiny-target")
     if draft:
         assert proposer["draft_model"] == str(models / draft)
 

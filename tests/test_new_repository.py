@@ -38,7 +38,7 @@ def test_a_copy_gets_absolute_checkpoint_paths_and_serves_without_the_variable(t
     assert new_repository.main(argv) == 0
     assert path_parameters(dest) == {
         ("tokenizer", "tokenizer_dir"): str(target), ("detokenizer", "tokenizer_dir"): str(target),
-        ("draft_proposer", "draft_model"): str(draft), ("draft_proposer", "target_model"): str(target),
+        ("draft_proposer", "draft_model"): str(draft), ("draft_proposer", "target_model"): "",
         ("target_verifier", "target_model"): str(target),
     }  # fmt: skip
     assert parameters(dest, "target_verifier")["max_num_seqs"] == "3"
@@ -101,8 +101,9 @@ def test_a_head_is_served_for_the_target_it_names_and_checked_against_it(tmp_pat
     dest = tmp_path / "repo"
     assert new_repository.main([str(dest), "--target", str(target), flag, str(MODELS / head)]) == 0
     proposer = parameters(dest, "draft_proposer")
-    assert (proposer["method"], proposer["draft_model"], proposer["target_model"]) == (
-        method, str(MODELS / head), str(target))
+    assert (proposer["method"], proposer["draft_model"], proposer["target_model"]) == (method, str(MODELS / head), "")
+    raw = Parameters(proposer, str(dest), "draft_proposer", str(dest / "draft_proposer"))
+    assert configs.DraftProposerConfig.from_parameters(raw).target_model == str(target)  # target_verifier's
 
 
 def test_a_head_of_another_kind_or_for_another_target_is_refused_before_any_copy(tmp_path, capsys):

@@ -160,6 +160,30 @@ def test_draft_proposer_config_per_method(tmp_path):
         DraftProposerConfig.from_parameters(params(base, method="ngram", lookup_max="2"))
 
 
+def test_a_head_drafts_for_the_target_verifier_serves_unless_it_names_its_own(tmp_path):
+    """One owner for the target checkpoint: draft_proposer's empty target_model is target_verifier's."""
+    served, other, head = (tmp_path / name for name in ("served-target", "other-target", "head"))
+    for directory in (served, other, head):
+        directory.mkdir()
+    (tmp_path / "target_verifier").mkdir()
+    (tmp_path / "target_verifier" / "config.pbtxt").write_text(
+        'name: "target_verifier"\nparameters [ { key: "target_model" value: { string_value: "served-target" } } ]\n')
+    base = str(tmp_path)
+    for method in ("eagle3", "mlp_speculator"):
+        follows = DraftProposerConfig.from_parameters(params(base, method=method, draft_model="head", target_model=""))
+        assert follows.target_model == str(served)
+        own = DraftProposerConfig.from_parameters(params(base, method=method, draft_model="head",
+                                                         target_model="other-target"))  # fmt: skip
+        assert own.target_model == str(other)
+    # a model-free method reads no target, and a value left from a head method is no unknown key
+    ngram = DraftProposerConfig.from_parameters(params(base, method="ngram", target_model="other-target"))
+    assert ngram.target_model is None
+    (tmp_path / "target_verifier" / "config.pbtxt").write_text(
+        'name: "target_verifier"\nparameters [ { key: "target_model" value: { string_value: "gone" } } ]\n')
+    with pytest.raises(ParameterError, match=r"target_verifier: parameter 'target_model' must be an existing path"):
+        DraftProposerConfig.from_parameters(params(base, method="eagle3", draft_model="head"))
+
+
 def test_suffix_settings_take_vllm_keys_and_defaults(tmp_path):
     base = str(tmp_path)
     suffix = DraftProposerConfig.from_parameters(params(base, method="suffix", suffix_decoding_max_tree_depth="16",
