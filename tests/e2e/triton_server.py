@@ -88,8 +88,8 @@ def repository_copy(
             shutil.rmtree(model)
     for config in repository.glob("*/config.pbtxt"):
         text = config.read_text()
-        for key in MODEL_PATH_KEYS:
-            text = _set_parameter(text, key, lambda old: str(models / Path(old).name))
+        for key in MODEL_PATH_KEYS:  # an empty one stays empty: it means another model's (a head's target)
+            text = _set_parameter(text, key, lambda old: str(models / Path(old).name) if old else old)
         for key, value in {"method": method, "cpu_compile": "false", **(parameters or {})}.items():
             text = _set_parameter(text, key, lambda old, value=value: value)
         config.write_text(text)
