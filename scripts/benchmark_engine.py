@@ -52,6 +52,7 @@ from specdec.heads import HEAD_METHODS, build_head_proposer  # noqa: E402
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
+from specdec_triton.text import TextCodec  # noqa: E402
 
 METHODS = ("draft_model", *HEAD_METHODS, "ngram", "suffix")
 MODEL_FREE = ("ngram", "suffix")
@@ -149,8 +150,11 @@ class Run:
         self.max_num_seqs = max(*args.concurrency, len(self.ks) + 1)  # the step timings hold one sequence per shape
         rule = ("synthetic", args.synthetic_acceptance_rate) if args.synthetic_acceptance_rate is not None else ("strict", 0.0)
         self.sampler = RejectionSampler(*rule)
+        # EOS is banned until max_tokens, as the served benchmark's requests (min_tokens = max_tokens) ban it
+        self.eos_token_ids = tuple(TextCodec(str(args.target)).eos_token_ids)
         self.params_for = {k: GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens,
-                                               num_speculative_tokens=k) for k in {0, *self.ks}}  # fmt: skip
+                                               eos_token_ids=self.eos_token_ids, num_speculative_tokens=k)
+                           for k in {0, *self.ks}}  # fmt: skip
         self.results: dict[tuple[str, str, int, int], list[dict]] = {}  # (graphs, method, k, c) -> rounds
         self.times: dict[str, dict[str, float]] = {}
         self.floor: dict | None = None
@@ -197,7 +201,7 @@ class Run:
             save()
 
     def measure_hf(self) -> None:
-        row, hf_outputs = hf_plain_row(self.args, self.prompts)
+        row, hf_outputs = hf_plain_row(self.args, self.prompts, self.eos_token_ids)
         self.hf = row
         if self.greedy and self.k0_outputs is not None:
             self.failures += lossless_failures({(HF_PLAIN, 0, 1): hf_outputs, ("k0", 0, 1): self.k0_outputs})
@@ -272,8 +276,8 @@ def add_ratios(rows: list[dict]) -> None:
             row["efficiency"] = row["x_k0"] / row["bound"]
 
 
-def hf_plain_row(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
-    """HF ``generate`` on the same target, one prompt at a time: its row and its outputs."""
+def hf_plain_row(args, prompts: list[list[int]], eos_token_ids: tuple[int, ...]) -> tuple[dict, list[list[int]]]:
+    """HF ``generate`` on the same target, one prompt at a time (EOS banned until max_tokens): its row and outputs."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -285,7 +289,7 @@ def hf_plain_row(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]
     transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype, args.device))
     model.to(args.device).eval()
-    config = generation_config(args.max_tokens, None, ignore_eos=True)
+    config = generation_config(args.max_tokens, list(eos_token_ids), ignore_eos=True)
     wrapped = [Prompt("", "", ids) for ids in prompts]
     list(run_hf(model, wrapped[:1], config, "plain"))  # warm-up
     rounds = []

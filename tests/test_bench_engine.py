@@ -72,3 +72,20 @@ def test_configs_parse_and_always_include_k0():
     assert parse("draft_model:4,eagle3:2") == [("k0", 0), ("draft_model", 4), ("eagle3", 2)]
     with pytest.raises(Exception, match="METHOD:K"):
         parse("medusa:3")
+
+
+def test_the_engine_benchmark_bans_eos_until_max_tokens_as_the_served_requests_do(monkeypatch, shipped_pair):
+    """min_tokens = max_tokens means nothing without the EOS ids: the target could end its text and run on
+    past it, a workload the served benchmark (whose requests ban EOS) never sees."""
+    from bench.hf import generation_config
+    from specdec_triton.text import TextCodec
+
+    module = _benchmark_engine()
+    monkeypatch.setattr(sys, "argv", ["benchmark_engine.py", "--configs", "draft_model:2", "--num-prompts", "2",
+                                      "--max-tokens", "8", "--no-hf"])  # fmt: skip
+    run = module.Run(module.parse_args())
+    eos = tuple(TextCodec(str(SHIPPED_TARGET)).eos_token_ids)
+    assert eos and {params.eos_token_ids for params in run.params_for.values()} == {eos}
+    assert all(params.min_tokens == params.max_tokens == 8 for params in run.params_for.values())
+    config = generation_config(8, list(eos), ignore_eos=True)  # the HF row bans the same ids
+    assert (config.eos_token_id, config.min_new_tokens, config.pad_token_id) == (list(eos), 8, eos[0])
