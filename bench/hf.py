@@ -50,13 +50,13 @@ class _TimingStreamer(BaseStreamer):
 
 def generation_config(max_tokens: int, eos_token_id: int | list[int] | None, ignore_eos: bool) -> GenerationConfig:
     """Greedy ``generate`` settings; ``eos_token_id``: one id or all of a model's (all are banned under ``ignore_eos``)."""
-    first = eos_token_id[0] if isinstance(eos_token_id, list) and eos_token_id else eos_token_id
+    ids = eos_token_id if isinstance(eos_token_id, list) else [] if eos_token_id is None else [eos_token_id]
     return GenerationConfig(
         do_sample=False,
         max_new_tokens=max_tokens,
         min_new_tokens=max_tokens if ignore_eos else 0,
-        eos_token_id=eos_token_id or None,
-        pad_token_id=first if isinstance(first, int) else 0,
+        eos_token_id=(ids if isinstance(eos_token_id, list) else ids[0]) if ids else None,
+        pad_token_id=ids[0] if ids else 0,
     )
 
 

@@ -23,3 +23,11 @@ def test_run_hf_streams_one_chunk_per_target_pass(tiny_llama):
     assert config.prompt_lookup_num_tokens is None  # the caller's config is left as it was
     with pytest.raises(ValueError, match="mode must be one of"):
         list(run_hf(target, prompts, config, "beam"))
+
+
+def test_generation_config_keeps_an_eos_id_of_zero_and_takes_a_list():
+    from bench.hf import generation_config
+
+    for eos, expected, pad in ((0, 0, 0), (5, 5, 5), ([3, 4], [3, 4], 3), (None, None, 0)):
+        config = generation_config(8, eos, ignore_eos=True)
+        assert (config.eos_token_id, config.pad_token_id, config.min_new_tokens) == (expected, pad, 8), eos
