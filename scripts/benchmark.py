@@ -69,7 +69,7 @@ from bench.server import SERVE_SCRIPT, TritonServer
 from bench.stats import latency_summary
 from bench.workload import held_out_texts, select_prompts
 from specdec.fast import FastCausalLM
-from specdec.models import load_causal_lm, load_tokenizer
+from specdec.models import eos_token_ids, load_causal_lm, load_tokenizer
 from specdec.proposers import PROPOSERS
 from specdec_triton.plumbing import Parameters
 
@@ -182,7 +182,7 @@ def in_process_timings(args, target, draft, dtype: str, device: str) -> tuple[di
 
 
 def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress: Progress) -> list[dict]:
-    config = generation_config(args.max_tokens, tokenizer.eos_token_id, args.ignore_eos)
+    config = generation_config(args.max_tokens, eos_token_ids(tokenizer, args.target), args.ignore_eos)
     runs = [(HF_PLAIN, "plain", 0, None)]
     if args.synthetic_acceptance_rate is None:  # random weights accept nothing: assisted figures would mislead
         for k in args.ks:
@@ -211,7 +211,7 @@ def hf_rows(args, prompts, target, draft, tokenizer, outputs: Outputs, progress:
 
 def hf_plain_tokens_per_s(args, prompts, target, tokenizer) -> float:
     """In-process HF plain decoding of every prompt in turn: output tokens over wall time."""
-    config = generation_config(args.max_tokens, tokenizer.eos_token_id, args.ignore_eos)
+    config = generation_config(args.max_tokens, eos_token_ids(tokenizer, args.target), args.ignore_eos)
     started = time.perf_counter()
     tokens = sum(timing.num_tokens for timing, _ in run_hf(target, prompts, config, "plain"))
     return tokens / (time.perf_counter() - started)

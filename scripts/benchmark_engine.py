@@ -49,10 +49,10 @@ from specdec.engine import GenerationParams  # noqa: E402
 from specdec.fast import FastCausalLM  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import HEAD_METHODS, build_head_proposer  # noqa: E402
+from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
-from specdec_triton.text import TextCodec  # noqa: E402
 
 METHODS = ("draft_model", *HEAD_METHODS, "ngram", "suffix")
 MODEL_FREE = ("ngram", "suffix")
@@ -151,7 +151,7 @@ class Run:
         rule = ("synthetic", args.synthetic_acceptance_rate) if args.synthetic_acceptance_rate is not None else ("strict", 0.0)
         self.sampler = RejectionSampler(*rule)
         # EOS is banned until max_tokens, as the served benchmark's requests (min_tokens = max_tokens) ban it
-        self.eos_token_ids = tuple(TextCodec(str(args.target)).eos_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids(load_tokenizer(args.target), args.target))
         self.params_for = {k: GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens,
                                                eos_token_ids=self.eos_token_ids, num_speculative_tokens=k)
                            for k in {0, *self.ks}}  # fmt: skip

@@ -9,6 +9,7 @@ nothing. The fast engine (``specdec.fast.FastCausalLM``) keeps the same contract
 from __future__ import annotations
 
 import inspect
+import json
 import os
 
 import torch
@@ -44,6 +45,17 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "auto", device: str | t
 
 def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(check_model_dir(path), local_files_only=True)
+
+
+def eos_token_ids(tokenizer, tokenizer_dir: str | os.PathLike) -> list[int]:
+    """The tokenizer's EOS plus any in ``generation_config.json``: what Hugging Face ``generate`` stops on."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    path = os.path.join(tokenizer_dir, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
+    return list(dict.fromkeys(ids))
 
 
 def model_vocab_size(model: PreTrainedModel) -> int:

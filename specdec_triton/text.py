@@ -6,11 +6,9 @@ text is decoded the same way, so the two always agree.
 """
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 
-from specdec.models import load_tokenizer
+from specdec.models import eos_token_ids, load_tokenizer
 from specdec_triton.plumbing import RequestError
 
 
@@ -18,7 +16,7 @@ class TextCodec:
     def __init__(self, tokenizer_dir: str):
         self.tokenizer_dir = tokenizer_dir
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, tokenizer_dir)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, tokenizer_dir)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt ids as the model saw them in training: with the tokenizer's special tokens (e.g. BOS)."""
@@ -32,14 +30,3 @@ class TextCodec:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
-def _eos_token_ids(tokenizer, tokenizer_dir: str) -> list[int]:
-    """The tokenizer's EOS plus any in ``generation_config.json``: what Hugging Face ``generate`` stops on."""
-    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    path = os.path.join(tokenizer_dir, "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids += [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
-    return list(dict.fromkeys(ids))

@@ -78,7 +78,7 @@ def test_the_engine_benchmark_bans_eos_until_max_tokens_as_the_served_requests_d
     """min_tokens = max_tokens means nothing without the EOS ids: the target could end its text and run on
     past it, a workload the served benchmark (whose requests ban EOS) never sees."""
     from bench.hf import generation_config
-    from specdec_triton.text import TextCodec
+    from specdec_triton.text import TextCodec  # the served tokenizer's rule
 
     module = _benchmark_engine()
     monkeypatch.setattr(sys, "argv", ["benchmark_engine.py", "--configs", "draft_model:2", "--num-prompts", "2",
