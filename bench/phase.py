@@ -29,6 +29,7 @@ from bench.stats import (
     samples_delta,
     samples_sum,
     step_overhead_ms,
+    with_socket_calls,
 )
 
 ORCHESTRATOR = "speculative_decoding"
@@ -132,7 +133,7 @@ def measure_phase(
     stats_before = model_counters(server.statistics())
     results, elapsed = run_load(server.grpc_url, ORCHESTRATOR, jobs, concurrency, on_done)
     metrics = samples_delta(wait_idle(server), metrics_before)
-    stats = counters_delta(model_counters(server.statistics()), stats_before)
+    stats = with_socket_calls(counters_delta(model_counters(server.statistics()), stats_before), metrics)
     return PhaseMeasurement(results, elapsed, metrics, stats)
 
 

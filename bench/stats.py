@@ -247,6 +247,27 @@ def _fields(c: ModelCounters) -> tuple[int, int, int, int]:
     return c.inference_count, c.execution_count, c.compute_infer_ns, c.queue_ns
 
 
+SOCKET_CALLS_METRIC = "spec_decode_socket_calls"  # counter by model: calls answered on its socket
+SOCKET_SECONDS_METRIC = "spec_decode_socket_call_seconds"  # the time the model spent on them
+
+
+def with_socket_calls(delta: dict[str, ModelCounters], metrics: Samples) -> dict[str, ModelCounters]:
+    """``delta`` (Triton's statistics) with each model's socket calls counted as executions.
+
+    With ``stage_calls: socket`` a step's calls reach draft_proposer and target_verifier
+    on their sockets, which Triton's statistics never see; the models count those calls
+    and the time they spent on them themselves (``spec_decode_socket_call*``). Each call
+    is one execution of one request, with no queue time.
+    """
+    out = dict(delta)
+    for model, calls in metric_by_label(metrics, SOCKET_CALLS_METRIC, "model").items():
+        seconds = metric_total(metrics, SOCKET_SECONDS_METRIC, model=model)
+        before = out.get(model, ModelCounters(0, 0, 0))
+        out[model] = ModelCounters(before.inference_count + round(calls), before.execution_count + round(calls),
+                                   before.compute_infer_ns + round(1e9 * seconds), before.queue_ns)  # fmt: skip
+    return out
+
+
 def step_overhead_ms(
     elapsed_s: float, delta: dict[str, ModelCounters], steps: int, compute_models: tuple[str, ...]
 ) -> dict:

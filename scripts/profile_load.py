@@ -7,8 +7,9 @@ aggregate tokens/s, how busy the machine's cores were, CPU seconds per process
 (``tritonserver`` and each model's Python stub), and sequences per target forward
 (``spec_decode_num_steps`` / verify calls) and each stage's calls, batch and latency
 (``spec_decode_stage_*``), the latency split into the time queued and executing in the
-stage's model (Triton's statistics; releases included) and the rest: the BLS round trip
-and the orchestrator's turnaround.
+stage's model (Triton's statistics, plus the calls the model answered on its socket,
+which it counts itself; releases included) and the rest: the round trip (a BLS request
+or a socket call) and the orchestrator's turnaround.
 
     python scripts/profile_load.py --concurrency 8 --k 4
     python scripts/profile_load.py --concurrency 1 --k 0 --method ngram
@@ -37,6 +38,7 @@ from bench.stats import (
     model_counters,
     parse_prometheus,
     samples_delta,
+    with_socket_calls,
 )
 from bench.workload import held_out_texts, select_prompts
 from specdec.models import load_tokenizer
@@ -99,7 +101,7 @@ def main() -> None:
             cpu_after = CpuSnapshot.take(labels)
             time.sleep(0.2)  # the last releases and counter updates land after the last response
             metrics = samples_delta(parse_prometheus(server.metrics_text()), metrics_before)
-            models = counters_delta(model_counters(server.statistics()), models_before)
+            models = with_socket_calls(counters_delta(model_counters(server.statistics()), models_before), metrics)
     tokens = sum(sum(r.timing.tokens) for r in results)
     per_process, busy = cpu_before.until(cpu_after)
     steps = metric_total(metrics, "spec_decode_num_steps")

@@ -1,4 +1,10 @@
-"""The scheduler's and orchestrator's stages as BLS requests to the composing models of the repository."""
+"""The scheduler's and orchestrator's stages as requests to the composing models of the repository.
+
+Tokenize and describe are BLS requests. A step's calls to the models that hold
+sequences (propose, verify, release) go to the socket a model describes when
+``stage_calls`` is ``socket`` (:mod:`specdec_triton.socket_calls`: the same inputs and
+outputs, without Triton's round trip), else as BLS requests.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +14,7 @@ from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.bls import bls, ensure_bls_threads
 from specdec_triton.plumbing import ModelLogger, bytes_array
+from specdec_triton.socket_calls import SocketCallClient
 
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
 
@@ -19,10 +26,13 @@ class BlsStages:
     samples_in_verify = True
 
     def __init__(self, logger: ModelLogger, secret: str, target_here: ModelDescription | None = None,
-                 draft_here: ModelDescription | None = None):  # fmt: skip
+                 draft_here: ModelDescription | None = None, stage_calls: str = "bls"):  # fmt: skip
         """``target_here`` / ``draft_here``: the description of a model the orchestrator holds itself
-        (``specdec_triton.in_process``): that model is then neither asked nor released."""
+        (``specdec_triton.in_process``): that model is then neither asked nor released.
+        ``stage_calls``: ``socket`` to call the stateful models on the sockets they describe."""
         self.logger = logger
+        self.stage_calls = stage_calls
+        self._sockets: dict[str, SocketCallClient] = {}  # model -> its connection, made at describe
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
         self._target_here = target_here
         self._draft_here = draft_here
@@ -43,9 +53,9 @@ class BlsStages:
         )
 
     async def describe(self) -> Descriptions:
-        """Each composing model's description, asked of all four at once."""
+        """Each composing model's description, asked of all four at once; then the sockets to call on."""
         probe = wire.describe_inputs()
-        tokenizer, draft, target, sampler = await asyncio.gather(
+        tokenizer, (draft, draft_socket), (target, target_socket), sampler = await asyncio.gather(
             bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
             self._describe_draft(probe),
             self._describe_target(probe),
@@ -54,22 +64,52 @@ class BlsStages:
         descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
         # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing
         self._stateful = self._models_holding(draft=self._draft_here is None and not draft.settings)
+        await self._connect({wire.DRAFT_PROPOSER: draft_socket, wire.TARGET_VERIFIER: target_socket})
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them
         ensure_bls_threads(2 * (descriptions.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
         return descriptions
 
-    async def _describe_draft(self, probe) -> ModelDescription:
+    async def _describe_draft(self, probe) -> tuple[ModelDescription, str | None]:
         if self._draft_here is not None:
-            return self._draft_here
-        names = wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS
+            return self._draft_here, None
+        names = (wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS
+                 + wire.DESCRIBE_SOCKET_OUTPUTS)  # fmt: skip
         out = await bls(wire.DRAFT_PROPOSER, probe, names, batched=True)
-        return wire.with_described_settings(hidden_wire.with_described_layers(wire.description_of(out), out), out)
+        description = wire.with_described_settings(hidden_wire.with_described_layers(wire.description_of(out), out), out)
+        return description, wire.socket_of(out)
 
-    async def _describe_target(self, probe) -> ModelDescription:
+    async def _describe_target(self, probe) -> tuple[ModelDescription, str | None]:
         if self._target_here is not None:
-            return self._target_here
-        return wire.description_of(await bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS, batched=True))
+            return self._target_here, None
+        out = await bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS, batched=True)
+        return wire.description_of(out), wire.socket_of(out)
+
+    async def _connect(self, addresses: dict[str, str | None]) -> None:
+        """Connections to the stateful models that describe a socket: kept while the model's socket is the
+        same and the connection works (a release of the last run may still use it), else made anew."""
+        wanted = {m: addresses[m] for m in self._stateful if self.stage_calls == "socket"}
+        for model, client in list(self._sockets.items()):
+            if wanted.get(model) != client.address or client.broken:
+                client.close()
+                del self._sockets[model]
+        for model, address in wanted.items():
+            if address is None:
+                self.logger.warning(f"{model} describes no socket: its step calls go by BLS")
+            elif model not in self._sockets:
+                self._sockets[model] = await SocketCallClient.connect(model, address)
+
+    def close(self) -> None:
+        for client in self._sockets.values():
+            client.close()
+        self._sockets = {}
+
+    async def _call(self, model: str, inputs: dict, names) -> dict:
+        """A step call to a stateful model: on its socket when connected, else a BLS request."""
+        client = self._sockets.get(model)
+        if client is not None:
+            return await client.call(inputs, names)
+        return await bls(model, inputs, names, batched=True)
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         # the ids alone come back: greedy drafts have no q, and a sampled one's q goes to the sampler
@@ -77,7 +117,7 @@ class BlsStages:
         names = wire.GREEDY_PROPOSE_OUTPUTS + (sample_hop.PROPOSE_HOLD_OUTPUTS if hold else ())
         inputs = {**wire.propose_inputs(requests), **hidden_wire.propose_hidden_inputs(requests), **hold,
                   **self._secret}  # fmt: skip
-        out = await bls(wire.DRAFT_PROPOSER, inputs, names, batched=True)
+        out = await self._call(wire.DRAFT_PROPOSER, inputs, names)
         return sample_hop.mark_held(wire.proposals_of(out), out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
@@ -89,7 +129,7 @@ class BlsStages:
         hidden = hidden_wire.verify_hidden_inputs(requests)  # the draft head's layers, if it reads any
         names = names + hidden_wire.VERIFY_HIDDEN_OUTPUTS if hidden else names
         inputs = {**wire.verify_inputs(requests), **hidden, **sample_here, **self._secret}
-        out = await bls(wire.TARGET_VERIFIER, inputs, names, batched=True)
+        out = await self._call(wire.TARGET_VERIFIER, inputs, names)
         results = sample_hop.attach_sampled(requests, wire.verify_results_of(out, [r.num_logits for r in requests]), out)
         return hidden_wire.attach_hidden(results, out, [len(r.token_ids) for r in requests]) if hidden else results
 
@@ -102,9 +142,10 @@ class BlsStages:
         seq_ids = list(ended)
         inputs = {**wire.release_inputs(seq_ids), **self._secret}
         calls = {
-            wire.DRAFT_PROPOSER: lambda: bls(wire.DRAFT_PROPOSER, {**inputs, **wire.response_inputs(list(ended.values()))},
-                                             wire.PROPOSE_OUTPUTS, batched=True),
-            wire.TARGET_VERIFIER: lambda: bls(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS, batched=True),
+            wire.DRAFT_PROPOSER: lambda: self._call(wire.DRAFT_PROPOSER,
+                                                    {**inputs, **wire.response_inputs(list(ended.values()))},
+                                                    wire.PROPOSE_OUTPUTS),
+            wire.TARGET_VERIFIER: lambda: self._call(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS),
         }  # fmt: skip
         results = await asyncio.gather(*(calls[model]() for model in self._stateful), return_exceptions=True)
         failures = [f"{model}: {result}" for model, result in zip(self._stateful, results)

@@ -31,6 +31,7 @@ DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast e
 # A live sequence is stepped every scheduler step, so one untouched this long was lost by its caller
 # (a failed release): its slot is reclaimed. Far above any step's duration.
 DEFAULT_SEQUENCE_IDLE_TIMEOUT_S = 120.0
+STAGE_CALLS = ("socket", "bls")  # speculative_decoding's stage_calls
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,8 @@ class OrchestratorConfig:
     # the request parameter naming the client (a header the gateway sets and Triton forwards); None: not named
     client_id_parameter: str | None = None
     max_sequences_per_client: int = 0  # requests one client may have in flight; 0: no limit
+    # how a step calls the models holding sequences: socket (specdec_triton.socket_calls, ~0.1 ms a call) | bls
+    stage_calls: str = "socket"
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
@@ -235,6 +238,7 @@ class OrchestratorConfig:
             max_request_seconds=params.get_float("max_request_seconds", 0.0, minimum=0.0),
             client_id_parameter=params.get_str("client_id_parameter", None),
             max_sequences_per_client=params.get_int("max_sequences_per_client", 0, minimum=0),
+            stage_calls=params.get_str("stage_calls", "socket", choices=STAGE_CALLS),
         )
         params.get_str(PARAMETER, "")  # vLLM's JSON: every model applied it to its own keys while loading
         params.check_all_read()

@@ -21,6 +21,8 @@ from specdec_triton.plumbing import bytes_array, scalar, text
 DESCRIBE_OUTPUTS = ("describe_model", "describe_vocab_size", "describe_max_model_len", "describe_max_num_seqs",
                     "describe_method")  # fmt: skip
 DESCRIBE_SETTINGS_OUTPUTS = ("describe_settings",)  # [1] JSON object; "{}" for a proposer that runs a model
+# [1] the Unix socket a stateful model answers step calls on (specdec_triton.socket_calls); "": none
+DESCRIBE_SOCKET_OUTPUTS = ("describe_socket",)
 
 
 def describe_inputs() -> dict[str, np.ndarray]:
@@ -43,6 +45,14 @@ def description_outputs(desc: ModelDescription) -> dict[str, np.ndarray]:
         "describe_max_num_seqs": _or_minus_one(desc.max_num_seqs),  # [1]
         "describe_method": bytes_array([desc.method]),  # [1]
     }
+
+
+def socket_outputs(address: str | None) -> dict[str, np.ndarray]:
+    return {"describe_socket": bytes_array([address or ""])}  # [1]
+
+
+def socket_of(outputs: Mapping[str, np.ndarray]) -> str | None:
+    return text(outputs, "describe_socket") or None
 
 
 def description_of(outputs: Mapping[str, np.ndarray]) -> ModelDescription:

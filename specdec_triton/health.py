@@ -27,6 +27,8 @@ from specdec_triton.internal import secret_path
 
 # Triton names a stub '<model>_<group>_<instance>' in its error messages
 _DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
+# how a step call on a model's socket fails when the model's process goes (specdec_triton.socket_calls)
+_SOCKET_CLOSED = re.compile(r"(?P<model>[\w.-]+) stopped: the connection to its process closed")
 
 
 def pid_path(model: str, server_pid: int | None = None) -> Path:
@@ -96,8 +98,8 @@ def is_alive(pid: int) -> bool:
 
 
 def dead_stub_in(message: str) -> str | None:
-    """The model whose stub a Triton error message reports dead, if any."""
-    match = _DEAD_STUB.search(message)
+    """The model whose stub an error message reports dead (Triton's, or a socket call's), if any."""
+    match = _DEAD_STUB.search(message) or _SOCKET_CLOSED.search(message)
     return match.group("model") if match else None
 
 

@@ -12,6 +12,7 @@ description across models, each model adding its own ``model`` label.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from specdec_triton.plumbing import triton_utils
 
@@ -39,6 +40,11 @@ _PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accept
 # How stale the counters on the metrics port may be under load; Prometheus scrapes every 10-60 s.
 FLUSH_INTERVAL_S = 0.5
 _ACTIVE = ("spec_decode_num_active_sequences", "Sequences whose state this model holds")
+_SOCKET_CALLS = {
+    "spec_decode_socket_calls": "Calls the orchestrator made on this model's socket (stage_calls socket)",
+    "spec_decode_socket_call_seconds": "Time this model spent answering them, from a call's arrival to its answer "
+    "(its Python and compute; Triton's statistics do not see these calls)",
+}
 _EXPIRED = ("spec_decode_num_expired_sequences",
             "Sequences this model released because no request used them for sequence_idle_timeout_s")
 
@@ -107,6 +113,27 @@ class ExpiredSequences:
     def add(self, count: int) -> None:
         if count:
             self._counter.increment(count)
+
+
+class SocketCallTime:
+    """What a stateful model's socket calls cost it, summed and sent at most every ``flush_interval_s``
+    and at every release (the end of a request), since each update is a round trip to the server."""
+
+    def __init__(self, model_name: str, family_type=None, flush_interval_s: float = FLUSH_INTERVAL_S,
+                 clock=time.monotonic):  # fmt: skip
+        self._families = [_family(name, text, "COUNTER", family_type) for name, text in _SOCKET_CALLS.items()]
+        self._calls, self._seconds = (family.Metric(labels={"model": model_name}) for family in self._families)
+        self._pending_calls, self._pending_seconds = 0, 0.0
+        self._flush_interval_s, self._clock = flush_interval_s, clock
+        self._last_flush = clock()
+
+    def add(self, seconds: float, flush: bool = False) -> None:
+        self._pending_calls += 1
+        self._pending_seconds += seconds
+        if flush or self._clock() - self._last_flush >= self._flush_interval_s:
+            self._calls.increment(self._pending_calls)
+            self._seconds.increment(self._pending_seconds)
+            self._pending_calls, self._pending_seconds, self._last_flush = 0, 0.0, self._clock()
 
 
 class SpecDecodeCounters:

@@ -4,11 +4,16 @@ Both hold one state per live sequence and answer the same three kinds of request
 (describe, release, work), so the checks live here once: every request but describe
 must carry the server's secret (:mod:`specdec_triton.internal`); releases run before
 the work of the batch; sequences idle past ``idle_timeout_s`` are reclaimed first
-(:mod:`specdec_triton.leases`); the active-sequences gauge follows every batch.
+(:mod:`specdec_triton.leases`); the active-sequences gauge follows every batch. Calls
+come as Triton requests to ``execute`` and, from the orchestrator, on a Unix socket
+(:mod:`specdec_triton.socket_calls`) answered on other threads: one lock keeps them
+apart, so the model's state still has one writer at a time.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -17,8 +22,9 @@ from specdec_triton import wire
 from specdec_triton.health import register_stub
 from specdec_triton.internal import boot_secret
 from specdec_triton.leases import SequenceLeases
-from specdec_triton.metrics import ActiveSequences, ExpiredSequences
+from specdec_triton.metrics import ActiveSequences, ExpiredSequences, SocketCallTime
 from specdec_triton.plumbing import ModelLogger
+from specdec_triton.socket_calls import SocketCallServer
 
 Inputs = Mapping[str, np.ndarray]
 
@@ -29,16 +35,49 @@ class SequenceHost:
                  describe_extra: dict | None = None):  # fmt: skip
         self.name, self.holder, self.description, self.logger = name, holder, description, logger
         self.keeps_responses = keeps_responses  # the proposer: a release may carry completed responses
-        self.describe_outputs = {**wire.description_outputs(description), **(describe_extra or {})}
+        self.describe_outputs = {**wire.description_outputs(description), **wire.socket_outputs(None),
+                                 **(describe_extra or {})}  # fmt: skip
         self.secret = boot_secret()  # only the orchestrator may call
         self.active = ActiveSequences(name)
         self.expired = ExpiredSequences(name)
         self.leases = SequenceLeases(idle_timeout_s, holder.release)
         register_stub(name, model_config)  # the orchestrator watches this process, and reloads it with this
+        self.lock = threading.Lock()  # execute and the socket's threads take turns
+        self.socket: SocketCallServer | None = None
+
+    def serve_socket(self, handle_batch: Callable[[list[Inputs]], list[dict]]) -> None:
+        """Answer calls on a Unix socket as well, with ``handle_batch`` (execute's), and describe its path.
+
+        A socket that cannot be made (a temporary directory whose path is too long for
+        one) is logged, and the orchestrator then calls by BLS as before.
+        """
+        socket_time = SocketCallTime(self.name)
+
+        def answer(inputs: dict, output_names: Sequence[str]) -> dict:
+            started = time.perf_counter()
+            outputs = handle_batch([inputs])[0]
+            self.show_active()
+            socket_time.add(time.perf_counter() - started, flush=wire.is_release(inputs))
+            return outputs
+
+        try:
+            self.socket = SocketCallServer(self.name, answer, self.logger)
+        except (ValueError, OSError) as err:
+            self.logger.warning(f"no socket for step calls, BLS only: {err}")
+            return
+        self.describe_outputs = {**self.describe_outputs, **wire.socket_outputs(self.socket.address)}
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close()
 
     def handle(self, batch: list[Inputs], requests_of: Callable[[Inputs], list], run: Callable[[list], list],
                outputs_of: Callable[[list], dict]) -> list[dict]:  # fmt: skip
         """Checks, expiry and releases, then every sequence of every work request in one ``run`` call."""
+        with self.lock:
+            return self._handle(batch, requests_of, run, outputs_of)
+
+    def _handle(self, batch, requests_of, run, outputs_of) -> list[dict]:
         for inputs in batch:
             if not wire.is_describe(inputs):
                 wire.check_caller(inputs, self.secret, self.name)

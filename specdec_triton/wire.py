@@ -48,8 +48,8 @@ from specdec_triton.penalty_wire import (
 )  # fmt: skip
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 from specdec_triton.describe_wire import (  # noqa: F401  (part of this module's interface)
-    DESCRIBE_OUTPUTS, DESCRIBE_SETTINGS_OUTPUTS, describe_inputs, description_of, description_outputs, is_describe,
-    settings_outputs, with_described_settings,
+    DESCRIBE_OUTPUTS, DESCRIBE_SETTINGS_OUTPUTS, DESCRIBE_SOCKET_OUTPUTS, describe_inputs, description_of,
+    description_outputs, is_describe, settings_outputs, socket_of, socket_outputs, with_described_settings,
 )  # fmt: skip
 
 TOKENIZER = "tokenizer"

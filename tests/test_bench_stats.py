@@ -18,6 +18,7 @@ from bench.stats import (
     metric_total,
     model_counters,
     parse_prometheus,
+    with_socket_calls,
     percentile,
     samples_delta,
     samples_sum,
@@ -170,3 +171,20 @@ def test_rounds_add_up_counter_deltas():
     second = {"target_verifier": ModelCounters(1, 1, 50), "draft_proposer": ModelCounters(4, 4, 10)}
     assert counters_sum(first, second) == {"target_verifier": ModelCounters(4, 3, 150),
                                            "draft_proposer": ModelCounters(4, 4, 10)}  # fmt: skip
+
+
+def test_calls_a_model_answered_on_its_socket_count_as_its_executions():
+    metrics = {
+        ("spec_decode_socket_calls", (("model", "target_verifier"),)): 10.0,
+        ("spec_decode_socket_call_seconds", (("model", "target_verifier"),)): 0.02,
+        ("spec_decode_socket_calls", (("model", "draft_proposer"),)): 4.0,
+        ("spec_decode_socket_call_seconds", (("model", "draft_proposer"),)): 0.004,
+    }
+    delta = {"target_verifier": ModelCounters(2, 1, 1_000_000, 5), "rejection_sampler": ModelCounters(3, 3, 7)}
+    out = with_socket_calls(delta, metrics)
+    assert out["target_verifier"] == ModelCounters(12, 11, 21_000_000, 5)  # 2 describes by BLS + 10 socket calls
+    assert out["draft_proposer"] == ModelCounters(4, 4, 4_000_000, 0)
+    assert out["rejection_sampler"] == delta["rejection_sampler"]
+    assert with_socket_calls(delta, {}) == delta  # a server calling by BLS
+    step = step_overhead_ms(0.05, out, 10, ("draft_proposer", "target_verifier"))
+    assert step["step_compute_ms"] == pytest.approx(2.5)

@@ -144,6 +144,10 @@ def test_component_configs_parse_and_reject(tmp_path):
         OrchestratorConfig.from_parameters(params(num_speculative_tokens_per_batch_size="1:6"))
     with pytest.raises(ParameterError, match=r"unknown parameter\(s\) \['micro_batches'\]"):
         OrchestratorConfig.from_parameters(params(micro_batches="2"))
+    assert OrchestratorConfig.from_parameters(params()).stage_calls == "socket"
+    assert OrchestratorConfig.from_parameters(params(stage_calls="bls")).stage_calls == "bls"
+    with pytest.raises(ParameterError, match=r"'stage_calls' must be one of \('socket', 'bls'\)"):
+        OrchestratorConfig.from_parameters(params(stage_calls="pipe"))
 
 
 def test_draft_proposer_config_per_method(tmp_path):

@@ -43,11 +43,13 @@ MODELS = {  # model -> (inputs, outputs, config class or None)
     wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS + sample_hop.PROPOSE_HOLD_INPUTS,
                           wire.PROPOSE_OUTPUTS + sample_hop.PROPOSE_HOLD_OUTPUTS + wire.DESCRIBE_OUTPUTS
-                          + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS,
+                          + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS
+                          + wire.DESCRIBE_SOCKET_OUTPUTS,
                           configs.DraftProposerConfig),
     wire.TARGET_VERIFIER: (wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS,
                            wire.DECLARED_VERIFY_OUTPUTS + hidden_wire.VERIFY_HIDDEN_OUTPUTS
-                           + sample_hop.VERIFY_SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TargetVerifierConfig),
+                           + sample_hop.VERIFY_SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS,
+                           configs.TargetVerifierConfig),
     wire.REJECTION_SAMPLER: (wire.SAMPLE_INPUTS + sample_hop.SAMPLER_SEQUENCE_INPUTS,
                              wire.SAMPLE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.RejectionSamplerConfig),
     "speculative_decoding": (GENERATE_INPUTS, GENERATE_OUTPUTS, configs.OrchestratorConfig),

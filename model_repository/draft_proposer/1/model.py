@@ -51,6 +51,7 @@ class TritonPythonModel:
                                  describe_extra={**hidden_wire.description_hidden_outputs(description),
                                                  **wire.settings_outputs(description)})  # fmt: skip
         self.send_to_sampler = sample_hop.sampler_sender(self.host.secret)
+        self.host.serve_socket(self._propose)  # the orchestrator's step calls (specdec_triton.socket_calls)
         self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):
@@ -70,4 +71,6 @@ class TritonPythonModel:
         return sample_hop.hold_in_sampler(requests, self.proposer.propose(requests), self.send_to_sampler)
 
     def finalize(self):
+        if not self.runs_elsewhere:
+            self.host.close()
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it

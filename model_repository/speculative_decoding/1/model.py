@@ -52,7 +52,7 @@ class TritonPythonModel:
         config = OrchestratorConfig.from_parameters(Parameters.from_args(args))
         counters = SpecDecodeCounters(name, config.num_speculative_tokens)
         self.orchestrator = Orchestrator(
-            self._stages(os.path.dirname(os.path.normpath(args["model_repository"]))), config, counters,
+            self._stages(os.path.dirname(os.path.normpath(args["model_repository"])), config.stage_calls), config, counters,
             ActiveSequences(name), log=self.logger.info,
             suffix_gauges=SuffixCacheGauges(name),  # method suffix runs here (specdec.proposers.model_free)
         )
@@ -63,13 +63,13 @@ class TritonPythonModel:
                                      config.health_check_interval_s).start()  # fmt: skip
         self.logger.info(str(config))
 
-    def _stages(self, repository_dir):
-        """BLS requests to the composing models; calls here for a model that sets run_in_orchestrator."""
+    def _stages(self, repository_dir, stage_calls):
+        """Requests to the composing models; calls here for a model that sets run_in_orchestrator."""
         secret = boot_secret()
         target = load_target_here(repository_dir, log=self.logger.info)
         draft = load_draft_here(repository_dir, log=self.logger.info)
-        stages = BlsStages(self.logger, secret, target_here=target and target.description,
-                           draft_here=draft and draft.description)  # fmt: skip
+        self.bls_stages = stages = BlsStages(self.logger, secret, target_here=target and target.description,
+                                             draft_here=draft and draft.description, stage_calls=stage_calls)
         if target is None and draft is None:
             return stages
         send = sample_hop.sampler_sender(secret)
@@ -129,4 +129,5 @@ class TritonPythonModel:
             self.supervisor.call_on_loop(self.orchestrator.stop_serving, "the server is shutting down")
         if isinstance(self.orchestrator.stages, StagesInProcess):
             self.orchestrator.stages.close()
+        self.bls_stages.close()
         self.logger.info("unloaded")

@@ -52,6 +52,7 @@ class TritonPythonModel:
         self.host = SequenceHost(args["model_name"], self.verifier, description, config.sequence_idle_timeout_s,
                                  self.logger, args["model_config"])  # fmt: skip
         self.send_to_sampler = sample_hop.sampler_sender(self.host.secret)
+        self.host.serve_socket(self._verify)  # the orchestrator's step calls (specdec_triton.socket_calls)
         self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):
@@ -69,4 +70,6 @@ class TritonPythonModel:
         return sample_hop.sample_in_sampler(requests, self.verifier.verify(requests), self.send_to_sampler)
 
     def finalize(self):
+        if not self.runs_elsewhere:
+            self.host.close()
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it
