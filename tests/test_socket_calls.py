@@ -2,10 +2,13 @@
 import asyncio
 import json
 import os
+import shutil
 import socket
 import stat
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -256,3 +259,21 @@ def test_socket_call_time_is_sent_at_most_every_interval_and_at_every_release():
     assert (calls.value, seconds.value, calls.updates) == (4, pytest.approx(0.008), 1)
     time_.add(0.001, flush=True)  # a release: the request ends, its calls are counted before its answer
     assert (calls.value, seconds.value, calls.updates) == (5, pytest.approx(0.009), 2)
+
+
+def test_a_model_removes_the_socket_directories_its_dead_predecessors_left(monkeypatch):
+    tmp_path = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))  # pytest's own is too deep for a socket path
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    dead = tmp_path / "specdec-target_verifier-999999999-abc"  # no such process
+    living = tmp_path / f"specdec-target_verifier-{os.getppid()}-abc"
+    other_model = tmp_path / "specdec-draft_proposer-999999999-abc"
+    for directory in (dead, living, other_model):
+        directory.mkdir()
+    server = _serve(_echo)
+    try:
+        assert not dead.exists() and living.exists() and other_model.exists()
+        assert os.path.basename(os.path.dirname(server.address)).startswith(f"specdec-target_verifier-{os.getpid()}-")
+    finally:
+        server.close()
+        shutil.rmtree(tmp_path)
