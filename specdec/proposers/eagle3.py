@@ -13,14 +13,21 @@ the same positions, and the cache is cut back to the rows built from them (a len
 ``q`` is the head's processed distribution over the target's vocabulary (the draft
 vocabulary mapped through ``d2t``, every other id 0), so rejection sampling is unchanged
 and stays lossless.
+
+The fused features live in one preallocated buffer, a row per cache slot and position,
+as the KV cache does: a call writes every sequence's new features with one ``fc`` and
+one indexed write, and a pass reads its rows as views of it. What a pass needs from the
+host (ids, positions, slots) goes to the device as one tensor. On a GPU each small copy
+or launch per sequence would cost more than the head's pass itself once a batch holds a
+few sequences.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
 from specdec.fast.kv_cache import StaticKVCache
@@ -34,7 +41,7 @@ from specdec.types import Proposal, ProposeRequest
 @dataclass
 class _Sequence:
     tokens: list[int]  # every token sent
-    fused: torch.Tensor  # [F, h]: fc(target features) at positions 0 .. F - 1
+    num_features: int = 0  # positions 0 .. num_features - 1 have fused target features in the buffer
     rows: int = 0  # head rows the KV cache holds that were built from the target's features
 
 
@@ -58,7 +65,11 @@ class Eagle3Proposer:
             1, layer.num_kv_heads, layer.head_dim, max_num_seqs, self.max_model_len, head.dtype, self.device
         )
         self._seqs: dict[str, _Sequence] = {}
+        # [slots, max_model_len, h]: fc(target features) of each held sequence, by cache slot and position
+        self._fused = torch.zeros(max_num_seqs, self.max_model_len, config.hidden_size, dtype=head.dtype,
+                                  device=self.device)  # fmt: skip
         self._draft_targets = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [draft_vocab]
+        self._draft_targets_host = self._draft_targets.cpu()  # for the ban masks, built on the host
         self._head_forward = head  # the module, or its compiled forward
         self.graphs: StaticHeadRunner | None = None
         on_cuda = self.device.type == "cuda"
@@ -108,6 +119,7 @@ class Eagle3Proposer:
         self._check(requests)
         for r in requests:
             self._take(r)
+        self._store_features(requests)
         drafting = [r for r in requests if r.num_tokens > 0]
         try:
             drafts, q_rows = self._draft(drafting)
@@ -120,8 +132,12 @@ class Eagle3Proposer:
     def _check(self, requests: list[ProposeRequest]) -> None:
         """Refuse, before any state moves, features that do not fit the head or leave a gap."""
         width = self.head.config.feature_size
+        new = [r.seq_id for r in requests if r.seq_id not in self._seqs]
+        if len(new) > self.cache.num_free:
+            raise ValueError(f"{len(new)} new sequences, {self.cache.num_free} of max_num_seqs={self.max_num_seqs} "
+                             f"slots free")  # fmt: skip
         for r in requests:
-            held = self._seqs[r.seq_id].fused.shape[0] if r.seq_id in self._seqs else 0
+            held = self._seqs[r.seq_id].num_features if r.seq_id in self._seqs else 0
             hidden = r.hidden_states
             if hidden is not None and (hidden.dim() != 2 or hidden.shape[1] != width):
                 raise ValueError(
@@ -148,48 +164,63 @@ class Eagle3Proposer:
                 )
 
     def _take(self, r: ProposeRequest) -> None:
+        """The request's tokens, and how many positions have features once its own are stored."""
         seq = self._seqs.get(r.seq_id)
         if seq is None:
-            empty = torch.empty(0, self.head.config.hidden_size, dtype=self.head.dtype, device=self.device)
-            seq = self._seqs[r.seq_id] = _Sequence([], empty)
+            seq = self._seqs[r.seq_id] = _Sequence([])
+            self.cache.allocate(r.seq_id)
         del seq.tokens[r.position :]
         seq.tokens.extend(r.token_ids)
         seq.rows = min(seq.rows, max(r.position - 1, 0))  # row t reads token t + 1
         if r.hidden_states is not None:
-            fused = self.head.fuse(r.hidden_states.to(self.device))  # [n, h]
-            seq.fused = torch.cat([seq.fused[: r.hidden_position], fused])
+            seq.num_features = r.hidden_position + r.hidden_states.shape[0]
             seq.rows = min(seq.rows, r.hidden_position)
-        seq.fused = seq.fused[: len(seq.tokens) - 1]  # features past the last token's predecessor are stale
+        seq.num_features = min(seq.num_features, len(seq.tokens) - 1)  # features past the last token's predecessor are stale
+
+    def _store_features(self, requests: list[ProposeRequest]) -> None:
+        """Every request's new target features, fused by one ``fc`` and written into the buffer at once."""
+        features, slots, positions = [], [], []
+        for r in requests:
+            if r.hidden_states is None:
+                continue
+            n = min(r.hidden_states.shape[0], self._seqs[r.seq_id].num_features - r.hidden_position)
+            if n > 0:
+                features.append(r.hidden_states[:n])
+                slots += [self.cache.slot(r.seq_id)] * n
+                positions += range(r.hidden_position, r.hidden_position + n)
+        if not features:
+            return
+        fused = self.head.fuse(torch.cat(features).to(self.device, non_blocking=True))  # [N, h]
+        index = torch.tensor([slots, positions], dtype=torch.long).to(self.device, non_blocking=True)  # [2, N]
+        self._fused[index[0], index[1]] = fused
 
     @torch.inference_mode()  # the warm-up too: grad mode is part of a compiled graph's guards
     def _forward(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ragged pass of Python lists; each row's last logits [B, draft_vocab] and pre-norm [B, h]."""
+        """One ragged pass: ids, starts as host lists, each row's hidden as a device tensor [n_i, h];
+        each row's last logits [B, draft_vocab] and pre-norm [B, h]."""
         b, s = len(seq_ids), max(len(t) for t in token_lists)
-        input_ids = torch.zeros((b, s), dtype=torch.long, device=self.device)  # [B, S]
-        hidden = torch.zeros((b, s, self.head.config.hidden_size), dtype=self.head.dtype, device=self.device)
-        for i, (tokens, rows) in enumerate(zip(token_lists, hidden_lists)):
-            input_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            hidden[i, : len(tokens)] = rows
-        num_new = torch.tensor([len(t) for t in token_lists], dtype=torch.long, device=self.device)  # [B]
-        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)  # [B]
-        slots = torch.tensor([self.cache.slot(x) for x in seq_ids], dtype=torch.long, device=self.device)
-        kv_len = max(start + len(t) for start, t in zip(starts, token_lists))
-        return self._pass(input_ids, hidden, starts_t, num_new, slots, kv_len)
+        ids = [t + [0] * (s - len(t)) for t in token_lists]
+        lengths = [len(t) for t in token_lists]
+        slots = [self.cache.slot(x) for x in seq_ids]
+        host = torch.tensor([x for row in ids for x in row] + list(starts) + lengths + slots, dtype=torch.long)
+        meta = host.to(self.device, non_blocking=True)  # one copy: [B * S ids, B starts, B lengths, B slots]
+        input_ids = meta[: b * s].view(b, s)  # [B, S]
+        starts_t, num_new, slots_t = meta[b * s :].view(3, b)  # [B] each
+        hidden = pad_sequence(list(hidden_lists), batch_first=True)  # [B, S, h], zeros past each row's length
+        kv_len = max(start + n for start, n in zip(starts, lengths))
+        return self._pass(input_ids, hidden, starts_t, num_new, slots_t, kv_len)
 
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         if not requests:
             return [], []
         seqs = [self._seqs[r.seq_id] for r in requests]
-        for r in requests:
-            if r.seq_id not in self.cache:
-                self.cache.allocate(r.seq_id)
         starts, tokens, hidden = [], [], []
-        for seq in seqs:
+        for r, seq in zip(requests, seqs):
             last_row = len(seq.tokens) - 2  # the last position the target has verified
             start = min(seq.rows, last_row)
             starts.append(start)
             tokens.append(seq.tokens[start + 1 : last_row + 2])
-            hidden.append(seq.fused[start : last_row + 1])
+            hidden.append(self._fused[self.cache.slot(r.seq_id), start : last_row + 1])  # a view: [n, h]
         logits, prenorm = self._forward([r.seq_id for r in requests], starts, tokens, hidden)
         for seq in seqs:
             seq.rows = len(seq.tokens) - 1
@@ -228,9 +259,8 @@ class Eagle3Proposer:
         """
         b, k = len(requests), requests[0].num_tokens
         bases = [len(seq.tokens) - 2 for seq in seqs]  # the position of each row's step 1 is base + 1
-        base = torch.tensor(bases, dtype=torch.long, device=self.device)  # [B]
-        slots = torch.tensor([self.cache.slot(r.seq_id) for r in requests], dtype=torch.long, device=self.device)
-        ones = torch.ones(b, dtype=torch.long, device=self.device)  # [B]: one new token per row
+        host = torch.tensor(bases + [self.cache.slot(r.seq_id) for r in requests] + [1] * b, dtype=torch.long)
+        base, slots, ones = host.to(self.device, non_blocking=True).view(3, b)  # [B] each; ones: one token a row
         drafts = []  # k x [B] target ids
         for step in range(k):
             if step:  # the last draft and the head's own pre-norm output of the row before
@@ -260,10 +290,11 @@ class Eagle3Proposer:
         banning = [i for i, r in enumerate(requests) if r.banned_token_ids and r.num_banned_tokens]
         if not banning:
             return None
-        mask = torch.zeros((len(requests), self.head.config.draft_vocab_size), dtype=torch.bool, device=self.device)
+        mask = torch.zeros((len(requests), self.head.config.draft_vocab_size), dtype=torch.bool)  # on the host
         for i in banning:
-            mask[i] = torch.isin(self._draft_targets, torch.tensor(requests[i].banned_token_ids, device=self.device))
-        return mask, torch.tensor([r.num_banned_tokens for r in requests], device=self.device)
+            mask[i] = torch.isin(self._draft_targets_host, torch.tensor(requests[i].banned_token_ids))
+        num_banned = torch.tensor([r.num_banned_tokens for r in requests])
+        return mask.to(self.device, non_blocking=True), num_banned.to(self.device, non_blocking=True)
 
     def _greedy_ids(self, logits: torch.Tensor, step: int, bans, rows: list[int] | None = None) -> torch.Tensor:
         """The argmax over the draft vocabulary of ``logits`` [n, draft_vocab] (the requests' ``rows``, all
