@@ -137,6 +137,9 @@ class SocketCallServer:
                     header, body = _receive(connection)
                 except (ConnectionError, OSError):
                     return  # the orchestrator went away: its sequences are released by their leases
+                except ValueError as err:  # not a frame of ours: nothing after it can be read either
+                    self.logger.error(f"closing a socket connection that sent a malformed frame: {err}")
+                    return
                 if header is None:
                     return
                 connection.sendall(b"".join(self._answer(header, body)))
@@ -225,8 +228,11 @@ class SocketCallClient:
             raise ServingError(self.broken)
         answer = asyncio.get_running_loop().create_future()
         self._waiting.append((answer, list(output_names)))
-        self._writer.writelines(encode({"outputs": list(output_names)}, inputs))
-        await self._writer.drain()
+        try:
+            self._writer.writelines(encode({"outputs": list(output_names)}, inputs))
+            await self._writer.drain()
+        except (ConnectionError, OSError) as err:
+            self._fail(self._closed_message(err))
         return await answer
 
     async def _read_answers(self) -> None:
@@ -239,9 +245,12 @@ class SocketCallClient:
                 if not answer.done():  # not cancelled
                     _settle(answer, self.model_name, header, body, output_names)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, IndexError, ValueError) as err:
-            self._fail(f"{self.model_name} stopped: the connection to its process closed ({type(err).__name__})")
+            self._fail(self._closed_message(err))
         except asyncio.CancelledError:
             self._fail(self.broken or f"{self.model_name}: the connection was closed")
+
+    def _closed_message(self, err: BaseException) -> str:
+        return f"{self.model_name} stopped: the connection to its process closed ({type(err).__name__})"
 
     def _fail(self, why: str) -> None:
         self.broken = why

@@ -277,3 +277,25 @@ def test_a_model_removes_the_socket_directories_its_dead_predecessors_left(monke
     finally:
         server.close()
         shutil.rmtree(tmp_path)
+
+
+def test_a_malformed_frame_closes_its_connection_and_the_server_keeps_answering_others():
+    server = _serve(_echo)
+    try:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(server.address)
+        raw.sendall((5).to_bytes(4, "little") + b"{not}")
+        raw.settimeout(5)
+        assert raw.recv(16) == b""  # closed, nothing answered
+        raw.close()
+
+        async def main():
+            client = await SocketCallClient.connect("target_verifier", server.address)
+            try:
+                return await client.call({"x": np.array([4])}, ["doubled"])
+            finally:
+                client.close()
+
+        assert asyncio.run(main())["doubled"].tolist() == [8]
+    finally:
+        server.close()
