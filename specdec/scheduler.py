@@ -19,8 +19,8 @@ while one loop runs every step for all of them:
 So the batch shape of every step is a decision made in one place and reported
 (:class:`StepReport`), not something that emerges from when coroutines wake up. A stage
 call that fails fails the sequences it carried; the loop goes on with the others.
-Nothing here imports Triton: :class:`Stages` is the seam, implemented with BLS calls in
-``specdec_triton.bls_stages`` and with local objects in the tests.
+Nothing here imports Triton: :class:`Stages` is the seam, implemented with calls to the
+composing models in ``specdec_triton.model_stages`` and with local objects in the tests.
 """
 from __future__ import annotations
 

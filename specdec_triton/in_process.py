@@ -1,9 +1,9 @@
 """Stages whose verify, propose or both run on models held in the orchestrator's own process.
 
-Served as composing models, the target and the draft cost every step a BLS request
-each: the request and response cross two process boundaries, and the model's Python
-turns tensors into requests and back. On models small enough that a forward takes a few
-milliseconds, that is a third of a step (docs/benchmarks.md). With ``run_in_orchestrator``
+Served as composing models, the target and the draft cost every step a call each to
+another process (a socket call, or a BLS request with ``stage_calls: bls``): the inputs
+and outputs are framed and cross a process boundary twice, and the model's Python turns
+them into requests and back. With ``run_in_orchestrator``
 set on target_verifier or draft_proposer, the orchestrator loads that model itself
 (:mod:`specdec_triton.models_here`) and these stages call it directly. A draft head then
 reads the target's hidden states where the target left them: they cross no process.
@@ -15,7 +15,7 @@ sequences keep rejection_sampler as the one owner of the sampling rule and its r
 numbers: a draft here sends the ``q`` it drew there (``hold``), and a target here has
 the sampled sequences judged there (``judge``), each in one request, as the composing
 models do (:mod:`specdec_triton.sample_hop`). Everything else goes on to the wrapped
-stages, which know not to ask the models held here (``BlsStages(target_here=...,
+stages, which know not to ask the models held here (``ModelStages(target_here=...,
 draft_here=...)``).
 """
 from __future__ import annotations

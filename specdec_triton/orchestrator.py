@@ -14,8 +14,8 @@ there, naming both models. When a composing model's process dies,
 :meth:`Orchestrator.stage_failed` ends every request at once and refuses new ones
 until :meth:`Orchestrator.recovered` (:mod:`specdec_triton.recovery` decides which).
 Like tensorrtllm_backend's ``decode.py`` this file has no Triton import:
-:class:`Stages` is the seam, implemented with BLS requests in
-:mod:`specdec_triton.bls_stages` and with local objects in the tests.
+:class:`Stages` is the seam, implemented with calls to the composing models in
+:mod:`specdec_triton.model_stages` and with local objects in the tests.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from specdec_triton import wire
-from specdec_triton.bls_stages import BlsStages
+from specdec_triton.model_stages import ModelStages
 from specdec_triton.health import dead_stub_in
 from specdec_triton.metrics import SocketCallTime
 from specdec_triton.plumbing import ModelLogger, RequestError, ServingError
@@ -201,7 +201,7 @@ def test_the_stages_call_the_stateful_models_on_their_sockets_and_keep_a_working
     servers = {model: _serve(_echo) for model in (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)}
     try:
         async def main():
-            stages = BlsStages(ModelLogger("speculative_decoding"), "secret", stage_calls="socket")
+            stages = ModelStages(ModelLogger("speculative_decoding"), "secret", stage_calls="socket")
             addresses = {model: server.address for model, server in servers.items()}
             await stages._connect(addresses)
             assert set(stages._sockets) == set(addresses)
@@ -215,7 +215,7 @@ def test_the_stages_call_the_stateful_models_on_their_sockets_and_keep_a_working
             stages.close()
             assert not stages._sockets
 
-            by_bls = BlsStages(ModelLogger("speculative_decoding"), "secret", stage_calls="bls")
+            by_bls = ModelStages(ModelLogger("speculative_decoding"), "secret", stage_calls="bls")
             await by_bls._connect(addresses)
             assert not by_bls._sockets
 

@@ -57,7 +57,7 @@ MODELS = {  # model -> (inputs, outputs, config class or None)
 }
 
 
-BATCHED = (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)  # the models BlsStages calls with batched=True
+BATCHED = (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)  # the models ModelStages calls with batched=True
 
 
 def load_config(model: str) -> model_config_pb2.ModelConfig:
@@ -145,7 +145,7 @@ def test_greedy_requests_leave_out_the_sampling_inputs_and_seeds():
     mixed = [greedy[0], ProposeRequest("c", 0, [5], 1, SAMPLING, seed=9)]
     assert wire.propose_requests_of(wire.propose_inputs(mixed)) == mixed
     outputs = wire.proposal_outputs([Proposal(torch.tensor([3, 4])), Proposal(torch.tensor([5]))])
-    asked = {name: outputs[name] for name in wire.GREEDY_PROPOSE_OUTPUTS}  # what BlsStages asks of greedy calls
+    asked = {name: outputs[name] for name in wire.GREEDY_PROPOSE_OUTPUTS}  # what ModelStages asks of greedy calls
     assert [p.token_ids.tolist() for p in wire.proposals_of(asked)] == [[3, 4], [5]]
     results = wire.verify_outputs([VerifyResult(torch.tensor([1, 2])), VerifyResult(torch.tensor([3]))])
     asked = {name: results[name] for name in wire.GREEDY_VERIFY_OUTPUTS}

@@ -1,8 +1,9 @@
 """speculative_decoding: the BLS orchestrator behind the public generate I/O.
 
 Decoupled and async: each request runs :class:`specdec_triton.orchestrator.Orchestrator`
-as its own coroutine, so many requests progress at once while each awaits its BLS
-calls (tokenizer, draft_proposer, target_verifier, rejection_sampler). A supervisor
+as its own coroutine, so many requests progress at once while each awaits its calls to
+the composing models (BLS requests; the step's calls to draft_proposer and
+target_verifier on their sockets with ``stage_calls: socket``). A supervisor
 thread watches the composing models' processes (:mod:`specdec_triton.recovery`). When
 target_verifier or draft_proposer sets ``run_in_orchestrator``, that model is loaded here
 and its step is a call on it (:mod:`specdec_triton.in_process`).
@@ -18,7 +19,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from specdec_triton import sample_hop, wire
-from specdec_triton.bls_stages import BlsStages
+from specdec_triton.model_stages import ModelStages
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.health import StubWatch, reload_config
 from specdec_triton.internal import boot_secret
@@ -68,8 +69,8 @@ class TritonPythonModel:
         secret = boot_secret()
         target = load_target_here(repository_dir, log=self.logger.info)
         draft = load_draft_here(repository_dir, log=self.logger.info)
-        self.bls_stages = stages = BlsStages(self.logger, secret, target_here=target and target.description,
-                                             draft_here=draft and draft.description, stage_calls=stage_calls)
+        self.model_stages = stages = ModelStages(self.logger, secret, target_here=target and target.description,
+                                                 draft_here=draft and draft.description, stage_calls=stage_calls)
         if target is None and draft is None:
             return stages
         send = sample_hop.sampler_sender(secret)
@@ -129,5 +130,5 @@ class TritonPythonModel:
             self.supervisor.call_on_loop(self.orchestrator.stop_serving, "the server is shutting down")
         if isinstance(self.orchestrator.stages, StagesInProcess):
             self.orchestrator.stages.close()
-        self.bls_stages.close()
+        self.model_stages.close()
         self.logger.info("unloaded")

@@ -19,7 +19,7 @@ from specdec_triton.socket_calls import SocketCallClient
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
 
 
-class BlsStages:
+class ModelStages:
     # sampled sequences are judged inside the verify call: q and p go to rejection_sampler
     # from the models that make them, and only the verdicts come back (specdec_triton.sample_hop);
     # so the scheduler never makes a sample call of its own, and there is no `sample` here
