@@ -14,7 +14,9 @@ models' calls to rejection_sampler) stays a BLS request.
 
 A frame is ``u32 header length``, a JSON header, then each array's bytes in order. The
 header of a call names the outputs wanted; of an answer, either the arrays or the
-error (its message and its kind: the caller's input, the model unavailable, or internal). Arrays of Triton's BYTES
+error (its message and its kind: the caller's input, the model unavailable, or internal).
+A model that unloads sends every open connection one last frame that says so (``closing``)
+instead of just going away, so the calls waiting on it end with the reason. Arrays of Triton's BYTES
 type (numpy object arrays of bytes) travel as their items' lengths in the header and
 the items concatenated. No pickle: a frame is data only.
 """
@@ -37,6 +39,8 @@ from specdec_triton.plumbing import ModelLogger, RequestError, ServingError
 
 _LENGTH = struct.Struct("<I")  # the header's length
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating zero
+# what a model's socket tells the calls it will not answer when the model unloads
+UNLOADING = "{model} is unloading (the server is shutting down, or reloading the model)"
 # an answer's error by kind, raised again on the caller's side as the model raised it, so that
 # the request's final error has the code a BLS error response would have given it
 _ERROR_KINDS = {"unavailable": ServingError, "invalid": RequestError, "internal": RuntimeError}
@@ -110,9 +114,11 @@ class SocketCallServer:
         self._listener.bind(self.address)
         self._listener.listen(4)
         self._closed = False
+        self._connections: dict[socket.socket, threading.Lock] = {}  # each open connection and its sending lock
         threading.Thread(target=self._accept, name=f"specdec-{name}-socket", daemon=True).start()
 
     def close(self) -> None:
+        """Stop listening, and tell each connection why before closing it: the model is unloading."""
         self._closed = True
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
@@ -120,6 +126,14 @@ class SocketCallServer:
             pass
         self._listener.close()
         shutil.rmtree(self._directory, ignore_errors=True)
+        closing = b"".join(encode({"closing": UNLOADING.format(model=self.name)}))
+        for connection, sending in list(self._connections.items()):
+            with sending:
+                try:
+                    connection.sendall(closing)
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _accept(self) -> None:
         while not self._closed:
@@ -131,18 +145,30 @@ class SocketCallServer:
                              daemon=True).start()  # fmt: skip
 
     def _serve(self, connection: socket.socket) -> None:
-        with connection:
-            while True:
+        sending = self._connections[connection] = threading.Lock()
+        try:
+            with connection:
+                self._answer_until_closed(connection, sending)
+        finally:
+            self._connections.pop(connection, None)
+
+    def _answer_until_closed(self, connection: socket.socket, sending: threading.Lock) -> None:
+        while True:
+            try:
+                header, body = _receive(connection)
+            except (ConnectionError, OSError):
+                return  # the orchestrator went away: its sequences are released by their leases
+            except ValueError as err:  # not a frame of ours: nothing after it can be read either
+                self.logger.error(f"closing a socket connection that sent a malformed frame: {err}")
+                return
+            if header is None:
+                return
+            answer = b"".join(self._answer(header, body))
+            with sending:
                 try:
-                    header, body = _receive(connection)
-                except (ConnectionError, OSError):
-                    return  # the orchestrator went away: its sequences are released by their leases
-                except ValueError as err:  # not a frame of ours: nothing after it can be read either
-                    self.logger.error(f"closing a socket connection that sent a malformed frame: {err}")
-                    return
-                if header is None:
-                    return
-                connection.sendall(b"".join(self._answer(header, body)))
+                    connection.sendall(answer)
+                except OSError:
+                    return  # closed while answering
 
     def _answer(self, header: dict, body: bytearray) -> list:
         try:
@@ -241,6 +267,9 @@ class SocketCallClient:
                 prefix = await self._reader.readexactly(_LENGTH.size)
                 header = json.loads(await self._reader.readexactly(_LENGTH.unpack(prefix)[0]))
                 body = bytearray(await self._reader.readexactly(body_length(header)))  # writable, as BLS outputs are
+                if "closing" in header:  # the model is unloading: no answer will come for any call
+                    self._fail(f"{header['closing']}; the call was not answered")
+                    return
                 answer, output_names = self._waiting.popleft()
                 if not answer.done():  # not cancelled
                     _settle(answer, self.model_name, header, body, output_names)

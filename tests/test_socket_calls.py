@@ -299,3 +299,29 @@ def test_a_malformed_frame_closes_its_connection_and_the_server_keeps_answering_
         assert asyncio.run(main())["doubled"].tolist() == [8]
     finally:
         server.close()
+
+
+def test_a_model_that_unloads_tells_the_waiting_call_why_and_refuses_later_ones():
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(inputs, output_names):
+        entered.set()
+        release.wait(5)
+        return {"doubled": inputs["x"] * 2}
+
+    server = _serve(slow)
+
+    async def main():
+        client = await SocketCallClient.connect("target_verifier", server.address)
+        waiting = asyncio.ensure_future(client.call({"x": np.array([1])}, ["doubled"]))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
+        server.close()  # the model's finalize, while a call is in its forward
+        release.set()
+        with pytest.raises(ServingError, match=r"target_verifier is unloading \(the server is shutting down, or "
+                                               r"reloading the model\); the call was not answered"):
+            await waiting
+        with pytest.raises(ServingError, match="target_verifier is unloading"):
+            await client.call({"x": np.array([1])}, ["doubled"])
+        client.close()
+
+    asyncio.run(main())
