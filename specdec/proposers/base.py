@@ -66,14 +66,19 @@ def proposals_in_order(
     drafting: list[ProposeRequest],  # those of ``requests`` that drafted, in the order of ``drafts``
     drafts: list[list[int]],
     q_rows: list[list[torch.Tensor]],  # per drafting request, one [1, vocab] q row per draft
-    device: torch.device | str,
 ) -> list[Proposal]:
-    """One proposal per request, in order: its drafts and q if it drafted, an empty proposal if not."""
+    """One proposal per request, in order: its drafts and q if it drafted, an empty proposal if not.
+
+    The ids stay on the host, where the drafting loop read them: their readers take them
+    as lists (the greedy match, the wire) or move a batch at once (the sampler), so a
+    tensor per sequence on the model's device would be a copy there and back for each.
+    ``q`` stays where it was computed.
+    """
     by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
     proposals = []
     for r in requests:
         i = by_seq.get(r.seq_id)
         ids = drafts[i] if i is not None else []
         probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab] q
-        proposals.append(Proposal(torch.tensor(ids, dtype=torch.long, device=device), probs))  # [k]
+        proposals.append(Proposal(torch.tensor(ids, dtype=torch.long), probs))  # [k], on the host
     return proposals

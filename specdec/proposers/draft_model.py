@@ -85,7 +85,7 @@ class DraftModelProposer(OwnsOneModel):
             for r in drafting:  # a half-extended cache costs only a re-prefill, never a wrong token
                 self._drop_cache(r.seq_id)
             raise
-        return proposals_in_order(requests, drafting, drafts, q_rows, self.lm.device)
+        return proposals_in_order(requests, drafting, drafts, q_rows)
 
     def _take(self, request: ProposeRequest) -> None:
         """Append the request's tokens at its position; keep the cache up to the first token it changes."""

@@ -127,7 +127,7 @@ class Eagle3Proposer:
             for r in drafting:  # the next call rebuilds the rows from the features kept
                 self._seqs[r.seq_id].rows = 0
             raise
-        return proposals_in_order(requests, drafting, drafts, q_rows, self.device)
+        return proposals_in_order(requests, drafting, drafts, q_rows)
 
     def _check(self, requests: list[ProposeRequest]) -> None:
         """Refuse, before any state moves, features that do not fit the head or leave a gap."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.heads.mlp_speculator import MLPSpeculator
-from specdec.proposers.base import check_propose_requests
+from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
@@ -76,14 +76,7 @@ class MLPSpeculatorProposer:
                     f"position {len(seq.tokens) - 2}, the proposer has it at {seq.last_position}"
                 )
         drafts, q_rows = self._draft(drafting) if drafting else ([], [])
-        by_seq = {r.seq_id: i for i, r in enumerate(drafting)}
-        out = []
-        for r in requests:
-            i = by_seq.get(r.seq_id)
-            ids = drafts[i] if i is not None else []
-            probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab]
-            out.append(Proposal(torch.tensor(ids, dtype=torch.long, device=self.device), probs))
-        return out
+        return proposals_in_order(requests, drafting, drafts, q_rows)
 
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         seqs = [self._seqs[r.seq_id] for r in requests]
