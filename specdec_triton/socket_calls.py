@@ -50,10 +50,10 @@ Arrays = Mapping[str, np.ndarray]
 Handler = Callable[[dict[str, np.ndarray], Sequence[str]], Arrays]
 
 
-def encode(header: dict, arrays: Arrays = {}) -> list[bytes | memoryview]:
+def encode(header: dict, arrays: Arrays | None = None) -> list[bytes | memoryview]:
     """A frame as the buffers to send, in order: no array is copied into one buffer."""
     specs, buffers = [], []
-    for name, array in arrays.items():
+    for name, array in (arrays or {}).items():
         array = np.asarray(array)
         if array.dtype == np.object_:
             items = [item if isinstance(item, bytes) else str(item).encode() for item in array.reshape(-1)]
@@ -191,11 +191,11 @@ def _remove_stale_directories(name: str) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # no signal: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:  # it exists, as another user's process
+        pass
     return True
 
 
