@@ -26,7 +26,7 @@ class ModelStages:
     samples_in_verify = True
 
     def __init__(self, logger: ModelLogger, secret: str, target_here: ModelDescription | None = None,
-                 draft_here: ModelDescription | None = None, stage_calls: str = "bls"):  # fmt: skip
+                 draft_here: ModelDescription | None = None, stage_calls: str = "socket"):  # fmt: skip
         """``target_here`` / ``draft_here``: the description of a model the orchestrator holds itself
         (``specdec_triton.in_process``): that model is then neither asked nor released.
         ``stage_calls``: ``socket`` to call the stateful models on the sockets they describe."""

@@ -8,9 +8,9 @@ The orchestrator and these models are processes of one server on one host, so ea
 stateful model also listens on a Unix socket, in a directory only the server's user
 can open, and states its path in its describe answer. With ``stage_calls: socket``
 (the default) the orchestrator sends the same inputs there that a BLS request would
-carry and reads the same outputs back: a round trip of about 0.1 ms. Triton still
-loads, watches and reloads the models, and every other call (tokenize, describe, the
-models' calls to rejection_sampler) stays a BLS request.
+carry and reads the same outputs back, for well under half the BLS request's cost
+(docs/serving.md). Triton still loads, watches and reloads the models, and every other
+call (tokenize, describe, the models' calls to rejection_sampler) stays a BLS request.
 
 A frame is ``u32 header length``, a JSON header, then each array's bytes in order. The
 header of a call names the outputs wanted; of an answer, either the arrays or the
