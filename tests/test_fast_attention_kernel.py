@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specdec.fast import FastCausalLM
+from specdec.fast.llama import default_triton_attention
 from test_fast_llama import save_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -54,10 +55,40 @@ MODEL_WITH_KERNEL = textwrap.dedent(
         [ForwardCall("a", 38, [5, 6, 7], 3), ForwardCall("b", 3, [1], 1)],
     ]
     lms = [FastCausalLM(path, "float32", device, 2, 64, False, triton_attention=t) for t in (True, False)]
+    if device == "cuda":  # the kernel inside the captured graphs, the default there
+        lms.append(FastCausalLM(path, "float32", device, 2, 64, True))
+        assert lms[-1].graphs is not None and lms[-1].model.model.layers[0].self_attn.kernel is not None
     for step in calls:
         for got, want in zip(*(lm.forward(step) for lm in lms)):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     print("model ok")
+    """
+)
+
+
+HEAD_WITH_KERNEL = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from specdec.heads import build_head_proposer
+    from specdec.types import ProposeRequest, SamplingParams
+
+    target_dir, head_dir, device = sys.argv[1], sys.argv[2], sys.argv[3]
+    proposers = [build_head_proposer("eagle3", head_dir, target_dir, "float32", device, max_num_seqs=2, cuda_graphs=False)
+                 for _ in range(2)]
+    proposers[0].head.use_triton_attention()
+    torch_head = proposers[1].head
+    if device == "cuda":  # on CUDA the kernel is the default: give the second head the torch path back
+        torch_head.layers[0].self_attn.kernel, torch_head.attention_mask = None, True
+    assert proposers[1].head.layers[0].self_attn.kernel is None
+    hidden = torch.randn(12, proposers[0].head.config.feature_size, device=device)  # [tokens, features]
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
+        requests = [ProposeRequest("a", 0, list(range(1, 13)), 4, sampling, seed=3, hidden_states=hidden)]
+        got, want = (p.propose(requests)[0] for p in proposers)
+        assert got.token_ids.tolist() == want.token_ids.tolist(), (got.token_ids, want.token_ids)
+        if not sampling.greedy:
+            torch.testing.assert_close(got.probs, want.probs, atol=1e-4, rtol=0)
+    print("head ok")
     """
 )
 
@@ -90,3 +121,31 @@ def test_kernel_unavailable_is_a_clear_error(tmp_path):
 def test_kernel_matches_torch_path_on_cuda(tmp_path):
     path, _ = save_checkpoint(tmp_path)
     run_script(KERNEL_VS_TORCH + MODEL_WITH_KERNEL, str(path), "cuda", interpret=False)
+
+
+def _head_pair(tmp_path):
+    from test_eagle3 import DRAFT_VOCAB, VOCAB, random_head
+    from tiny_llama import build_tiny_llama
+
+    from specdec.heads.formats import save_eagle3
+
+    build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6,
+                     initializer_range=0.3).save_pretrained(tmp_path / "target")  # fmt: skip
+    save_eagle3(random_head(tmp_path / "target", 1, DRAFT_VOCAB), tmp_path / "head", verifier=str(tmp_path / "target"))
+    return str(tmp_path / "target"), str(tmp_path / "head")
+
+
+def test_eagle3_head_with_the_kernel_drafts_as_with_torch_interpreted(tmp_path):
+    run_script(HEAD_WITH_KERNEL, *_head_pair(tmp_path), "cpu", interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eagle3_head_with_the_kernel_drafts_as_with_torch_on_cuda(tmp_path):
+    run_script(HEAD_WITH_KERNEL, *_head_pair(tmp_path), "cuda", interpret=False)
+
+
+def test_the_kernel_is_the_default_on_cuda_only(tmp_path):
+    path, _ = save_checkpoint(tmp_path)
+    assert FastCausalLM(path, dtype="float32", max_num_seqs=1, max_model_len=16).model.model.layers[0].self_attn.kernel is None
+    assert default_triton_attention("cuda:0") and not default_triton_attention("cpu")

@@ -3,8 +3,9 @@
 Decoding and verification launch hundreds of small kernels per step; replaying a
 captured graph removes the launch overhead (as gpt-fast and vLLM do). A graph fixes
 every shape and address, so the runner owns persistent input buffers, allocated once
-and written by slice before each replay, and attention always spans the whole
-``max_model_len`` with a position mask. Batches are padded up to the next captured
+and written by slice before each replay. Attention reads each row's length from those
+buffers: the Triton slot kernel (the default on CUDA) stops at each query's position, the
+torch path spans the whole ``max_model_len`` with a position mask. Batches are padded up to the next captured
 size: unused rows get zero new tokens and the cache's scratch slot, so they never
 touch a live sequence. Shapes outside the captured buckets run eagerly.
 

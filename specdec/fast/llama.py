@@ -6,8 +6,11 @@ Touvron et al. 2023), so float32 logits agree with Hugging Face to ~1e-5. The
 structure follows gpt-fast: each batch row is one sequence with its own cache slot,
 start position and number of new tokens (rows are right-padded to the longest); new
 keys and values are written into the slot at their positions and every query attends
-causally over ``cache[slot, :start + s + 1]`` via a position mask. With
-``kv_len = max_model_len`` every shape is static, which is what CUDA graphs need.
+causally over ``cache[slot, :start + s + 1]``: by default (CPU) a gather and SDPA with a
+position mask, where ``kv_len = max_model_len`` makes every shape static, which is what CUDA
+graphs need; on CUDA the Triton slot kernel (``attention_kernel.py``), whose reads stop at
+each query's position, so a captured step costs what the sequence's length costs rather
+than what ``max_model_len`` does.
 Module names mirror transformers', except that q/k/v and gate/up run as one fused
 projection each (``qkv_proj``, ``gate_up_proj``); ``checkpoint.fuse_projections``
 concatenates a Hugging Face state dict's weights to match.
@@ -23,6 +26,18 @@ from torch import nn
 
 from specdec.fast.checkpoint import LlamaArchConfig, fuse_projections, load_state_dict, read_config, weight_names
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
+
+
+def default_triton_attention(device: torch.device | str) -> bool:
+    """The Triton kernel wherever the model runs on CUDA.
+
+    A CUDA graph fixes its shapes, so the torch path gathers and masks the whole
+    ``max_model_len`` of every row on every step: at 4096 positions that doubled a 1.5 B
+    target's graphed step on an H100, and a Llama 3 config's 131072 would swamp it. The
+    kernel reads only keys up to each query's position, from device tensors, so one graph
+    serves every length at that length's cost. On CPU it would run interpreted.
+    """
+    return torch.device(device).type == "cuda"
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,7 @@ from specdec.cached_lm import ForwardCall, check_forward_calls
 from specdec.fast.cpu_compile import compile_forward, warm_up
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, StaticShapeRunner
 from specdec.fast.kv_cache import StaticKVCache
-from specdec.fast.llama import check_hidden_layers, load_fast_llama
+from specdec.fast.llama import check_hidden_layers, default_triton_attention, load_fast_llama
 from specdec.models import resolve_dtype
 from specdec.progress import Log, timed_phase
 
@@ -62,11 +62,15 @@ class FastCausalLM:
         cuda_graphs: bool | None = None,
         *,
         graph_num_tokens: tuple[int, ...] = DEFAULT_GRAPH_NUM_TOKENS,
-        triton_attention: bool = False,
+        triton_attention: bool | None = None,
         cpu_compile: bool = False,
         log: Log | None = None,
     ):
-        """``cpu_compile``: run the forward compiled by ``torch.compile`` (``cpu_compile.py``), CPU only."""
+        """``cpu_compile``: run the forward compiled by ``torch.compile`` (``cpu_compile.py``), CPU only.
+
+        ``triton_attention``: attention by the Triton slot kernel; None: on CUDA
+        (``specdec.fast.llama.default_triton_attention`` says why).
+        """
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         on_cuda = self.device.type == "cuda"
@@ -74,6 +78,8 @@ class FastCausalLM:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={str(self.device)!r}")
         if cpu_compile and self.device.type != "cpu":
             raise ValueError(f"cpu_compile is for CPU devices (CUDA captures graphs instead), got device={str(self.device)!r}")
+        if triton_attention is None:
+            triton_attention = default_triton_attention(self.device)
         with timed_phase(log, f"loading weights of {path} to {self.device}"):
             self.model = load_fast_llama(path, resolve_dtype(dtype, self.device), self.device, triton_attention)
         config = self.model.config

@@ -12,6 +12,7 @@ import torch
 
 from specdec.fast.checkpoint import read_config
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
+from specdec.fast.llama import default_triton_attention
 from specdec.models import resolve_dtype
 from specdec.types import ModelDescription
 
@@ -62,6 +63,8 @@ def build_head_proposer(
         compiled = cpu_compile and torch.device(device).type == "cpu"
         if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
             pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
+        if default_triton_attention(device):
+            head.use_triton_attention()
         # the head's cache spans the target's positions (as in vLLM), not those its layer config names
         return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings, compiled,
                               cuda_graphs)  # fmt: skip

@@ -90,6 +90,19 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # [draft_vocab]
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))  # [vocab]
         self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)  # [head_dim // 2]
+        self.attention_mask = True  # False once the Triton kernel attends (it masks by position itself)
+
+    def use_triton_attention(self) -> None:
+        """Attend with the Triton slot kernel, as the fast engine does on CUDA (``default_triton_attention``).
+
+        The head's cache spans the target's ``max_position_embeddings``; with the torch path
+        every graphed draft pass would gather and mask all of it.
+        """
+        from specdec.fast.attention_kernel import check_available, slot_attention
+
+        check_available()
+        self.layers[0].self_attn.kernel = slot_attention
+        self.attention_mask = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,7 +126,7 @@ class Eagle3Head(nn.Module):
         kv_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [B, S, draft_vocab], pre-norm [B, S, h]
         b, s = input_ids.shape
-        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4])
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], self.attention_mask)
         freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         embeds = self.embed_tokens(input_ids)  # [B, S, h]
