@@ -44,53 +44,70 @@ KERNEL_VS_TORCH = textwrap.dedent(
     """
 )
 
-MODEL_WITH_KERNEL = textwrap.dedent(
+COUNT_KERNEL_CALLS = textwrap.dedent(
+    """
+    import specdec.fast.attention_kernel as attention_kernel
+
+    kernel_calls = []
+
+    def counted(*args, _kernel=attention_kernel.slot_attention):
+        kernel_calls.append(args[0].shape)  # [B, H, S, D]
+        return _kernel(*args)
+
+    attention_kernel.slot_attention = counted  # what Attention and use_triton_attention import from now on
+    """
+)
+
+MODEL_WITH_KERNEL = COUNT_KERNEL_CALLS + textwrap.dedent(
     """
     import sys
     import torch
     from specdec.fast import FastCausalLM, ForwardCall
+    from specdec.fast.cuda_graphs import StaticShapeRunner
 
     calls = [
-        [ForwardCall("a", 0, list(range(1, 40)), 2), ForwardCall("b", 0, [7, 8, 9], 1)],
-        [ForwardCall("a", 38, [5, 6, 7], 3), ForwardCall("b", 3, [1], 1)],
+        [ForwardCall("a", 0, list(range(1, 40)), 2), ForwardCall("b", 0, [7, 8, 9], 1)],  # eager: SDPA
+        [ForwardCall("a", 38, [5, 6, 7], 3), ForwardCall("b", 3, [1], 1)],  # fixed shape: the kernel
+        [ForwardCall("a", 41, [2], 1), ForwardCall("b", 4, [3, 4], 2)],
     ]
-    lms = [FastCausalLM(path, "float32", device, 2, 64, False, triton_attention=t) for t in (True, False)]
-    if device == "cuda":  # the kernel inside the captured graphs, the default there
-        lms.append(FastCausalLM(path, "float32", device, 2, 64, True))
-        assert lms[-1].graphs is not None and lms[-1].model.model.layers[0].self_attn.kernel is not None
-    torch_path = lms.pop(1)
+    kernel_lm = FastCausalLM(path, "float32", device, 2, 64, device == "cuda", triton_attention=True)
+    torch_lm = FastCausalLM(path, "float32", device, 2, 64, False, triton_attention=False)
+    if device == "cpu":  # the passes a graph would replay, uncaptured
+        kernel_lm.graphs = StaticShapeRunner(kernel_lm.model, kernel_lm.cache, (1, 2, 4, 8))
     for step in calls:
-        want = torch_path.forward(step)
-        for lm in lms:
-            for got, expected in zip(lm.forward(step), want):
-                torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        for got, want in zip(kernel_lm.forward(step), torch_lm.forward(step)):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    if device == "cpu":  # captured kernels run at replay without a Python call to count
+        assert kernel_calls and all(shape[2] <= 8 for shape in kernel_calls), kernel_calls
     print("model ok")
     """
 )
 
 
-HEAD_WITH_KERNEL = textwrap.dedent(
+HEAD_WITH_KERNEL = COUNT_KERNEL_CALLS + textwrap.dedent(
     """
     import sys
     import torch
     from specdec.heads import build_head_proposer
+    from specdec.heads.cuda_graphs import StaticHeadRunner
     from specdec.types import ProposeRequest, SamplingParams
 
     target_dir, head_dir, device = sys.argv[1], sys.argv[2], sys.argv[3]
-    proposers = [build_head_proposer("eagle3", head_dir, target_dir, "float32", device, max_num_seqs=2, cuda_graphs=False)
-                 for _ in range(2)]
-    proposers[0].head.use_triton_attention()
-    torch_head = proposers[1].head
-    if device == "cuda":  # on CUDA the kernel is the default: give the second head the torch path back
-        torch_head.layers[0].self_attn.kernel, torch_head.attention_mask = None, True
-    assert proposers[1].head.layers[0].self_attn.kernel is None
-    hidden = torch.randn(12, proposers[0].head.config.feature_size, device=device)  # [tokens, features]
+    kernel, torch_path = (build_head_proposer("eagle3", head_dir, target_dir, "float32", device, max_num_seqs=2,
+                                              cuda_graphs=graphs) for graphs in (device == "cuda", False))
+    kernel.head.use_triton_attention()
+    torch_path.head.layers[0].self_attn.kernel, torch_path.head.triton_attention = None, False  # the default on CPU
+    if device == "cpu":
+        kernel.graphs = StaticHeadRunner(kernel.head, kernel.cache)
+    hidden = torch.randn(12, kernel.head.config.feature_size, device=device)  # [tokens, features]
     for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
         requests = [ProposeRequest("a", 0, list(range(1, 13)), 4, sampling, seed=3, hidden_states=hidden)]
-        got, want = (p.propose(requests)[0] for p in proposers)
+        got, want = kernel.propose(requests)[0], torch_path.propose(requests)[0]
         assert got.token_ids.tolist() == want.token_ids.tolist(), (got.token_ids, want.token_ids)
         if not sampling.greedy:
             torch.testing.assert_close(got.probs, want.probs, atol=1e-4, rtol=0)
+    if device == "cpu":
+        assert kernel_calls, "the head's fixed-shape passes never reached the kernel"
     print("head ok")
     """
 )

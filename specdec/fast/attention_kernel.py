@@ -23,14 +23,14 @@ def check_available() -> None:
         raise RuntimeError("triton_attention=True needs a CUDA device or TRITON_INTERPRET=1")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a prompt's length must not compile a kernel of its own
 def _slot_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, scale,
     q_stride_b, q_stride_h, q_stride_s,
     k_stride_slot, k_stride_h, k_stride_l,
     v_stride_slot, v_stride_h, v_stride_l,
     o_stride_b, o_stride_h, o_stride_s,
-    num_tokens: tl.constexpr, group: tl.constexpr, head_dim: tl.constexpr,
+    num_tokens, group: tl.constexpr, head_dim: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * num_tokens + s

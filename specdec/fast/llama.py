@@ -35,9 +35,20 @@ def default_triton_attention(device: torch.device | str) -> bool:
     ``max_model_len`` of every row on every step: at 4096 positions that doubled a 1.5 B
     target's graphed step on an H100, and a Llama 3 config's 131072 would swamp it. The
     kernel reads only keys up to each query's position, from device tensors, so one graph
-    serves every length at that length's cost. On CPU it would run interpreted.
+    serves every length at that length's cost (``kernel_attends`` says which passes use it).
+    On CPU it would run interpreted.
     """
     return torch.device(device).type == "cuda"
+
+
+def kernel_attends(triton_attention: bool, kv_len: int, max_model_len: int) -> bool:
+    """The kernel in passes over the whole cache (the fixed shapes of CUDA graphs), SDPA elsewhere.
+
+    An eager pass gathers only ``kv_len`` = its longest row, so SDPA's fused kernels serve it
+    well, a long prefill above all; the slot kernel's one program per query token and head
+    loops over every key before it, fine for a few tokens a row, quadratic work for a prompt.
+    """
+    return triton_attention and kv_len == max_model_len
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +122,7 @@ class Attention(nn.Module):
         write = write_kv if torch.compiler.is_compiling() else write_kv_in_place  # the compiled form where traced
         write(cache, layer, batch.write_slot, batch.write_pos, k.transpose(1, 2), v)  # [B, S, KVH, D] each
         kv = cache[layer]  # [2, num_slots, KVH, max_model_len, D]
-        if self.kernel is not None:
+        if batch.mask is None:  # a pass over the whole cache with the kernel (kernel_attends)
             out = self.kernel(q, kv[0], kv[1], batch.slots, batch.write_pos, self.head_dim**-0.5)  # [B, H, S, D]
         else:
             out = torch_slot_attention(q, kv, batch, self.head_dim**-0.5, self.grouped)  # [B, H, S, D]
@@ -227,7 +238,7 @@ class FastLlama(nn.Module):
     def __init__(self, config: LlamaArchConfig, biases: set[str], triton_attention: bool = False):
         super().__init__()
         self.config = config
-        self.attention_mask = not triton_attention  # torch's attention reads BatchIndex.mask, the kernel does not
+        self.triton_attention = triton_attention  # the kernel attends in passes over the whole cache
         self.model = Backbone(config, biases, triton_attention)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [head_dim // 2]
@@ -258,7 +269,8 @@ class FastLlama(nn.Module):
         the features EAGLE-3 and the MLP speculator read from the target.
         """
         b, s = input_ids.shape
-        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], self.attention_mask)
+        with_mask = not kernel_attends(self.triton_attention, kv_len, kv.shape[4])
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], with_mask)
         freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]

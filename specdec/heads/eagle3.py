@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.fast.checkpoint import LlamaArchConfig
-from specdec.fast.llama import MLP, Attention, BatchIndex, RMSNorm, rope_inv_freq
+from specdec.fast.llama import MLP, Attention, BatchIndex, RMSNorm, kernel_attends, rope_inv_freq
 
 EAGLE3 = "eagle3"
 
@@ -90,7 +90,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # [draft_vocab]
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))  # [vocab]
         self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)  # [head_dim // 2]
-        self.attention_mask = True  # False once the Triton kernel attends (it masks by position itself)
+        self.triton_attention = False  # the kernel in passes over the whole cache (kernel_attends)
 
     def use_triton_attention(self) -> None:
         """Attend with the Triton slot kernel, as the fast engine does on CUDA (``default_triton_attention``).
@@ -102,7 +102,7 @@ class Eagle3Head(nn.Module):
 
         check_available()
         self.layers[0].self_attn.kernel = slot_attention
-        self.attention_mask = False
+        self.triton_attention = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,7 +126,8 @@ class Eagle3Head(nn.Module):
         kv_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [B, S, draft_vocab], pre-norm [B, S, h]
         b, s = input_ids.shape
-        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], self.attention_mask)
+        with_mask = not kernel_attends(self.triton_attention, kv_len, kv.shape[4])
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], with_mask)
         freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         embeds = self.embed_tokens(input_ids)  # [B, S, h]
