@@ -116,8 +116,14 @@ if [[ -z "$SERVER" ]]; then
     # A backends dir whose python/ holds the backend library, its utils module and the stub.
     BACKENDS="$ROOT/.cache/triton_backends"
     mkdir -p "$BACKENDS/python"
-    cp -u "$DIST/backends/python/libtriton_python.so" "$DIST/backends/python/triton_python_backend_utils.py" \
-        "$DIST/python_backend_stubs/$PYVER/triton_python_backend_stub" "$BACKENDS/python/"
+    # Replaced by rename where they differ: a running server's stub stays its own (cp onto it: "Text file busy").
+    for f in "$DIST/backends/python/libtriton_python.so" "$DIST/backends/python/triton_python_backend_utils.py" \
+             "$DIST/python_backend_stubs/$PYVER/triton_python_backend_stub"; do
+        dest="$BACKENDS/python/$(basename "$f")"
+        if ! cmp -s "$f" "$dest"; then
+            cp -p "$f" "$dest.$$" && mv -f "$dest.$$" "$dest"
+        fi
+    done
     args+=(--backend-directory "$BACKENDS" --cache-directory "$DIST/caches")
     LIBPYTHON_DIR="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')"
     export LD_LIBRARY_PATH="$SITE/nvidia_pytriton.libs:$LIBPYTHON_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
