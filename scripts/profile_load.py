@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+SHIPPED_HEADS = {"eagle3": REPO_ROOT / "models" / "tiny-eagle3", "mlp_speculator": REPO_ROOT / "models" / "tiny-mlp-speculator"}
+
+
 def main() -> None:
     if not Path("/proc/stat").exists():
         sys.exit("profile_load.py reads /proc: it runs on Linux only")
@@ -83,7 +86,10 @@ def main() -> None:
                              args.prompt_tokens, seed=0)  # fmt: skip
     jobs = [Job(p, args.max_tokens, args.k, ignore_eos=True) for p in prompts]
     with tempfile.TemporaryDirectory() as workdir:
-        edits = {**args.edits, "draft_proposer": {"method": args.method, **args.edits.get("draft_proposer", {})}}
+        proposer = {"method": args.method}
+        if args.method in SHIPPED_HEADS:  # a head's method needs a head to load, not the repository's draft model
+            proposer["draft_model"] = str(SHIPPED_HEADS[args.method])
+        edits = {**args.edits, "draft_proposer": {**proposer, **args.edits.get("draft_proposer", {})}}
         repository = make_variant(args.repository, Path(workdir) / "repo", edits)
         log = Path(os.environ.get("SPECDEC_PROFILE_LOG", Path(workdir) / "server.log"))
         env = {"OMP_NUM_THREADS": str(args.threads)}

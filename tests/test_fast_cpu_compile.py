@@ -122,3 +122,41 @@ def test_compiled_packed_linears_equal_eager(tmp_path, monkeypatch):
                   [ForwardCall("a", 15, [6, 7, 8, 9, 1], 5)]):  # fmt: skip
         for got, want in zip(compiled.forward(calls), eager.forward(calls)):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_a_heads_first_pass_compiles_every_hidden_state_shape_at_once(target):
+    """The layers a head reads arrive with its first verify: that pass compiles them all, later ones none.
+
+    On another thread than the load's, as a served model's socket thread: torch's config
+    overrides (the recompile limit) are per thread, and these graphs come on top of the load's.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        worker.submit(_hidden_state_passes, target).result()
+
+
+def _hidden_state_passes(target):
+    from torch._dynamo.utils import counters
+
+    _, _, compiled, eager = target
+    layers = (1, 2)
+    steps = [
+        [ForwardCall("a", 0, random_ids(20, 13), 1)],  # prefill: the warm-up for these layers runs first
+        [ForwardCall("a", 20, [3], 1)],
+        [ForwardCall("a", 21, [4, 5, 6, 7, 8], 5), ForwardCall("b", 0, random_ids(9, 14), 1)],
+        [ForwardCall("a", 24, [1, 2], 2), ForwardCall("b", 9, [2], 1)],
+    ]
+    try:
+        compiles = []
+        for calls in steps:
+            before = counters["aot_autograd"]["total"]
+            got, want = compiled.forward_with_hidden(calls, layers), eager.forward_with_hidden(calls, layers)
+            compiles.append(counters["aot_autograd"]["total"] - before)
+            for g, w in zip(got[0] + got[1], want[0] + want[1]):
+                torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+        assert compiles[0] > 0 and compiles[1:] == [0] * (len(steps) - 1), compiles
+        assert layers in compiled._compiled_hidden and compiled.num_active_sequences == 2  # warm-up slots given back
+    finally:
+        for lm in (compiled, eager):
+            lm.release("a"), lm.release("b")

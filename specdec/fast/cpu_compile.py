@@ -72,11 +72,23 @@ def use_utf8_text_files() -> None:
 
 def compile_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     """``model.forward`` (a ``FastLlama``'s, an EAGLE-3 head's) compiled for every shape (``dynamic=True``);
-    one graph, no breaks."""
+    one graph, no breaks.
+
+    Torch's config overrides are per thread, and a served model runs its passes on the
+    thread of the call that asks (a socket's, Triton's), not the one that loaded it: each
+    call raises its own thread's recompile limit first, or a head's graphs compiled there
+    would stop the forward at torch's default of eight per code object.
+    """
     check_compiler()
     use_utf8_text_files()
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)
-    return torch.compile(model.forward, dynamic=True, fullgraph=True)
+    compiled = torch.compile(model.forward, dynamic=True, fullgraph=True)
+
+    def forward(*args, **kwargs) -> torch.Tensor:
+        if torch._dynamo.config.recompile_limit < GRAPHS_PER_FORWARD:
+            torch._dynamo.config.recompile_limit = GRAPHS_PER_FORWARD  # this thread's override
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def warm_up_plan(free_slots: int, max_model_len: int) -> tuple[list[str], list[tuple[int, int]]]:
@@ -92,18 +104,23 @@ def warm_up_plan(free_slots: int, max_model_len: int) -> tuple[list[str], list[t
     return [f"{WARM_UP_SEQ_ID}-{i}" for i in range(max(rows for rows, _ in shapes))], shapes
 
 
-def warm_up(lm: CachedLM) -> None:
-    """Run a prefill and each pass of ``warm_up_plan`` through ``lm.forward``, on slots given back after.
+def warm_up(lm: CachedLM, hidden_layers: tuple[int, ...] = ()) -> None:
+    """Run a prefill and each pass of ``warm_up_plan`` through ``lm``, on free slots given back after.
 
     Runs at load, before any sequence holds a slot, through the same calls requests make,
-    so every graph they need is compiled here.
+    so every graph they need is compiled here; with ``hidden_layers``, through
+    ``forward_with_hidden`` (a head's verify passes), whenever a head first asks for them.
     """
     seq_ids, shapes = warm_up_plan(lm.max_num_seqs - lm.num_active_sequences, lm.max_model_len)
+
+    def run(calls: list[ForwardCall]) -> None:
+        lm.forward_with_hidden(calls, hidden_layers) if hidden_layers else lm.forward(calls)
+
     try:
         for seq_id in seq_ids:
-            lm.forward([ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])
+            run([ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])
         for rows, tokens in shapes:
-            lm.forward([ForwardCall(seq_id, WARM_UP_PREFIX, [0] * tokens, tokens) for seq_id in seq_ids[:rows]])
+            run([ForwardCall(seq_id, WARM_UP_PREFIX, [0] * tokens, tokens) for seq_id in seq_ids[:rows]])
     finally:
         for seq_id in seq_ids:
             lm.release(seq_id)

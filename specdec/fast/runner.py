@@ -93,6 +93,7 @@ class FastCausalLM:
         self._forward = self.model  # what an eager-shaped pass calls: the module, or its compiled forward
         self.graphs: StaticShapeRunner | None = None  # passes that want logits alone
         self._graphs_with_hidden: dict[tuple[int, ...], StaticShapeRunner] = {}  # hidden_layers -> their runner
+        self._compiled_hidden: set[tuple[int, ...]] = set()  # hidden_layers whose compiled passes are warm
         self._log = log
         if cpu_compile:
             with timed_phase(log, "compiling the forward for CPU (torch.compile; cached on disk for the next load)"):
@@ -136,6 +137,8 @@ class FastCausalLM:
         if not calls:
             return [], []
         check_hidden_layers(hidden_layers, self.model.config.num_layers)
+        if hidden_layers and self._forward is not self.model and hidden_layers not in self._compiled_hidden:
+            self._warm_up_hidden(hidden_layers)
         fresh = [c.seq_id for c in calls if c.seq_id not in self.cache]
         check_forward_calls(self, calls, len(fresh))
         for call in calls:
@@ -157,6 +160,16 @@ class FastCausalLM:
         for call in calls:
             self.cache.set_length(call.seq_id, call.position + len(call.token_ids))
         return logits, hidden
+
+    def _warm_up_hidden(self, hidden_layers: tuple[int, ...]) -> None:
+        """Compile every pass shape that exports ``hidden_layers`` at once, as the load did for plain passes.
+
+        The layers come with a head's first verify; left to the passes that meet them, the
+        compiles (a second or more each) land one by one on the first requests' steps.
+        """
+        self._compiled_hidden.add(hidden_layers)  # first: warm_up's own passes come back through here
+        with timed_phase(self._log, f"compiling the forward with hidden states {list(hidden_layers)}"):
+            warm_up(self, hidden_layers)
 
     def _graphs_for(self, hidden_layers: tuple[int, ...]) -> StaticShapeRunner | None:
         """The fixed-shape runner for passes that want ``hidden_layers``; None where passes run eagerly.
