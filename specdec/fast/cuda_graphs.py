@@ -5,9 +5,9 @@ captured graph removes the launch overhead (as gpt-fast and vLLM do). A graph fi
 every shape and address, so the runner owns persistent input buffers, allocated once
 and written by slice before each replay. Attention reads each row's length from those
 buffers: the Triton slot kernel (the default on CUDA) stops at each query's position, the
-torch path spans the whole ``max_model_len`` with a position mask. Batches are padded up to the next captured
-size: unused rows get zero new tokens and the cache's scratch slot, so they never
-touch a live sequence. Shapes outside the captured buckets run eagerly.
+torch path spans the whole ``max_model_len`` with a position mask. Batches are padded up
+to the next captured size: unused rows get zero new tokens and the cache's scratch slot,
+so they never touch a live sequence. Shapes outside the captured buckets run eagerly.
 
 A runner built with ``hidden_layers`` also returns those hidden states of every row
 (what an EAGLE-3 head or MLP speculator reads from the target), so a verify pass that
