@@ -9,8 +9,9 @@
 #   3. speed on a 1.5 B random-weight target (Llama-3.2-1B's shape, untied 128k vocabulary, bfloat16,
 #      synthetic acceptance): k = 0 against
 #      a draft model, EAGLE-3 and the MLP speculator, with CUDA graphs, then the same without.
-# Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs.
-#   COMMIT=$(git rev-parse --short HEAD) scripts/gpu_check.sh
+# Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs. The served check
+# (scripts/gpu_serve_check.sh, after scripts/gpu_bundle.sh here) reuses its random checkpoints:
+#   COMMIT=$(git rev-parse --short HEAD) scripts/gpu_check.sh; bash scripts/gpu_serve_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
@@ -55,8 +56,8 @@ step "1B, CUDA graphs" 200 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" -
   --configs k0,draft_model:2,draft_model:4,eagle3:2,eagle3:4,mlp_speculator:3 --concurrency 1,4,16 \
   --num-prompts 16 --max-tokens 64 --rounds ${ROUNDS:-2} --out-dir "$OUT/1b"
 
-step "1B, eager" 60 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
-  --configs k0,eagle3:4 --concurrency 1,16 --num-prompts 16 --max-tokens 64 --rounds 1 \
+step "1B, eager" 90 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
+  --configs k0,eagle3:4 --concurrency 1 --num-prompts 8 --max-tokens 64 --rounds 1 \
   --out-dir "$OUT/1b-eager"
 
 echo "=== done, status $status" | tee -a "$OUT/run.log"
