@@ -11,11 +11,11 @@
 #    The client's packages go into python3 itself, which runs the benchmark with its own numpy;
 # 2. random-weight checkpoints of Llama-3.2-1B's shape (128k vocabulary), its draft and an EAGLE-3 head;
 # 3. the served benchmark: k = 0 against EAGLE-3 (METHODS, KS) on one server per method.
-# Results go to OUT_DIR (default runs/gpu-served): the benchmark's JSON, its log, the servers' logs.
+# Results go to OUT_DIR (default $OUT/gpu-served, or runs/gpu-served): the JSON, its log, the servers' logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=.gpuserve
-OUT_DIR=${OUT_DIR:-runs/gpu-served}
+OUT_DIR=${OUT_DIR:-${OUT:-runs}/gpu-served}  # under $OUT where a device call collects it
 MODELS=${MODELS:-/tmp/specdec-random}
 export VENV=${VENV:-/tmp/specdec-serve-venv}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
