@@ -70,6 +70,9 @@ class DraftProposerConfig:
     target_model: str | None = None
     # draft_model and heads: the orchestrator loads the proposer in its own process (specdec_triton.models_here)
     run_in_orchestrator: bool = False
+    # draft_model and heads: tokens a sequence may hold (the cache's length); None: the checkpoint's
+    # max_position_embeddings (a head: its target's). Unset, target_verifier's in the same repository
+    max_model_len: int | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -91,6 +94,7 @@ class DraftProposerConfig:
             sequence_idle_timeout_s=_idle_timeout(params),
             target_model=_head_target(params, method),
             run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
+            max_model_len=_draft_max_model_len(params, method),
         )
         params.check_all_read()
         try:
@@ -131,6 +135,23 @@ def _suffix_config(params: Parameters) -> SuffixConfig:
         return SuffixConfig(**values)
     except ValueError as err:
         raise ParameterError(f"draft_proposer: parameter {err}") from None
+
+
+def _draft_max_model_len(params: Parameters, method: str) -> int | None:
+    """draft_proposer's own ``max_model_len``, else target_verifier's in the same repository.
+
+    A draft or head never holds more of a sequence than the target serves, and at a real
+    model's ``max_position_embeddings`` (131072 for Llama 3) its cache and a head's feature
+    buffer would take gigabytes the target's smaller window never uses. Model-free methods
+    hold no cache and read none.
+    """
+    own = params.get_int("max_model_len", None, minimum=1)
+    if own is not None or method in ("ngram", "suffix") or not params.repository_dir:
+        return own
+    from specdec_triton.repository_config import model_settings
+
+    found = model_settings(params.repository_dir, "target_verifier")
+    return None if found is None else found[0].get_int("max_model_len", None, minimum=1)
 
 
 def _head_target(params: Parameters, method: str) -> str | None:

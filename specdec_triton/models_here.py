@@ -68,10 +68,10 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
         return LoadedDraft(proposer, describe_model_free(proposer))
     if config.method in HEAD_METHODS:
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
-                                       config.max_num_seqs, config.cpu_compile)  # fmt: skip
+                                       config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len)
         return LoadedDraft(proposer, describe_head(proposer, config.draft_model))
-    lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, log=log,
-                  cpu_compile=config.cpu_compile)  # fmt: skip
+    lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
+                  log=log, cpu_compile=config.cpu_compile)  # fmt: skip
     return LoadedDraft(DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model"))
 
 

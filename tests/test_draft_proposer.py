@@ -135,3 +135,13 @@ def test_draft_vocab_mismatch_is_refused_naming_both():
     with pytest.raises(ValueError, match=r"draft model '/models/other' has vocab size 128 but target model "
                                          r"'/models/target' has vocab size 256"):  # fmt: skip
         check_draft_compatible(other, target)
+
+
+def test_a_draft_holding_less_of_a_sequence_than_the_target_serves_is_refused_naming_both():
+    target = ModelDescription("/models/target", 256, 4096, 8, "target")
+    check_draft_compatible(ModelDescription("/models/draft", 256, 8192, 8, "draft_model"), target)
+    check_draft_compatible(ModelDescription("/models/head", 256, None, 8, "mlp_speculator"), target)  # no cache
+    short = ModelDescription("/models/draft", 256, 2048, 8, "draft_model")
+    with pytest.raises(ValueError, match=r"draft model '/models/draft' holds 2048 tokens of a sequence but target "
+                                         r"model '/models/target' serves 4096; raise draft_proposer's max_model_len"):
+        check_draft_compatible(short, target)

@@ -18,7 +18,7 @@ from specdec.engine import GenerationParams, generate
 from specdec.fast.checkpoint import read_config
 from specdec.fast.runner import FastCausalLM
 from specdec.fast.cuda_graphs import StaticShapeRunner
-from specdec.heads import build_head_proposer
+from specdec.heads import build_head_proposer, describe_head
 from specdec.heads.cuda_graphs import StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for, train_forward
 from specdec.heads.formats import load_eagle3, save_eagle3
@@ -115,6 +115,18 @@ def test_a_head_for_another_target_is_refused_naming_both(pair, tmp_path):
         build_head_proposer("mlp_speculator", head_dir, target_dir)
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         build_head_proposer("eagle3", tmp_path, target_dir)
+
+
+def test_a_heads_cache_and_features_span_max_model_len_when_given(pair):
+    """Sized by the target's max_position_embeddings by default; draft_proposer's max_model_len narrows it."""
+    _, target_dir, head_dir = pair
+    positions = read_config(target_dir).max_position_embeddings
+    assert build_head_proposer("eagle3", head_dir, target_dir).max_model_len == positions
+    narrow = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2, max_model_len=64)
+    assert narrow.max_model_len == 64 and narrow.cache.kv.shape[-2] == 64 and narrow._fused.shape[:2] == (2, 64)
+    assert describe_head(narrow, head_dir).max_model_len == 64
+    with pytest.raises(ValueError, match=rf"max_model_len {positions + 1} exceeds target '{target_dir}'"):
+        build_head_proposer("eagle3", head_dir, target_dir, max_model_len=positions + 1)
 
 
 @pytest.mark.parametrize("cpu_compile,packed", [(False, False), (True, False), (True, True)],

@@ -249,3 +249,24 @@ def test_recovery_and_expiry_settings_parse_and_reject(tmp_path):
     assert verifier.sequence_idle_timeout_s == 0.0
     with pytest.raises(ParameterError, match="'sequence_idle_timeout_s' must be a number >= 0"):
         TargetVerifierConfig.from_parameters(params(str(tmp_path), target_model="target", sequence_idle_timeout_s="x"))
+
+
+def test_a_draft_holds_as_much_of_a_sequence_as_the_target_serves_unless_told(tmp_path):
+    """draft_proposer's empty max_model_len is target_verifier's; model-free methods hold no cache."""
+    (tmp_path / "head").mkdir()
+    (tmp_path / "target_verifier").mkdir()
+    (tmp_path / "target_verifier" / "config.pbtxt").write_text(
+        'name: "target_verifier"\nparameters [ { key: "max_model_len" value: { string_value: "4096" } } ]\n')
+    base = str(tmp_path)
+    for method in ("draft_model", "eagle3", "mlp_speculator"):
+        follows = DraftProposerConfig.from_parameters(params(base, method=method, draft_model="head",
+                                                             target_model="head", max_model_len=""))  # fmt: skip
+        assert follows.max_model_len == 4096, method
+        own = DraftProposerConfig.from_parameters(params(base, method=method, draft_model="head",
+                                                         target_model="head", max_model_len="8192"))  # fmt: skip
+        assert own.max_model_len == 8192
+    assert DraftProposerConfig.from_parameters(params(base, method="suffix", max_model_len="")).max_model_len is None
+    with pytest.raises(ParameterError, match="max_model_len"):
+        DraftProposerConfig.from_parameters(params(base, draft_model="head", max_model_len="0"))
+    (tmp_path / "target_verifier" / "config.pbtxt").write_text('name: "target_verifier"\nparameters [ ]\n')
+    assert DraftProposerConfig.from_parameters(params(base, draft_model="head")).max_model_len is None

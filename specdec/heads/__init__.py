@@ -46,8 +46,12 @@ def build_head_proposer(
     max_num_seqs: int = 8,
     cpu_compile: bool = False,
     cuda_graphs: bool | None = None,
+    max_model_len: int | None = None,
 ):
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
+
+    ``max_model_len``: the tokens a sequence may hold in the head's cache and feature buffer
+    (None: the target's ``max_position_embeddings``, as vLLM sizes a head).
 
     ``cpu_compile``: an EAGLE-3 head's forward compiled on CPU (``specdec.fast.cpu_compile``);
     ignored on GPU and for the MLP speculator, whose stages are a few plain ops. ``cuda_graphs``: an
@@ -66,8 +70,11 @@ def build_head_proposer(
         if default_triton_attention(device):
             head.use_triton_attention()
         # the head's cache spans the target's positions (as in vLLM), not those its layer config names
-        return Eagle3Proposer(head, max_num_seqs, read_config(target_path).max_position_embeddings, compiled,
-                              cuda_graphs)  # fmt: skip
+        positions = read_config(target_path).max_position_embeddings
+        if max_model_len is not None and max_model_len > positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds target {str(target_path)!r}'s "
+                             f"max_position_embeddings {positions}")  # fmt: skip
+        return Eagle3Proposer(head, max_num_seqs, max_model_len or positions, compiled, cuda_graphs)
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 

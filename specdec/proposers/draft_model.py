@@ -30,13 +30,20 @@ def check_draft_compatible(draft: ModelDescription, target: ModelDescription) ->
     """Rejection sampling compares ``p`` and ``q`` token by token: a draft model needs the target's vocabulary.
 
     An n-gram draft copies the sequence's own tokens and has no vocabulary: it always passes.
+    A draft that holds fewer tokens of a sequence than the target serves would fail the
+    requests that reach its limit, so it is refused here, naming both limits.
     """
-    if draft.vocab_size is None or draft.vocab_size == target.vocab_size:
-        return
-    raise ValueError(
-        f"draft model {draft.model!r} has vocab size {draft.vocab_size} but target model {target.model!r} "
-        f"has vocab size {target.vocab_size}; the draft must share the target's tokenizer and output layer width"
-    )
+    if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft model {draft.model!r} has vocab size {draft.vocab_size} but target model {target.model!r} "
+            f"has vocab size {target.vocab_size}; the draft must share the target's tokenizer and output layer width"
+        )
+    if None not in (draft.max_model_len, target.max_model_len) and draft.max_model_len < target.max_model_len:
+        raise ValueError(
+            f"draft model {draft.model!r} holds {draft.max_model_len} tokens of a sequence but target model "
+            f"{target.model!r} serves {target.max_model_len}; raise draft_proposer's max_model_len (empty: "
+            f"target_verifier's) or lower target_verifier's"
+        )
 
 
 @dataclass
