@@ -25,6 +25,7 @@ import torch
 
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
+from specdec.fast.checkpoint import read_config
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec.types import ModelDescription
@@ -70,9 +71,25 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
                                        config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len)
         return LoadedDraft(proposer, describe_head(proposer, config.draft_model))
+    _check_draft_window(config)
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
                   log=log, cpu_compile=config.cpu_compile)  # fmt: skip
     return LoadedDraft(DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model"))
+
+
+def _check_draft_window(config: DraftProposerConfig) -> None:
+    """A fast-engine draft trained for fewer positions than its window (often target_verifier's) is refused
+    with the fix, before the engine's own refusal, which names only the draft's setting."""
+    if config.max_model_len is None or config.engine != "fast":
+        return
+    positions = read_config(config.draft_model).max_position_embeddings
+    if config.max_model_len > positions:
+        raise ValueError(
+            f"draft model {config.draft_model!r} has max_position_embeddings {positions} but would hold "
+            f"{config.max_model_len} tokens of a sequence (draft_proposer's max_model_len, or target_verifier's "
+            f"where that is empty): lower target_verifier's max_model_len to at most {positions}, or serve a "
+            f"draft trained for as many positions as the target serves"
+        )
 
 
 def _settings_here(repository_dir: str | os.PathLike, model: str) -> tuple[Parameters, str] | None:

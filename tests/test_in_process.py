@@ -281,3 +281,21 @@ def test_without_the_setting_nothing_else_is_read(tmp_path):
     """target_verifier checks its own configuration: the orchestrator does not fail its load for it."""
     assert load_target_here(tmp_path) is None  # no target_verifier directory
     assert load_target_here(write_repository(tmp_path, tmp_path / "missing", here="false")) is None
+
+
+def test_a_draft_trained_for_fewer_positions_than_its_window_is_refused_with_the_fix():
+    """The window often comes from target_verifier: the message says to lower that, not the draft's own."""
+    import re
+    from pathlib import Path
+
+    from specdec_triton.models_here import build_proposer
+
+    draft = str(Path(__file__).resolve().parents[1] / "models" / "tiny-draft")
+    config = DraftProposerConfig(method="draft_model", draft_model=draft, prompt_lookup_min=None,
+                                 prompt_lookup_max=None, dtype="float32", engine="fast", max_num_seqs=1,
+                                 max_model_len=4096)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"draft model '{re.escape(draft)}' has max_position_embeddings 2048 but "
+                                         r"would hold 4096 tokens .* lower target_verifier's max_model_len to at most "
+                                         r"2048"):  # fmt: skip
+        build_proposer(config, "cpu")
+    assert build_proposer(replace(config, max_model_len=2048), "cpu").description.max_model_len == 2048
