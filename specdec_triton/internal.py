@@ -7,7 +7,8 @@ sequence could overwrite or free it. So these two models answer a propose, verif
 release request only when it carries ``caller_secret``, a random token that only the
 processes of this server can read:
 
-* the first model of a server to load creates ``specdec-<tritonserver pid>.secret`` in
+* the first model of a server to load creates ``specdec-<tritonserver pid>-<its start
+  time>.secret`` in
   ``SPECDEC_SECRET_DIR`` (default: the system temporary directory), readable by its
   owner only, holding 32 random bytes in hex; the others, the orchestrator among them,
   read it (every Python stub is a child of the ``tritonserver`` process, so all find
@@ -34,9 +35,32 @@ _READ_TIMEOUT_S = 10.0  # another stub creates the file and writes it at the sam
 
 
 def secret_path(server_pid: int | None = None) -> Path:
-    """Where the server with ``server_pid`` (default: this stub's parent) keeps its secret."""
+    """Where the server with ``server_pid`` (default: this stub's parent) keeps its secret.
+
+    Named by the process id and the process's start time: ids are reused, and a file a
+    dead server left under the same id (its secret, its models' process ids, read by the
+    supervisor) must not pass for this server's.
+    """
     directory = Path(os.environ.get("SPECDEC_SECRET_DIR") or tempfile.gettempdir())
-    return directory / f"specdec-{server_pid if server_pid is not None else os.getppid()}.secret"
+    return directory / f"specdec-{process_identity(server_pid if server_pid is not None else os.getppid())}.secret"
+
+
+def process_identity(pid: int) -> str:
+    """``<pid>-<start time in clock ticks after boot>`` (Linux's /proc); the bare id where that is unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return str(pid)
+    return f"{pid}-{stat[stat.rfind(')') + 2:].split()[19]}"  # field 22, starttime; the name may hold ')'
+
+
+def remove_dead_servers_files(directory: Path) -> None:
+    """Delete the files of servers that no longer run (``specdec-<pid>-<start>.*``): a crash leaves them."""
+    for path in directory.glob("specdec-*-*.*"):
+        identity = path.name[len("specdec-"):].split(".", 1)[0]
+        pid, _, start = identity.partition("-")
+        if pid.isdigit() and start.isdigit() and process_identity(int(pid)) != identity:
+            path.unlink(missing_ok=True)
 
 
 def boot_secret(path: Path | None = None) -> str:
@@ -48,6 +72,7 @@ def boot_secret(path: Path | None = None) -> str:
         return _read(path)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
+    remove_dead_servers_files(path.parent)  # once per boot, by the model that made the secret
     return _read(path)
 
 

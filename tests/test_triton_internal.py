@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import stat
 
 import numpy as np
 import pytest
 
 from specdec_triton import wire
-from specdec_triton.internal import boot_secret, is_authorized, secret_path
+from specdec_triton.internal import boot_secret, is_authorized, process_identity, secret_path
 from specdec_triton.plumbing import RequestError
 
 
@@ -20,10 +21,26 @@ def test_the_first_model_creates_the_secret_and_the_others_read_it(tmp_path):
     assert boot_secret(tmp_path / "specdec-124.secret") != first  # another server, another secret
 
 
-def test_the_path_is_per_server_and_can_be_moved(tmp_path, monkeypatch):
+def test_the_path_is_per_server_boot_and_can_be_moved(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_SECRET_DIR", str(tmp_path))
-    assert secret_path(77) == tmp_path / "specdec-77.secret"
-    assert secret_path() == tmp_path / f"specdec-{os.getppid()}.secret"  # a stub's parent: tritonserver
+    start = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    assert secret_path() == tmp_path / f"specdec-{os.getppid()}-{start}.secret"  # a stub's parent: tritonserver
+    assert process_identity(os.getpid()) != process_identity(os.getppid())
+    gone = 2**22 + 1  # above any pid_max: no such process
+    assert secret_path(gone) == tmp_path / f"specdec-{gone}.secret"
+
+
+def test_files_of_servers_that_stopped_are_removed_when_a_server_boots(tmp_path):
+    """A reused process id must not inherit a dead server's secret or its models' process ids."""
+    mine = process_identity(os.getpid())
+    dead = f"{os.getpid()}-1"  # this id, another start: a server that ran before under it
+    keep = [tmp_path / f"specdec-{mine}.tokenizer.pid", tmp_path / "specdec-tokenizer-12-abc", tmp_path / "other.txt"]
+    drop = [tmp_path / f"specdec-{dead}.secret", tmp_path / f"specdec-{dead}.tokenizer.pid",
+            tmp_path / f"specdec-{2**22 + 1}-5.target_verifier.json"]  # fmt: skip
+    for path in keep + drop:
+        path.write_text("1")
+    boot_secret(tmp_path / f"specdec-{mine}.secret")
+    assert all(p.exists() for p in keep) and not any(p.exists() for p in drop)
 
 
 def test_an_empty_secret_file_is_an_error_not_an_open_door(tmp_path, monkeypatch):
