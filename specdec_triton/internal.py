@@ -54,12 +54,21 @@ def process_identity(pid: int) -> str:
     return f"{pid}-{stat[stat.rfind(')') + 2:].split()[19]}"  # field 22, starttime; the name may hold ')'
 
 
-def remove_dead_servers_files(directory: Path) -> None:
-    """Delete the files of servers that no longer run (``specdec-<pid>-<start>.*``): a crash leaves them."""
-    for path in directory.glob("specdec-*-*.*"):
+def remove_dead_servers_files(directory: Path, keep: Path | None = None) -> None:
+    """Delete the files of servers that no longer run: a crash leaves them, and a stop does until the next boot.
+
+    ``specdec-<pid>-<start>.*`` of a process that is gone or another boot's; ``specdec-<pid>.*``
+    (named by the bare id, as before start times) of an id no process holds, where ``/proc``
+    can tell.
+    """
+    proc = Path("/proc/self/stat").exists()
+    for path in directory.glob("specdec-*.*"):
         identity = path.name[len("specdec-"):].split(".", 1)[0]
         pid, _, start = identity.partition("-")
-        if pid.isdigit() and start.isdigit() and process_identity(int(pid)) != identity:
+        if not pid.isdigit() or (start and not start.isdigit()):
+            continue  # another file of the project's (a model's socket directory) or not ours
+        dead = process_identity(int(pid)) != identity if start else proc and not Path(f"/proc/{pid}").exists()
+        if dead and path.is_file() and path != keep:
             path.unlink(missing_ok=True)
 
 
@@ -72,7 +81,7 @@ def boot_secret(path: Path | None = None) -> str:
         return _read(path)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
-    remove_dead_servers_files(path.parent)  # once per boot, by the model that made the secret
+    remove_dead_servers_files(path.parent, keep=path)  # once per boot, by the model that made the secret
     return _read(path)
 
 

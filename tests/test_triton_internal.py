@@ -35,8 +35,10 @@ def test_files_of_servers_that_stopped_are_removed_when_a_server_boots(tmp_path)
     mine = process_identity(os.getpid())
     dead = f"{os.getpid()}-1"  # this id, another start: a server that ran before under it
     keep = [tmp_path / f"specdec-{mine}.tokenizer.pid", tmp_path / "specdec-tokenizer-12-abc", tmp_path / "other.txt"]
+    keep.append(tmp_path / f"specdec-{os.getpid()}.tokenizer.pid")  # a bare id some process holds: cannot tell
     drop = [tmp_path / f"specdec-{dead}.secret", tmp_path / f"specdec-{dead}.tokenizer.pid",
-            tmp_path / f"specdec-{2**22 + 1}-5.target_verifier.json"]  # fmt: skip
+            tmp_path / f"specdec-{2**22 + 1}-5.target_verifier.json",
+            tmp_path / f"specdec-{2**22 + 1}.secret"]  # a bare id no process holds  # fmt: skip
     for path in keep + drop:
         path.write_text("1")
     boot_secret(tmp_path / f"specdec-{mine}.secret")
