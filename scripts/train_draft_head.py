@@ -106,15 +106,42 @@ def init_source(args, width: int, arch):
 
 
 @torch.no_grad()
-def target_outputs(target, data: torch.Tensor, args, layers: tuple[int, ...], kept: torch.Tensor | None):
-    """The target's hidden states ``layers`` and log-probabilities over ``kept`` ids for ``--windows`` windows.
+def training_windows(target, data: torch.Tensor, args) -> torch.Tensor:
+    """``--windows`` windows of ``seq_len + 2`` tokens [W, T]: text from seeded random offsets,
+    ``--generated-share`` of them the target's greedy continuation of their first
+    ``--generated-prompt-tokens`` tokens.
 
-    Computed once: the frozen target's forward is most of a step's cost on a CPU, and
-    every epoch reuses it. Windows are ``seq_len + 2`` tokens from seeded random offsets.
+    A served head drafts after text the target wrote itself (greedy output of a small model
+    repeats itself far more than written text does); a head trained only on written text never
+    sees those contexts, whose features and next tokens differ from the corpus's.
     """
     gen = torch.Generator().manual_seed(args.seed + 1)
-    starts = torch.randint(0, len(data) - args.seq_len - 2, (args.windows,), generator=gen).tolist()
-    windows = torch.stack([data[s : s + args.seq_len + 2] for s in starts])  # [W, T]
+    length = args.seq_len + 2
+    starts = torch.randint(0, len(data) - length, (args.windows,), generator=gen).tolist()
+    windows = torch.stack([data[s : s + length] for s in starts])  # [W, T]
+    generated = round(args.windows * args.generated_share)
+    prompt = args.generated_prompt_tokens
+    if generated == 0:
+        return windows
+    if not 0 < prompt < length:
+        raise SystemExit(f"--generated-prompt-tokens must be in 1..{length - 1} (seq_len + 1), got {prompt}")
+    for chunk in tqdm(range(0, generated, 64), desc="target continuations", mininterval=5):
+        rows = slice(chunk, min(chunk + 64, generated))
+        prompts = windows[rows, :prompt]  # [b, prompt]
+        windows[rows] = target.generate(
+            prompts, attention_mask=torch.ones_like(prompts), do_sample=False, pad_token_id=0,
+            max_new_tokens=length - prompt, min_new_tokens=length - prompt,
+        )  # fmt: skip
+    return windows
+
+
+@torch.no_grad()
+def target_outputs(target, windows: torch.Tensor, args, layers: tuple[int, ...], kept: torch.Tensor | None):
+    """The target's hidden states ``layers`` and log-probabilities over ``kept`` ids for the windows [W, T].
+
+    Computed once: the frozen target's forward is most of a step's cost on a CPU, and
+    every epoch reuses it.
+    """
     features, logps = [], []
     for chunk in tqdm(windows.split(args.batch_size), desc="target outputs", mininterval=5):
         out = target(chunk, output_hidden_states=True)
@@ -211,6 +238,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--corpus-chars", type=int, default=4_000_000)
+    parser.add_argument("--generated-share", type=float, default=0.0,
+                        help="share of windows that are the target's greedy continuation of their start")
+    parser.add_argument("--generated-prompt-tokens", type=int, default=32,
+                        help="text tokens a generated window starts from")
     parser.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test passes (>= 3)")
     parser.add_argument("--draft-vocab-size", type=int, default=2048, help="eagle3")
     parser.add_argument("--hidden-size", type=int, default=0, help="eagle3: the head's width; 0 = the target's")
@@ -241,16 +272,17 @@ def main() -> None:
     train_files, _ = corpus_files()
     data = encode_stream(tokenizer, read_texts(train_files, args.corpus_chars))
     print(f"[train] {len(data)} training tokens", flush=True)
+    windows = training_windows(target, data, args)
     if args.method == "eagle3":
         head = build_eagle3(target, arch, args, data)
-        pool = target_outputs(target, data, args, head.config.aux_layers, head.t2d.nonzero().flatten())
+        pool = target_outputs(target, windows, args, head.config.aux_layers, head.t2d.nonzero().flatten())
         losses = train(args, head, lambda *batch: eagle3_loss(head, *batch, args.ttt_steps), pool)
         # at the target's width the embedding is the target's, frozen: the loader shares it, as vLLM does
         shared = head.config.hidden_size == arch.hidden_size
         save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k, embedding=not shared)
     else:
         head = build_mlp(target, arch, args)
-        pool = target_outputs(target, data, args, (arch.num_layers,), None)
+        pool = target_outputs(target, windows, args, (arch.num_layers,), None)
         losses = train(args, head, lambda *batch: mlp_loss(head, *batch), pool)
         save_mlp_speculator(head, args.out)
     train_seconds = time.time() - started
