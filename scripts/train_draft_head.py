@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from eval_tiny_models import held_out_prompts, run  # noqa: E402
-from train_tiny_models import continue_greedily, corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
+from train_tiny_models import corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
 
 from specdec.build import build_lm  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
@@ -106,21 +106,33 @@ def init_source(args, width: int, arch):
     return model
 
 
+@torch.no_grad()
 def training_windows(target, data: torch.Tensor, args) -> torch.Tensor:
-    """``--windows`` windows of ``seq_len + 2`` tokens [W, T] from seeded random offsets of the text,
-    the first ``--generated-share`` of them continued by the target's greedy output after their
-    first ``--generated-prompt-tokens`` tokens (``train_tiny_models.continue_greedily``: the
-    contexts a served head drafts in)."""
+    """``--windows`` windows of ``seq_len + 2`` tokens [W, T]: text from seeded random offsets,
+    ``--generated-share`` of them the target's greedy continuation of their first
+    ``--generated-prompt-tokens`` tokens.
+
+    A served head drafts after text the target wrote itself (greedy output of a small model
+    repeats itself far more than written text does); a head trained only on written text never
+    sees those contexts, whose features and next tokens differ from the corpus's.
+    """
     gen = torch.Generator().manual_seed(args.seed + 1)
     length = args.seq_len + 2
     starts = torch.randint(0, len(data) - length, (args.windows,), generator=gen).tolist()
     windows = torch.stack([data[s : s + length] for s in starts])  # [W, T]
     generated = round(args.windows * args.generated_share)
-    if generated:
-        prompt = args.generated_prompt_tokens
-        if not 0 < prompt < length:
-            raise SystemExit(f"--generated-prompt-tokens must be in 1..{length - 1} (seq_len + 1), got {prompt}")
-        windows[:generated] = continue_greedily(target, windows[:generated, :prompt], length)
+    prompt = args.generated_prompt_tokens
+    if generated == 0:
+        return windows
+    if not 0 < prompt < length:
+        raise SystemExit(f"--generated-prompt-tokens must be in 1..{length - 1} (seq_len + 1), got {prompt}")
+    for chunk in tqdm(range(0, generated, 64), desc="target continuations", mininterval=5):
+        rows = slice(chunk, min(chunk + 64, generated))
+        prompts = windows[rows, :prompt]  # [b, prompt]
+        windows[rows] = target.generate(
+            prompts, attention_mask=torch.ones_like(prompts), do_sample=False, pad_token_id=0,
+            max_new_tokens=length - prompt, min_new_tokens=length - prompt,
+        )  # fmt: skip
     return windows
 
 

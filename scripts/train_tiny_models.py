@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -122,46 +121,11 @@ def make_model(shape: Shape, vocab_size: int, eos_id: int, max_len: int) -> Llam
     return LlamaForCausalLM(config)
 
 
-def batches(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator, generated=None, share=0.0):
-    """Windows of ``seq_len + 1`` tokens from seeded random offsets of ``data``; a ``share`` of each
-    batch drawn instead from the ``generated`` windows [N, >= seq_len + 1] (the target's own text)."""
-    from_pool = round(batch_size * share) if generated is not None else 0
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator):
     while True:
-        starts = torch.randint(0, len(data) - seq_len - 1, (batch_size - from_pool,), generator=gen)
-        window = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])  # [B - from_pool, T + 1]
-        if from_pool:
-            rows = torch.randint(0, len(generated), (from_pool,), generator=gen)
-            window = torch.cat([generated[rows, : seq_len + 1], window])  # [B, T + 1]
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
+        window = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])  # [B, T + 1]
         yield window[:, :-1], window[:, 1:]
-
-
-@torch.no_grad()
-def greedy_continuations(target: LlamaForCausalLM, data: torch.Tensor, count: int, length: int, prompt_tokens: int,
-                         gen: torch.Generator, batch_size: int = 64) -> torch.Tensor:
-    """``count`` windows of ``length`` tokens [count, length]: ``prompt_tokens`` of ``data`` from seeded
-    random offsets, then the target's greedy continuation.
-
-    A draft drafts after text the target wrote itself (greedy output of a small model repeats
-    itself far more than written text does); a draft trained only on written text never sees
-    those contexts.
-    """
-    if not 0 < prompt_tokens < length:
-        raise SystemExit(f"--generated-prompt-tokens must be in 1..{length - 1}, got {prompt_tokens}")
-    starts = torch.randint(0, len(data) - prompt_tokens, (count,), generator=gen).tolist()
-    prompts = torch.stack([data[s : s + prompt_tokens] for s in starts])  # [count, prompt_tokens]
-    return continue_greedily(target, prompts, length, batch_size)
-
-
-@torch.no_grad()
-def continue_greedily(target: LlamaForCausalLM, prompts: torch.Tensor, length: int, batch_size: int = 64) -> torch.Tensor:
-    """Each row of ``prompts`` [N, P] followed by the target's greedy tokens up to ``length`` [N, length]."""
-    new = length - prompts.shape[1]
-    chunks = [
-        target.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False, pad_token_id=0,
-                        max_new_tokens=new, min_new_tokens=new)  # fmt: skip
-        for chunk in tqdm(prompts.split(batch_size), desc="target continuations", mininterval=5)
-    ]
-    return torch.cat(chunks)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -204,14 +168,12 @@ def train(
     steps: int,
     name: str,
     teacher: LlamaForCausalLM | None = None,
-    generated: torch.Tensor | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(args.seed + (1 if teacher is not None else 0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
     started = time.time()
-    for step, (inputs, labels) in zip(range(steps), batches(data, args.batch_size, args.seq_len, gen, generated,
-                                                                    args.draft_generated_share)):
+    for step, (inputs, labels) in zip(range(steps), batches(data, args.batch_size, args.seq_len, gen)):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, args.lr, warmup=min(100, steps // 10))
         logits = model(inputs).logits  # [B, T, vocab]
@@ -261,18 +223,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--corpus-chars", type=int, default=16_000_000, help="train text to use (characters)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    parser.add_argument("--draft-generated-share", type=float, default=0.0,
-                        help="share of each draft batch that is the target's greedy continuation of training text")
-    parser.add_argument("--generated-windows", type=int, default=4000, help="target continuations the draft draws from")
-    parser.add_argument("--generated-prompt-tokens", type=int, default=32, help="text tokens a continuation starts from")
-    parser.add_argument("--draft-init", type=Path, help="with --draft-only: start the draft from this checkpoint")
     parser.add_argument("--draft-only", action="store_true",
                         help="keep the target (and tokenizer) already in --out; train only the draft")
     args = parser.parse_args()
-    if args.draft_init and not args.draft_only:
-        parser.error("--draft-init needs --draft-only (a draft is continued for the target it was trained for)")
-    if not 0.0 <= args.draft_generated_share <= 1.0:
-        parser.error(f"--draft-generated-share must be in [0, 1], got {args.draft_generated_share}")
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -312,17 +265,11 @@ def main() -> None:
 
     torch.manual_seed(args.seed + 1)  # the draft starts the same with or without --draft-only
     draft = make_model(DRAFT_SHAPE, vocab, tokenizer.eos_token_id, args.max_model_len)
-    if args.draft_init:  # continue from a trained draft of the same shape
-        draft.load_state_dict(LlamaForCausalLM.from_pretrained(args.draft_init, dtype=torch.float32).state_dict())
     n_target = sum(p.numel() for p in target.parameters())
     n_draft = sum(p.numel() for p in draft.parameters())
     log(f"target {n_target / 1e6:.2f} M params, draft {n_draft / 1e6:.2f} M params")
     t0 = time.time()
-    generated = None
-    if args.draft_generated_share:
-        generated = greedy_continuations(target, train_ids, args.generated_windows, args.seq_len + 1,
-                                         args.generated_prompt_tokens, torch.Generator().manual_seed(args.seed + 2))
-    train(draft, train_ids, args, args.draft_steps, "draft", teacher=target, generated=generated)
+    train(draft, train_ids, args, args.draft_steps, "draft", teacher=target)
     draft_seconds = time.time() - t0
     draft_loss = held_out_loss(draft, held_out_ids, args.seq_len)
     agreement = greedy_agreement(draft, target, held_out_ids, args.seq_len)
@@ -333,7 +280,7 @@ def main() -> None:
     save(draft, tokenizer, args.out / "tiny-draft", args.max_model_len)
     report = {
         "command": "python scripts/train_tiny_models.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "draft_only") and v is not None),
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "draft_only")),
         "draft_only_rerun": args.draft_only,
         "seed": args.seed,
         "corpus": "Python standard library .py files (site-packages excluded), held-out = crc32(path) % 20 == 0",

@@ -54,26 +54,3 @@ def test_a_generated_window_is_its_text_start_then_the_targets_greedy_continuati
 def test_a_prompt_that_leaves_no_room_is_refused_by_name(text, prompt):
     with pytest.raises(SystemExit, match="--generated-prompt-tokens"):
         training_windows(build_tiny_llama(seed=0), text, windows_args(0.5, prompt))
-
-
-def test_a_draft_batch_takes_its_share_of_rows_from_the_generated_windows(text):
-    from train_tiny_models import batches
-
-    generated = torch.full((4, SEQ_LEN + 3), 999)  # [4, T]: ids the text never has
-    inputs, labels = next(batches(text, 8, SEQ_LEN, torch.Generator().manual_seed(0), generated, share=0.25))
-    assert inputs.shape == labels.shape == (8, SEQ_LEN)
-    assert (inputs[:2] == 999).all() and (inputs[2:] < 256).all()
-    assert torch.equal(inputs[:, 1:], labels[:, :-1])
-    plain, _ = next(batches(text, 8, SEQ_LEN, torch.Generator().manual_seed(0)))
-    assert (plain < 256).all()
-
-
-def test_greedy_continuations_start_from_text_and_continue_as_the_target_does(text):
-    from train_tiny_models import greedy_continuations
-
-    target = build_tiny_llama(seed=0)
-    windows = greedy_continuations(target, text, 3, 12, 4, torch.Generator().manual_seed(0))
-    assert windows.shape == (3, 12)
-    for row in windows:
-        assert occurs_in(row[:4], text)
-        assert row[4:].tolist() == hf_generate_greedy(target, row[:4].tolist(), 8, min_new_tokens=8)
