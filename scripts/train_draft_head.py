@@ -3,8 +3,8 @@
 
 The head learns the target's own next-token distributions (soft labels, as EAGLE does)
 from the target's hidden states over the training text of ``train_tiny_models.py`` (the
-standard library's ``.py`` files, the same held-out split), most windows (``--generated-share``)
-continued by the target's own greedy output, the text a served head drafts after. The target is frozen; the
+standard library's ``.py`` files, the same held-out split); ``--generated-share`` of the
+windows continued by the target's own greedy output, the text a served head drafts after. The target is frozen; the
 head's embedding is the target's (frozen, EAGLE-3's choice), its LM head starts from the
 target's rows.
 
@@ -239,8 +239,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--corpus-chars", type=int, default=4_000_000)
-    parser.add_argument("--generated-share", type=float, default=0.75,
-                        help="share of windows that are the target's greedy continuation of their start (0: text only)")
+    parser.add_argument("--generated-share", type=float, default=0.0,
+                        help="share of windows that are the target's greedy continuation of their start "
+                        "(docs/models.md: it helped the MLP speculator, not the EAGLE-3 head)")
     parser.add_argument("--generated-prompt-tokens", type=int, default=32,
                         help="text tokens a generated window starts from")
     parser.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test passes (>= 3)")
