@@ -45,7 +45,7 @@ from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import build_head_proposer  # noqa: E402
 from specdec.heads.eagle3 import Eagle3Head, default_aux_layers, eagle3_config_for, train_forward  # noqa: E402
 from specdec.heads.formats import save_eagle3  # noqa: E402
-from specdec.heads.mlp_speculator import MLPSpeculator, save_mlp_speculator  # noqa: E402
+from specdec.heads.mlp_speculator import MLPSpeculator, first_stages, save_mlp_speculator  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
@@ -253,6 +253,10 @@ def main() -> None:
                         "whose embedding, LM head and final norm start the head's (default: random)")
     parser.add_argument("--aux-layers", help="eagle3: comma-separated target hidden-state ids")
     parser.add_argument("--n-predict", type=int, default=4, help="mlp_speculator: stages")
+    parser.add_argument("--keep-stages", type=int, default=0,
+                        help="mlp_speculator: after the evaluation, write only the first N stages (0: all)")
+    parser.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="mlp_speculator: the written weights' dtype")
     parser.add_argument("--inner-dim", type=int, default=0, help="mlp_speculator: 0 = the target's hidden size")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=12)
@@ -264,6 +268,8 @@ def main() -> None:
     args = parser.parse_args()
     if not 0.0 <= args.generated_share <= 1.0:
         parser.error(f"--generated-share must be in [0, 1], got {args.generated_share}")
+    if args.method == "mlp_speculator" and not 0 <= args.keep_stages <= args.n_predict:
+        parser.error(f"--keep-stages must be in 0..{args.n_predict} (--n-predict), got {args.keep_stages}")
     if args.method == "eagle3" and args.ttt_steps < 3:
         parser.error(f"--ttt-steps must be >= 3 for eagle3, got {args.ttt_steps}")
     if args.threads:
@@ -291,7 +297,12 @@ def main() -> None:
         losses = train(args, head, lambda *batch: mlp_loss(head, *batch), pool)
         save_mlp_speculator(head, args.out)
     train_seconds = time.time() - started
-    results = evaluate(args, tokenizer)
+    results = evaluate(args, tokenizer)  # every stage trained, in float32
+    written = "the head as trained, float32"
+    if args.method == "mlp_speculator":
+        stages = args.keep_stages or args.n_predict
+        save_mlp_speculator(first_stages(head, stages).to(getattr(torch, args.save_dtype)), args.out)
+        written = f"the first {stages} of {args.n_predict} stages, {args.save_dtype}"
     report = {
         "command": " ".join(sys.argv),
         "method": args.method,
@@ -299,6 +310,7 @@ def main() -> None:
         "train_tokens_seen": args.steps * args.batch_size * (args.seq_len + 2),
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
         "train_seconds": round(train_seconds),
+        "written": written,
         "eval": {"num_prompts": args.eval_prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                  "results": results},  # fmt: skip
         "torch": torch.__version__,

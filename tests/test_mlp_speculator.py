@@ -10,7 +10,7 @@ from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.engine import GenerationParams, generate
 from specdec.fast.runner import FastCausalLM
 from specdec.heads import build_head_proposer
-from specdec.heads.mlp_speculator import MLPSpeculator, load_mlp_speculator, save_mlp_speculator
+from specdec.heads.mlp_speculator import MLPSpeculator, first_stages, load_mlp_speculator, save_mlp_speculator
 from specdec.models import CachedCausalLM
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import ProposeRequest, SamplingParams
@@ -100,3 +100,29 @@ def test_speculative_sampling_with_the_speculator_matches_the_target_distributio
     counts = sample_first_tokens(target, None, sampler, NUM_SAMPLES, proposer=proposer)  # 4 drafts a step
     assert sampler.accepted > 200 and sampler.drafted - sampler.accepted > 200, (sampler.accepted, sampler.drafted)
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("stages", [1, 3])
+def test_a_speculator_cut_to_its_first_stages_computes_what_they_computed(tmp_path, tie, stages):
+    model = write_speculator(tmp_path, vocab=64, hidden=32, n_predict=4, tie=tie)
+    with torch.no_grad():
+        for p in model.parameters():  # away from the initial values, where a missed rescale could hide
+            p.add_(torch.randn_like(p) * 0.1)
+    cut = first_stages(model, stages)
+    assert cut.n_predict == stages and cut.config["n_predict"] == stages
+    assert model.n_predict == 4  # the original is untouched
+    hidden, tokens = torch.randn(5, 32), torch.randint(0, 64, (stages, 5))
+    state, cut_state = model.first_state(hidden), cut.first_state(hidden)
+    for i in range(stages):
+        logits, state = model.stage(i, state, tokens[i])
+        cut_logits, cut_state = cut.stage(i, cut_state, tokens[i])
+        torch.testing.assert_close(cut_logits, logits)
+    if stages < 4:  # without the rescale the stages' inputs would differ
+        assert cut.emb_weight / cut.state_weight != pytest.approx(model.emb_weight / model.state_weight)
+
+
+@pytest.mark.parametrize("stages", [0, 5])
+def test_a_cut_outside_the_speculators_stages_is_refused(tmp_path, stages):
+    with pytest.raises(ValueError, match="n_predict"):
+        first_stages(write_speculator(tmp_path, vocab=64, hidden=32, n_predict=4, tie=False), stages)

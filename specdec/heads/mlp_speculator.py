@@ -85,6 +85,28 @@ class MLPSpeculator(nn.Module):
         return self.head[i](state), state
 
 
+def first_stages(model: MLPSpeculator, stages: int) -> MLPSpeculator:
+    """The speculator cut to its first ``stages`` stages, computing what they computed before.
+
+    A stage reads only the stages before it, but the format derives the weights of state and
+    embedding from ``n_predict`` (``state_weight = 0.5 ** (0.5 / n_predict)``): the cut's
+    embeddings are rescaled so that ``emb * emb_weight / state_weight`` stays the same.
+    """
+    if not 1 <= stages <= model.n_predict:
+        raise ValueError(f"stages must be in 1..{model.n_predict} (n_predict), got {stages}")
+    config = {**model.config, "n_predict": stages}
+    if "top_k_tokens_per_head" in config:
+        config["top_k_tokens_per_head"] = config["top_k_tokens_per_head"][:stages]
+    cut = MLPSpeculator(config).to(model.dtype)
+    state = {k: v for k, v in model.state_dict().items() if k.startswith("ln0.") or int(k.split(".")[1]) < stages}
+    cut.load_state_dict(state)
+    rescale = (model.emb_weight / model.state_weight) / (cut.emb_weight / cut.state_weight)
+    with torch.no_grad():
+        for emb in {id(e): e for e in cut.emb}.values():  # tied stages share one table: scaled once
+            emb.weight.mul_(rescale)
+    return cut
+
+
 def mlp_speculator_config(path: str | os.PathLike, target_path: str | os.PathLike) -> dict:
     """The speculator's ``config.json``, checked against the target's (no weights read)."""
     with open(os.path.join(path, "config.json")) as f:
