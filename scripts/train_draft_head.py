@@ -77,7 +77,7 @@ def build_eagle3(target, arch, args, train_ids: torch.Tensor) -> Eagle3Head:
     draft_vocab = min(args.draft_vocab_size, arch.vocab_size)
     kept = counts.topk(draft_vocab).indices.sort().values  # [draft_vocab]: the most frequent target ids
     config = eagle3_config_for(arch, draft_vocab, aux_layers_for(arch.num_layers, args.aux_layers),
-                               args.hidden_size or None, args.intermediate_size or None)  # fmt: skip
+                               args.hidden_size or None, args.intermediate_size or None, args.num_layers)  # fmt: skip
     head = Eagle3Head(config)
     source = target if config.hidden_size == arch.hidden_size else init_source(args, config.hidden_size, arch)
     with torch.no_grad():
@@ -88,8 +88,35 @@ def build_eagle3(target, arch, args, train_ids: torch.Tensor) -> Eagle3Head:
             head.embed_tokens.weight.copy_(source.get_input_embeddings().weight)
             head.lm_head.weight.copy_(source.get_output_embeddings().weight[kept])
             head.norm.weight.copy_(source.model.norm.weight)
+        if source is not None and source is not target:
+            copy_later_layers(head, source)
     head.embed_tokens.weight.requires_grad_(source is not target)  # the target's is shared, frozen
     return head
+
+
+def copy_later_layers(head: Eagle3Head, source) -> None:
+    """The head's plain layers (all but the first) start from ``source``'s decoder layers of the same index.
+
+    The first layer reads ``[embedding; hidden]`` and has no counterpart; a later one is a
+    Llama layer of the head's shape, so a trained one (the draft's) can start it. Layers
+    past the source's own stay random.
+    """
+    want, got = head.config.layer, source.config
+    shape = lambda c: (c.num_attention_heads, c.num_key_value_heads, getattr(c, "head_dim", None) or
+                       c.hidden_size // c.num_attention_heads, c.intermediate_size)  # fmt: skip
+    if len(head.layers) > 1 and shape(got) != (want.num_heads, want.num_kv_heads, want.head_dim, want.intermediate_size):
+        raise SystemExit(
+            f"--init-from {source.name_or_path}: its layers have (heads, kv heads, head_dim, intermediate) "
+            f"{shape(got)}, the head's {(want.num_heads, want.num_kv_heads, want.head_dim, want.intermediate_size)}"
+        )
+    for layer, src in zip(head.layers[1:], source.model.layers[1:]):
+        attn, mlp = src.self_attn, src.mlp
+        layer.self_attn.qkv_proj.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        layer.self_attn.o_proj.weight.copy_(attn.o_proj.weight)
+        layer.mlp.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        layer.mlp.down_proj.weight.copy_(mlp.down_proj.weight)
+        layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
 
 
 def init_source(args, width: int, arch):
@@ -249,8 +276,11 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=2048, help="eagle3")
     parser.add_argument("--hidden-size", type=int, default=0, help="eagle3: the head's width; 0 = the target's")
     parser.add_argument("--intermediate-size", type=int, default=0, help="eagle3: 0 = the target's MLP ratio")
+    parser.add_argument("--num-layers", type=int, default=1,
+                        help="eagle3: decoder layers (the first reads the embedding, the rest are Llama layers)")
     parser.add_argument("--init-from", help="eagle3 narrower than the target: a causal LM of the head's width "
-                        "whose embedding, LM head and final norm start the head's (default: random)")
+                        "whose embedding, LM head and final norm start the head's, and its decoder layers "
+                        "1.. the head's later layers (default: random)")
     parser.add_argument("--aux-layers", help="eagle3: comma-separated target hidden-state ids")
     parser.add_argument("--n-predict", type=int, default=4, help="mlp_speculator: stages")
     parser.add_argument("--keep-stages", type=int, default=0,
@@ -270,6 +300,8 @@ def main() -> None:
         parser.error(f"--generated-share must be in [0, 1], got {args.generated_share}")
     if args.method == "mlp_speculator" and not 0 <= args.keep_stages <= args.n_predict:
         parser.error(f"--keep-stages must be in 0..{args.n_predict} (--n-predict), got {args.keep_stages}")
+    if args.method == "eagle3" and args.num_layers < 1:
+        parser.error(f"--num-layers must be >= 1 for eagle3, got {args.num_layers}")
     if args.method == "eagle3" and args.ttt_steps < 3:
         parser.error(f"--ttt-steps must be >= 3 for eagle3, got {args.ttt_steps}")
     if args.threads:

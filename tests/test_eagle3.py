@@ -37,8 +37,8 @@ NUM_NEW_TOKENS = 20
 
 
 def random_head(target_dir, seed: int, draft_vocab: int, aux_layers=None, scale: float = 0.3,
-                hidden_size: int | None = None) -> Eagle3Head:  # fmt: skip
-    config = eagle3_config_for(read_config(target_dir), draft_vocab, aux_layers, hidden_size)
+                hidden_size: int | None = None, num_layers: int = 1) -> Eagle3Head:  # fmt: skip
+    config = eagle3_config_for(read_config(target_dir), draft_vocab, aux_layers, hidden_size, num_layers=num_layers)
     torch.manual_seed(seed)
     head = Eagle3Head(config)
     with torch.no_grad():
@@ -59,6 +59,21 @@ def pair(tmp_path_factory):
     target.save_pretrained(root / "target")
     save_eagle3(random_head(root / "target", 1, DRAFT_VOCAB), root / "head", verifier=str(root / "target"))
     return target, root / "target", root / "head"
+
+
+@pytest.fixture(scope="module")
+def two_layer_pair(pair, tmp_path_factory):
+    """The same target and a head of two decoder layers (vLLM's ``num_hidden_layers`` 2: the second a plain Llama layer)."""
+    target, target_dir, _ = pair
+    head_dir = tmp_path_factory.mktemp("eagle3-two-layers") / "head"
+    save_eagle3(random_head(target_dir, 5, DRAFT_VOCAB, num_layers=2), head_dir, verifier=str(target_dir))
+    return target, target_dir, head_dir
+
+
+@pytest.fixture(params=["one-layer", "two-layers"])
+def heads(request):
+    """The tests of what the head computes run with both depths."""
+    return request.getfixturevalue("pair" if request.param == "one-layer" else "two_layer_pair")
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])
@@ -100,6 +115,17 @@ def test_speculators_format_round_trips_and_reads_the_original_layout(pair, tmp_
             torch.testing.assert_close(shared.state_dict()[name], tensor)
 
 
+def test_a_two_layer_head_round_trips_with_its_layers_named_as_vllm_loads_them(two_layer_pair):
+    _, target_dir, head_dir = two_layer_pair
+    assert json.loads((head_dir / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
+    names = load_file(head_dir / "model.safetensors").keys()
+    assert {"layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "layers.1.input_layernorm.weight"} <= names
+    assert "layers.1.hidden_norm.weight" not in names and "layers.0.hidden_norm.weight" in names  # only the first reads [emb; hidden]
+    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
+    assert len(head.layers) == 2 and head.layers[1].self_attn.qkv_proj.in_features == head.config.hidden_size
+    assert build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2).cache.kv.shape[0] == 2  # a cache layer each
+
+
 def test_a_head_for_another_target_is_refused_naming_both(pair, tmp_path):
     _, target_dir, head_dir = pair
     other = tmp_path / "other"
@@ -131,14 +157,14 @@ def test_a_heads_cache_and_features_span_max_model_len_when_given(pair):
 
 @pytest.mark.parametrize("cpu_compile,packed", [(False, False), (True, False), (True, True)],
                          ids=["eager", "compiled", "compiled-packed"])
-def test_drafts_equal_the_training_time_test_recurrence(pair, cpu_compile, packed, monkeypatch):
+def test_drafts_equal_the_training_time_test_recurrence(heads, cpu_compile, packed, monkeypatch):
     """The cached, position-addressed proposer computes what ``train_forward`` trains, step for step.
 
     ``packed``: every linear prepacked for oneDNN, as the shipped head's are (the test head's are too small).
     """
     if packed:
         monkeypatch.setattr("specdec.fast.cpu_linear.PACK_MIN_ELEMENTS", 0)
-    target, target_dir, head_dir = pair
+    target, target_dir, head_dir = heads
     head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
     proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2, cpu_compile=cpu_compile)
     lm = FastCausalLM(target_dir, max_num_seqs=2)
@@ -188,10 +214,10 @@ def test_greedy_drafts_with_banned_ids_are_the_target_vocabulary_argmax(pair):
     assert first_draft(banned) == int(greedy_tokens(row, 1, banned)) not in banned
 
 
-def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(pair, monkeypatch):
+def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(heads, monkeypatch):
     """Uniform greedy batches feed each draft to the next pass on the device; the drafts are the
     per-step loop's, bans (for the first two drafts of one sequence) included."""
-    _, target_dir, head_dir = pair
+    _, target_dir, head_dir = heads
     lm = FastCausalLM(target_dir, max_num_seqs=4)
     head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
     prompts = {"a": PROMPTS[3], "b": PROMPTS[2], "c": PROMPTS[0]}
@@ -219,8 +245,8 @@ def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(pair, monkeypa
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf", "fast-compiled"])
-def test_greedy_output_equals_hf_generate_for_every_k(pair, engine):
-    target, target_dir, head_dir = pair
+def test_greedy_output_equals_hf_generate_for_every_k(heads, engine):
+    target, target_dir, head_dir = heads
     compiled = engine == "fast-compiled"  # the target and the head, each compiled for CPU
     lm = FastCausalLM(target_dir, max_num_seqs=4, cpu_compile=compiled) if engine != "hf" else CachedCausalLM(target)
     verifier = TargetVerifier(lm)
@@ -259,9 +285,9 @@ def _static_or_graphed(target_dir, head_dir, device: str):
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                            reason="needs CUDA")]),
 ])  # fmt: skip
-def test_fixed_shape_passes_of_target_and_head_are_lossless(pair, device):
+def test_fixed_shape_passes_of_target_and_head_are_lossless(heads, device):
     """The verify passes that export hidden states and the head's passes replay graphs; output stays HF's."""
-    target, target_dir, head_dir = pair
+    target, target_dir, head_dir = heads
     lm, proposer = _static_or_graphed(target_dir, head_dir, device)
     assert decode_every_prompt_as_hf(target, proposer, TargetVerifier(lm), (1, 3, 5)) > 0
     assert set(lm._graphs_with_hidden) == {proposer.hidden_state_layers}  # verify passes with features ran fixed-shape
@@ -309,11 +335,12 @@ def test_missing_or_misfit_hidden_states_are_refused_by_name(pair):
 
 
 @pytest.mark.slow
-def test_speculative_sampling_with_the_head_matches_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_speculative_sampling_with_the_head_matches_the_target_distribution(tmp_path, num_layers):
     """The chi-square test of ``test_sampled_losslessness`` with an EAGLE-3 head's ``q``."""
     target = build_tiny_llama(seed=0, vocab_size=16, hidden_size=16, num_hidden_layers=1, initializer_range=0.3)
     target.save_pretrained(tmp_path / "target")
-    head = random_head(tmp_path / "target", 3, 12, aux_layers=(0, 1, 1), scale=0.5)
+    head = random_head(tmp_path / "target", 3, 12, aux_layers=(0, 1, 1), scale=0.5, num_layers=num_layers)
     save_eagle3(head, tmp_path / "head", verifier="target")
     proposer = build_head_proposer("eagle3", tmp_path / "head", tmp_path / "target", max_num_seqs=2)
     sampler = CountingSampler(RejectionSampler("probabilistic"))

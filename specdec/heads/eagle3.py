@@ -2,9 +2,11 @@
 Language Models via Training-Time Test"), laid out as vLLM's ``llama_eagle3.py`` loads it.
 
 The head reads three hidden states of the target at each position (low, middle and high
-layers, concatenated: ``features``), fuses them with ``fc`` (3h -> h), and runs one Llama
+layers, concatenated: ``features``), fuses them with ``fc`` (3h -> h), and runs a Llama
 decoder layer whose attention sees ``[input_layernorm(embed(token)); hidden_norm(hidden)]``
-(2h wide). Row ``t`` takes token ``x_{t+1}`` and the target's fused features at ``t`` and
+(2h wide). A head may stack more decoder layers after that first one (plain Llama layers
+over the running residual, as vLLM runs ``num_hidden_layers`` > 1: only the first reads the
+embedding). Row ``t`` takes token ``x_{t+1}`` and the target's fused features at ``t`` and
 predicts ``x_{t+2}``. To draft further it feeds itself: the next row takes the drafted token
 and the head's own pre-norm output of the row before, which is why training runs the same
 recurrence ("training-time test"). Logits cover a reduced draft vocabulary; ``d2t`` maps a
@@ -12,8 +14,8 @@ draft id to its target id (``target = draft + d2t[draft]``) and ``t2d`` marks th
 the head can propose, so ``target_logits`` puts them back on the target's vocabulary (the
 others get ``-inf``) and the rejection sampler compares ``p`` and ``q`` token for token.
 
-Numerics and the slot KV cache are the fast engine's (``specdec.fast.llama``): the head's
-one layer writes its keys and values into its own ``StaticKVCache`` at each row's position.
+Numerics and the slot KV cache are the fast engine's (``specdec.fast.llama``): each of the
+head's layers writes its keys and values into its own ``StaticKVCache`` at each row's position.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.fast.checkpoint import LlamaArchConfig
-from specdec.fast.llama import MLP, Attention, BatchIndex, RMSNorm, kernel_attends, rope_inv_freq
+from specdec.fast.llama import MLP, Attention, BatchIndex, DecoderLayer, RMSNorm, kernel_attends, rope_inv_freq
 
 EAGLE3 = "eagle3"
 
@@ -36,7 +38,7 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    layer: LlamaArchConfig  # the decoder layer: hidden size, heads, rope; vocab_size is the target's
+    layer: LlamaArchConfig  # the decoder layers: hidden size, heads, rope, how many; vocab_size is the target's
     draft_vocab_size: int  # rows of lm_head; d2t maps them onto the target's vocabulary
     target_hidden_size: int  # fc reads len(aux_layers) * target_hidden_size features
     aux_layers: tuple[int, ...]  # the target hidden states read (VerifyRequest.hidden_layers ids)
@@ -49,6 +51,10 @@ class Eagle3Config:
     @property
     def vocab_size(self) -> int:
         return self.layer.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer.num_layers
 
     @property
     def feature_size(self) -> int:
@@ -73,7 +79,7 @@ class Eagle3DecoderLayer(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2h]
-        x = residual + self.self_attn(x, cos, sin, kv, 0, batch)  # kv: the head's one-layer cache
+        x = residual + self.self_attn(x, cos, sin, kv, 0, batch)  # kv: the head's cache, layer 0
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, S, h], pre-norm
 
 
@@ -84,7 +90,8 @@ class Eagle3Head(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.fc = nn.Linear(config.feature_size, h, bias=False)
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        later = (DecoderLayer(config.layer, set(), triton_attention=False) for _ in range(config.num_layers - 1))
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config), *later])
         self.norm = RMSNorm(h, config.layer.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # [draft_vocab]
@@ -101,7 +108,8 @@ class Eagle3Head(nn.Module):
         from specdec.fast.attention_kernel import check_available, slot_attention
 
         check_available()
-        self.layers[0].self_attn.kernel = slot_attention
+        for layer in self.layers:
+            layer.self_attn.kernel = slot_attention
         self.triton_attention = True
 
     @property
@@ -122,7 +130,7 @@ class Eagle3Head(nn.Module):
         starts: torch.Tensor,  # [B] int64: the position of each row's first token
         num_new: torch.Tensor,  # [B] int64
         slots: torch.Tensor,  # [B] int64
-        kv: torch.Tensor,  # [1, 2, num_slots, kv_heads, max_model_len, head_dim]
+        kv: torch.Tensor,  # [num_layers, 2, num_slots, kv_heads, max_model_len, head_dim]
         kv_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [B, S, draft_vocab], pre-norm [B, S, h]
         b, s = input_ids.shape
@@ -133,6 +141,8 @@ class Eagle3Head(nn.Module):
         embeds = self.embed_tokens(input_ids)  # [B, S, h]
         cos, sin = emb.cos().to(embeds.dtype), emb.sin().to(embeds.dtype)
         prenorm = self.layers[0](embeds, hidden.to(embeds.dtype), cos, sin, kv, batch)  # [B, S, h]
+        for i, layer in enumerate(self.layers[1:], 1):
+            prenorm = layer(prenorm, cos, sin, kv, i, batch)  # [B, S, h]
         return self.lm_head(self.norm(prenorm)), prenorm
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:  # [n, draft_vocab] -> [n, vocab] float32
@@ -154,39 +164,55 @@ def train_forward(
     At inference the head drafting ``j`` tokens past its last true row ``t0`` attends to the
     true rows ``<= t0`` and to its own rows ``t0 + 1 .. t0 + j``. Step ``j``'s query at row
     ``t`` (base ``t0 = t - j``) therefore sees step 0's keys at rows ``<= t - j`` and step
-    ``i``'s key at row ``t - j + i`` for ``1 <= i <= j``: the mask built here, so training
-    sees exactly the inputs inference will.
+    ``i``'s key at row ``t - j + i`` for ``1 <= i <= j``: the mask built here (the same in
+    every layer, each with its own keys), so training sees exactly the inputs inference will.
     """
-    layer, config = head.layers[0], head.config
-    b, t = input_ids.shape
-    attn = layer.self_attn
+    config = head.config
+    t = input_ids.shape[1]
     positions = torch.arange(t, device=input_ids.device)  # [T]
     freqs = positions[:, None].float() * head.inv_freq  # [T, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(head.dtype), emb.sin().to(head.dtype)  # [T, head_dim]
-    embeds = layer.input_layernorm(head.embed_tokens(input_ids))  # [B, T, h]
+    first = head.layers[0]
+    embeds = first.input_layernorm(head.embed_tokens(input_ids))  # [B, T, h]
     hidden = head.fuse(features)  # [B, T, h]
-    keys, values, outputs = [], [], []
+    seen: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in head.layers]  # each layer's keys, values
+    outputs = []
     for j in range(num_steps):
-        normed = layer.hidden_norm(hidden)
-        residual = normed if config.norm_before_residual else hidden
-        q, k, v = attn.qkv_proj(torch.cat([embeds, normed], -1)).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
-        q = q.reshape(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.reshape(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, KVH, T, D]
-        v = v.reshape(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys.append(k)
-        values.append(v)
         mask = _ttt_mask(t, j, input_ids.device)  # [T, (j + 1) * T]
-        out = F.scaled_dot_product_attention(
-            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads
-        )  # [B, H, T, D]
-        x = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        prenorm = x + layer.mlp(layer.post_attention_layernorm(x))  # [B, T, h]
-        outputs.append(head.lm_head(head.norm(prenorm)))
-        hidden = torch.cat([prenorm[:, :1], prenorm[:, :-1]], 1)  # row t takes row t - 1's output (row 0: unused)
+        normed = first.hidden_norm(hidden)
+        residual = normed if config.norm_before_residual else hidden
+        x = residual + _ttt_attention(first.self_attn, torch.cat([embeds, normed], -1), cos, sin, seen[0], mask)
+        x = x + first.mlp(first.post_attention_layernorm(x))  # [B, T, h]
+        for layer, keys_values in zip(head.layers[1:], seen[1:]):
+            x = x + _ttt_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, keys_values, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))  # [B, T, h]
+        outputs.append(head.lm_head(head.norm(x)))
+        hidden = torch.cat([x[:, :1], x[:, :-1]], 1)  # row t takes row t - 1's pre-norm output (row 0: unused)
     return outputs
+
+
+def _ttt_attention(
+    attn: Attention,
+    x: torch.Tensor,  # [B, T, in]
+    cos: torch.Tensor,  # [T, head_dim]
+    sin: torch.Tensor,  # [T, head_dim]
+    keys_values: tuple[list[torch.Tensor], list[torch.Tensor]],  # this layer's of the steps before; appended to
+    mask: torch.Tensor,  # [T, (j + 1) * T] bool
+) -> torch.Tensor:  # [B, T, h]
+    b, t, _ = x.shape
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+    q = q.reshape(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)  # [B, H, T, D]
+    k = k.reshape(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, KVH, T, D]
+    v = v.reshape(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    keys, values = keys_values
+    keys.append(k * cos + _rotate_half(k) * sin)
+    values.append(v)
+    q = q * cos + _rotate_half(q) * sin
+    out = F.scaled_dot_product_attention(
+        q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads
+    )  # [B, H, T, D]
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -209,8 +235,9 @@ def eagle3_config_for(
     aux_layers=None,
     hidden_size: int | None = None,
     intermediate_size: int | None = None,
+    num_layers: int = 1,
 ) -> Eagle3Config:
-    """A head shaped like one layer of ``target`` (what EAGLE-3 trains), over ``draft_vocab_size`` tokens.
+    """A head shaped like ``num_layers`` layers of ``target`` (EAGLE-3 trains one), over ``draft_vocab_size`` tokens.
 
     ``hidden_size`` narrows the head below the target's width (``fc`` then maps the target's
     features down to it; the format keeps both as ``target_hidden_size`` and the layer's
@@ -219,11 +246,13 @@ def eagle3_config_for(
     keeps the target's ratio unless ``intermediate_size`` is given.
     """
     width = hidden_size or target.hidden_size
+    if num_layers < 1:
+        raise ValueError(f"an EAGLE-3 head needs at least one decoder layer, got num_layers={num_layers}")
     if width % target.head_dim:
         raise ValueError(f"hidden_size {width} is not a multiple of the target's head_dim {target.head_dim}")
     heads = width // target.head_dim
     layer = LlamaArchConfig(**{
-        **target.__dict__, "num_layers": 1, "tie_word_embeddings": False, "hidden_size": width,
+        **target.__dict__, "num_layers": num_layers, "tie_word_embeddings": False, "hidden_size": width,
         "intermediate_size": intermediate_size or target.intermediate_size * width // target.hidden_size,
         "num_heads": heads, "num_kv_heads": max(1, heads * target.num_kv_heads // target.num_heads),
     })  # fmt: skip

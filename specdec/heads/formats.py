@@ -5,8 +5,8 @@
   ``transformer_layer_config`` (the decoder layer, a Llama config whose ``vocab_size`` is the
   target's), ``draft_vocab_size`` and optionally ``target_hidden_size``,
   ``eagle_aux_hidden_state_layer_ids``, ``norm_before_residual``; weights in safetensors
-  named ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` and optionally
-  ``embed_tokens``.
+  named ``fc``, ``layers.{i}.*`` (one per ``num_hidden_layers``; q/k/v and gate/up apart),
+  ``norm``, ``lm_head``, ``d2t``, ``t2d`` and optionally ``embed_tokens``.
 * the original EAGLE-3 release: a Llama ``config.json`` (``num_hidden_layers`` 1,
   ``draft_vocab_size``) and the layer's weights under ``midlayer.*``.
 
@@ -101,11 +101,12 @@ def _eagle3_state(raw: dict[str, torch.Tensor], config: Eagle3Config) -> dict[st
     for name, tensor in raw.items():
         name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
         state[name] = tensor
-    for fused, parts in FUSED:
-        prefix = f"layers.0.{fused.split('.')[0]}."
-        names = [f"{prefix}{p}.weight" for p in parts]
-        if all(n in state for n in names):
-            state[f"layers.0.{fused}.weight"] = torch.cat([state.pop(n) for n in names])
+    for i in range(config.num_layers):
+        for fused, parts in FUSED:
+            prefix = f"layers.{i}.{fused.split('.')[0]}."
+            names = [f"{prefix}{p}.weight" for p in parts]
+            if all(n in state for n in names):
+                state[f"layers.{i}.{fused}.weight"] = torch.cat([state.pop(n) for n in names])
     if "d2t" not in state:  # a head over the whole target vocabulary
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
     if "t2d" not in state:
@@ -169,9 +170,10 @@ def save_eagle3(
          (layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim)),
         ("mlp.gate_up_proj", ("gate_proj", "up_proj"), (layer.intermediate_size, layer.intermediate_size)),
     ):  # fmt: skip
-        weights = state.pop(f"layers.0.{fused}.weight").split(list(sizes))
-        for part, weight in zip(parts, weights):
-            state[f"layers.0.{fused.split('.')[0]}.{part}.weight"] = weight.contiguous()
+        for i in range(config.num_layers):
+            weights = state.pop(f"layers.{i}.{fused}.weight").split(list(sizes))
+            for part, weight in zip(parts, weights):
+                state[f"layers.{i}.{fused.split('.')[0]}.{part}.weight"] = weight.contiguous()
     save_file(state, os.path.join(out, "model.safetensors"))
     raw = {
         "architectures": ["Eagle3Speculator"],
@@ -199,7 +201,7 @@ def _layer_dict(layer: LlamaArchConfig) -> dict:
         "vocab_size": layer.vocab_size,
         "hidden_size": layer.hidden_size,
         "intermediate_size": layer.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": layer.num_layers,
         "num_attention_heads": layer.num_heads,
         "num_key_value_heads": layer.num_kv_heads,
         "head_dim": layer.head_dim,

@@ -62,7 +62,7 @@ class Eagle3Proposer:
         self.hidden_state_layers = config.aux_layers
         layer = config.layer
         self.cache = StaticKVCache(
-            1, layer.num_kv_heads, layer.head_dim, max_num_seqs, self.max_model_len, head.dtype, self.device
+            layer.num_layers, layer.num_kv_heads, layer.head_dim, max_num_seqs, self.max_model_len, head.dtype, self.device
         )
         self._seqs: dict[str, _Sequence] = {}
         # [slots, max_model_len, h]: fc(target features) of each held sequence, by cache slot and position
