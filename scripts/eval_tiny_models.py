@@ -72,12 +72,15 @@ class TimedProposer:
         return getattr(self.proposer, name)
 
 
-def run(method: str, proposer, verifier, sampler, prompts, args, eos_id: int) -> dict:
+def run(method: str, proposer, verifier, sampler, prompts, args, eos_id: int, ban_eos: bool = False) -> dict:
+    """Greedy decoding of every prompt with ``proposer`` at ``args.k``; ``ban_eos``: every output runs to
+    ``args.max_tokens`` (EOS banned until then, as the benchmarks' requests ban it)."""
     total = RequestStats(accepted_per_position=[0] * args.k)
     outputs, started = [], time.time()
     proposer = TimedProposer(proposer)
     for prompt in prompts:
-        params = GenerationParams(max_tokens=args.max_tokens, num_speculative_tokens=args.k, eos_token_ids=(eos_id,))
+        params = GenerationParams(max_tokens=args.max_tokens, num_speculative_tokens=args.k, eos_token_ids=(eos_id,),
+                                  min_tokens=args.max_tokens if ban_eos else 0)  # fmt: skip
         out, stats = [], None
         for step in generate(proposer, verifier, sampler, prompt, params):
             out.extend(step.new_token_ids)

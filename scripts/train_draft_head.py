@@ -17,8 +17,10 @@ LM head starts from the target's rows.
   ``i`` fed the text's tokens and trained on the target's distribution ``i + 1`` tokens on.
 
 Then the head is written (speculators / MLPSpeculator format) and run in the real engine
-on held-out prompts at ``--k`` (greedy), beside ``--baseline-draft``: the report gives the
-mean tokens per verify step of both. Seeded; the frozen target runs once over ``--windows``
+at ``--k`` (greedy), beside ``--baseline-draft``, on the held-out prompts of
+``scripts/benchmark_engine.py`` (``--eval-prompts`` whole-line slices from the middle of
+held-out files, seeded by ``--eval-seed``, EOS banned): the report gives the mean tokens
+per verify step of both, the figure the benchmark gives for the same head and prompts. Seeded; the frozen target runs once over ``--windows``
 training windows and every step draws its batch from them.
 
     python scripts/train_draft_head.py --method eagle3 --target models/tiny-target --out models/tiny-eagle3
@@ -37,9 +39,10 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
-from eval_tiny_models import held_out_prompts, run  # noqa: E402
+from eval_tiny_models import run  # noqa: E402
 from train_tiny_models import corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
 
+from bench.workload import held_out_texts, select_prompts  # noqa: E402
 from specdec.build import build_lm  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import build_head_proposer  # noqa: E402
@@ -239,7 +242,9 @@ def train(args, head, loss_fn, pool) -> list[float]:
 
 def evaluate(args, tokenizer) -> list[dict]:
     """Greedy mean tokens per verify step at k on held-out prompts: the new head and the baseline draft."""
-    prompts = held_out_prompts(tokenizer, args.eval_prompts, args.prompt_tokens)
+    chosen = select_prompts(held_out_texts(), lambda t: tokenizer(t)["input_ids"], args.eval_prompts,
+                            args.prompt_tokens, args.eval_seed)  # fmt: skip
+    prompts = [p.token_ids for p in chosen]
     verifier = TargetVerifier(build_lm(args.target, "fast", "float32", "cpu", max_num_seqs=2))
     proposers = [(args.method, build_head_proposer(args.method, args.out, args.target, "float32", "cpu", 2))]
     if args.baseline_draft:
@@ -247,7 +252,8 @@ def evaluate(args, tokenizer) -> list[dict]:
         proposers.append(("draft_model", DraftModelProposer(draft)))
     results = []
     for name, proposer in proposers:
-        result = run(name, proposer, verifier, RejectionSampler("strict"), prompts, args, tokenizer.eos_token_id)
+        result = run(name, proposer, verifier, RejectionSampler("strict"), prompts, args, tokenizer.eos_token_id,
+                     ban_eos=True)
         result.pop("outputs")
         print(f"[eval] {name}: {result['mean_accepted_length']} tokens per step at k={args.k}, acceptance "
               f"{result['acceptance_rate']}, per position {result['accepted_per_position']}", flush=True)
@@ -289,8 +295,9 @@ def main() -> None:
                         help="mlp_speculator: the written weights' dtype")
     parser.add_argument("--inner-dim", type=int, default=0, help="mlp_speculator: 0 = the target's hidden size")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--eval-prompts", type=int, default=12)
-    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--eval-prompts", type=int, default=24, help="as benchmark_engine.py's --num-prompts")
+    parser.add_argument("--eval-seed", type=int, default=0, help="as benchmark_engine.py's --seed")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="as benchmark_engine.py's")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--baseline-draft", default=str(REPO_ROOT / "models" / "tiny-draft"), help="empty: none")
     # one thread: on a shared CPU, torch's threads wait on each other at every op (ten times slower here)
@@ -343,7 +350,8 @@ def main() -> None:
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
         "train_seconds": round(train_seconds),
         "written": written,
-        "eval": {"num_prompts": args.eval_prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "eval": {"prompts": "benchmark_engine.py's held-out slices, EOS banned", "num_prompts": args.eval_prompts,
+                 "seed": args.eval_seed, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                  "results": results},  # fmt: skip
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
