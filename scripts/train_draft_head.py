@@ -91,35 +91,8 @@ def build_eagle3(target, arch, args, train_ids: torch.Tensor) -> Eagle3Head:
             head.embed_tokens.weight.copy_(source.get_input_embeddings().weight)
             head.lm_head.weight.copy_(source.get_output_embeddings().weight[kept])
             head.norm.weight.copy_(source.model.norm.weight)
-        if source is not None and source is not target:
-            copy_later_layers(head, source)
     head.embed_tokens.weight.requires_grad_(source is not target)  # the target's is shared, frozen
     return head
-
-
-def copy_later_layers(head: Eagle3Head, source) -> None:
-    """The head's plain layers (all but the first) start from ``source``'s decoder layers of the same index.
-
-    The first layer reads ``[embedding; hidden]`` and has no counterpart; a later one is a
-    Llama layer of the head's shape, so a trained one (the draft's) can start it. Layers
-    past the source's own stay random.
-    """
-    want, got = head.config.layer, source.config
-    shape = lambda c: (c.num_attention_heads, c.num_key_value_heads, getattr(c, "head_dim", None) or
-                       c.hidden_size // c.num_attention_heads, c.intermediate_size)  # fmt: skip
-    if len(head.layers) > 1 and shape(got) != (want.num_heads, want.num_kv_heads, want.head_dim, want.intermediate_size):
-        raise SystemExit(
-            f"--init-from {source.name_or_path}: its layers have (heads, kv heads, head_dim, intermediate) "
-            f"{shape(got)}, the head's {(want.num_heads, want.num_kv_heads, want.head_dim, want.intermediate_size)}"
-        )
-    for layer, src in zip(head.layers[1:], source.model.layers[1:]):
-        attn, mlp = src.self_attn, src.mlp
-        layer.self_attn.qkv_proj.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-        layer.self_attn.o_proj.weight.copy_(attn.o_proj.weight)
-        layer.mlp.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        layer.mlp.down_proj.weight.copy_(mlp.down_proj.weight)
-        layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
-        layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
 
 
 def init_source(args, width: int, arch):
@@ -285,8 +258,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=1,
                         help="eagle3: decoder layers (the first reads the embedding, the rest are Llama layers)")
     parser.add_argument("--init-from", help="eagle3 narrower than the target: a causal LM of the head's width "
-                        "whose embedding, LM head and final norm start the head's, and its decoder layers "
-                        "1.. the head's later layers (default: random)")
+                        "whose embedding, LM head and final norm start the head's (default: random)")
     parser.add_argument("--aux-layers", help="eagle3: comma-separated target hidden-state ids")
     parser.add_argument("--n-predict", type=int, default=4, help="mlp_speculator: stages")
     parser.add_argument("--keep-stages", type=int, default=0,

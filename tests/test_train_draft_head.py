@@ -55,38 +55,3 @@ def test_a_prompt_that_leaves_no_room_is_refused_by_name(text, prompt):
     with pytest.raises(SystemExit, match="--generated-prompt-tokens"):
         training_windows(build_tiny_llama(seed=0), text, windows_args(0.5, prompt))
 
-
-def head_args(init_from: Path, num_layers: int) -> Namespace:
-    return Namespace(draft_vocab_size=48, aux_layers=None, hidden_size=32, intermediate_size=0,
-                     num_layers=num_layers, init_from=str(init_from))  # fmt: skip
-
-
-def small_llama(seed: int, heads: int, kv_heads: int, layers: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)  # fmt: skip
-    return LlamaForCausalLM(config).eval()
-
-
-def test_a_deeper_heads_later_layers_start_from_the_init_models_own(text, tmp_path):
-    """``--num-layers 3 --init-from`` a 2-layer LM of the head's shape: layer 1 is the LM's layer 1, layer 2 stays random."""
-    from specdec.fast.checkpoint import read_config
-    from train_draft_head import build_eagle3
-
-    target = build_tiny_llama(seed=0, hidden_size=64, num_hidden_layers=6)  # head_dim 16: a 32-wide head has 2 heads
-    target.save_pretrained(tmp_path / "target")
-    source = small_llama(1, heads=2, kv_heads=1)
-    source.save_pretrained(tmp_path / "source")
-    head = build_eagle3(target, read_config(tmp_path / "target"), head_args(tmp_path / "source", 3), text)
-    layer, src = head.layers[1], source.model.layers[1]
-    q, k, v = layer.self_attn.qkv_proj.weight.split([32, 16, 16])
-    assert torch.equal(q, src.self_attn.q_proj.weight) and torch.equal(v, src.self_attn.v_proj.weight)
-    assert torch.equal(layer.mlp.down_proj.weight, src.mlp.down_proj.weight)
-    assert torch.equal(head.embed_tokens.weight, source.model.embed_tokens.weight)
-    assert not torch.equal(head.layers[2].mlp.down_proj.weight, src.mlp.down_proj.weight)
-    small_llama(2, heads=4, kv_heads=2).save_pretrained(tmp_path / "other")  # head_dim 8: not the head's shape
-    with pytest.raises(SystemExit, match=r"its layers have \(heads, kv heads, head_dim, intermediate\) \(4, 2, 8, 64\), "
-                                         r"the head's \(2, 1, 16, 64\)"):  # fmt: skip
-        build_eagle3(target, read_config(tmp_path / "target"), head_args(tmp_path / "other", 2), text)
