@@ -20,8 +20,10 @@ Then the head is written (speculators / MLPSpeculator format) and run in the rea
 at ``--k`` (greedy), beside ``--baseline-draft``, on the held-out prompts of
 ``scripts/benchmark_engine.py`` (``--eval-prompts`` whole-line slices from the middle of
 held-out files, seeded by ``--eval-seed``, EOS banned): the report gives the mean tokens
-per verify step of both, the figure the benchmark gives for the same head and prompts. Seeded; the frozen target runs once over ``--windows``
-training windows and every step draws its batch from them.
+per verify step of both, over all the prompts' steps (the benchmark's scheduler counts
+its steps its own way: its figure for the same head differs by about 1%). Seeded; the
+frozen target runs once over ``--windows`` training windows and every step draws its
+batch from them.
 
     python scripts/train_draft_head.py --method eagle3 --target models/tiny-target --out models/tiny-eagle3
 """
