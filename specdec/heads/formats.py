@@ -2,7 +2,7 @@
 
 * ``speculators`` (vllm-project/speculators, which vLLM loads directly): ``config.json`` with
   ``speculators_model_type``, ``speculators_config`` {algorithm, proposal_methods, verifier},
-  ``transformer_layer_config`` (the decoder layer, a Llama config whose ``vocab_size`` is the
+  ``transformer_layer_config`` (the decoder layers, a Llama config whose ``vocab_size`` is the
   target's), ``draft_vocab_size`` and optionally ``target_hidden_size``,
   ``eagle_aux_hidden_state_layer_ids``, ``norm_before_residual``; weights in safetensors
   named ``fc``, ``layers.{i}.*`` (one per ``num_hidden_layers``; q/k/v and gate/up apart),
