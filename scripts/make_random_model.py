@@ -79,12 +79,13 @@ def main() -> None:
     parser.add_argument("--head", choices=("eagle3", "mlp_speculator"), help="write a draft head for --target")
     parser.add_argument("--target", type=Path, help="--head: the target checkpoint it drafts for")
     parser.add_argument("--n-predict", type=int, default=4, help="--head mlp_speculator: stages")
+    parser.add_argument("--num-layers", type=int, default=1, help="--head eagle3: decoder layers")
     args = parser.parse_args()
     if args.head:
         if args.target is None or args.out is None:
             parser.error("--head needs --target and --out")
         write_random_head(args.head, args.target, args.out, getattr(torch, args.dtype), args.seed, args.n_predict,
-                          args.draft_vocab_size)  # fmt: skip
+                          args.draft_vocab_size, args.num_layers)  # fmt: skip
         return
 
     vocab_size = max(args.vocab_size, _vocab_size(args.tokenizer))
@@ -130,7 +131,7 @@ def main() -> None:
 
 
 def write_random_head(method: str, target: Path, out: Path, dtype: torch.dtype, seed: int, n_predict: int,
-                      draft_vocab_size: int) -> None:  # fmt: skip
+                      draft_vocab_size: int, num_layers: int = 1) -> None:  # fmt: skip
     sys.path.insert(0, str(REPO_ROOT))
     from specdec.fast.checkpoint import read_config
 
@@ -140,7 +141,8 @@ def write_random_head(method: str, target: Path, out: Path, dtype: torch.dtype, 
         from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for
         from specdec.heads.formats import save_eagle3
 
-        head = Eagle3Head(eagle3_config_for(arch, min(draft_vocab_size, arch.vocab_size))).to(dtype)
+        config = eagle3_config_for(arch, min(draft_vocab_size, arch.vocab_size), num_layers=num_layers)
+        head = Eagle3Head(config).to(dtype)
         save_eagle3(head, out, verifier=str(target))
     else:
         from specdec.heads.mlp_speculator import MLPSpeculator, save_mlp_speculator

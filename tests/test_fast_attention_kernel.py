@@ -151,7 +151,8 @@ def _head_pair(tmp_path):
 
     build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6,
                      initializer_range=0.3).save_pretrained(tmp_path / "target")  # fmt: skip
-    save_eagle3(random_head(tmp_path / "target", 1, DRAFT_VOCAB), tmp_path / "head", verifier=str(tmp_path / "target"))
+    head = random_head(tmp_path / "target", 1, DRAFT_VOCAB, num_layers=2)  # the first layer and a plain one
+    save_eagle3(head, tmp_path / "head", verifier=str(tmp_path / "target"))
     return str(tmp_path / "target"), str(tmp_path / "head")
 
 
