@@ -20,8 +20,8 @@ Then the head is written (speculators / MLPSpeculator format) and run in the rea
 at ``--k`` (greedy), beside ``--baseline-draft``, on the held-out prompts of
 ``scripts/benchmark_engine.py`` (``--eval-prompts`` whole-line slices from the middle of
 held-out files, seeded by ``--eval-seed``, EOS banned): the report gives the mean tokens
-per verify step of both, over all the prompts' steps (the benchmark's scheduler counts
-its steps its own way: its figure for the same head differs by about 1%). Seeded; the
+per verify step of both, over all the prompts' steps (the benchmark's ``1 + accepted /
+drafts`` counts only the steps that drafted: about 1% higher for the same head). Seeded; the
 frozen target runs once over ``--windows`` training windows and every step draws its
 batch from them.
 
