@@ -54,4 +54,3 @@ def test_a_generated_window_is_its_text_start_then_the_targets_greedy_continuati
 def test_a_prompt_that_leaves_no_room_is_refused_by_name(text, prompt):
     with pytest.raises(SystemExit, match="--generated-prompt-tokens"):
         training_windows(build_tiny_llama(seed=0), text, windows_args(0.5, prompt))
-
