@@ -61,8 +61,8 @@ from bench.phase import (
 )
 from bench.repository import checkpoint_edits, get_parameters, make_variant
 from bench.results import (
-    DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
-    match_reference, step_time_keys,
+    DEFAULT_NAME, DEFAULT_SERVER, HERE_SUFFIX, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name,
+    k0_name, match_reference, method_of, step_time_keys,
 )  # fmt: skip
 from bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
 from bench.server import SERVE_SCRIPT, TritonServer
@@ -90,7 +90,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mlp-speculator", type=Path, default=REPO_ROOT / "models" / "tiny-mlp-speculator",
                    help="the MLP speculator the mlp_speculator servers load")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
-    p.add_argument("--methods", default="suffix,draft_model,ngram", help="draft_proposer methods, comma-separated")
+    p.add_argument("--methods", default="suffix,draft_model,ngram",
+                   help="draft_proposer methods, comma-separated; METHOD+here: that method with run_in_orchestrator "
+                        "set on target_verifier and draft_proposer (both models in the orchestrator's process), on a "
+                        "server of its own with its own k = 0")
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
     p.add_argument("--num-prompts", type=int, default=16, help="requests per configuration and concurrency")
@@ -118,9 +121,9 @@ def parse_args() -> argparse.Namespace:
     if any(k < 1 for k in args.ks) or any(c < 1 for c in args.concurrency) or min(args.threads, args.rounds) < 1:
         p.error("--ks, --concurrency, --threads and --rounds values must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in PROPOSERS]
+    unknown = [m for m in args.methods if method_of(m) not in PROPOSERS]
     if unknown or not args.methods:
-        p.error(f"--methods must name some of {sorted(PROPOSERS)}, got {args.methods}")
+        p.error(f"--methods must name some of {sorted(PROPOSERS)} (each optionally +here), got {args.methods}")
     return args
 
 
@@ -257,16 +260,19 @@ def server_rows(
     once per round, right after the round's one-stream phases while the server idles, so
     that each one-stream row has a paired HF figure from the same minutes.
     """
-    target_here = server_name == TARGET_HERE_SERVER
+    both_here = server_name.endswith(HERE_SUFFIX)
+    target_here = server_name == TARGET_HERE_SERVER or both_here
     fixed = server_name not in (DEFAULT_SERVER, TARGET_HERE_SERVER)
     edits = server_edits(args, method, shipped["num_speculative_tokens"], fixed)
     if target_here:
         edits[TARGET_MODEL]["run_in_orchestrator"] = "true"
+    if both_here:
+        edits[PROPOSER_MODEL]["run_in_orchestrator"] = "true"
     repository = make_variant(args.repository, workdir / f"repo-{server_name}", edits)
     # (name, kind, k sent per request; None: none sent, the server's default)
     configs = [(k0_name(server_name), "k0", 0)]
     default_name = TARGET_HERE_NAME if target_here else DEFAULT_NAME
-    configs += [(fixed_name(method, k), "fixed", k) for k in args.ks] if fixed else [(default_name, "default", None)]
+    configs += [(fixed_name(server_name, k), "fixed", k) for k in args.ks] if fixed else [(default_name, "default", None)]
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     phases: dict[tuple[str, int], PhaseMeasurement] = {}  # (config, concurrency), in the order first run
     rounds: dict[tuple[str, int], list[float]] = {}
@@ -346,7 +352,8 @@ def main() -> None:
         hf_plain = (lambda: hf_plain_tokens_per_s(args, prompts, target, tokenizer)) if args.hf else None
         with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
             for method in args.methods:
-                rows += server_rows(args, method, method, shipped, prompts, Path(tmp), outputs, progress, hf_plain)
+                rows += server_rows(args, method, method_of(method), shipped, prompts, Path(tmp), outputs, progress,
+                                    hf_plain)  # fmt: skip
             if shipped["method"] in args.methods:
                 for server in (DEFAULT_SERVER, TARGET_HERE_SERVER) if args.target_here else (DEFAULT_SERVER,):
                     rows += server_rows(args, server, shipped["method"], shipped, prompts, Path(tmp), outputs,
@@ -356,7 +363,10 @@ def main() -> None:
     annotate(rows, step_times)
     match_reference(rows, outputs, HF_PLAIN if args.hf else k0_name(args.methods[0]))
     notes = [*timing_notes, *args.note]
-    if "suffix" in args.methods:
+    if any(m.endswith(HERE_SUFFIX) for m in args.methods):
+        notes.append("METHOD+here servers: run_in_orchestrator on target_verifier and draft_proposer, each against its "
+                     "own k = 0 (the target in the orchestrator's process too)")
+    if "suffix" in map(method_of, args.methods):
         notes.append("suffix servers keep no global tree (suffix_decoding_max_cached_requests 0), the default "
                      "server's included: the phases repeat the same prompts, so a tree would draft their earlier "
                      "outputs; the tree's gain on repeated work is measured by scripts/benchmark_repeat.py")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from bench.results import annotate, match_reference, step_time_keys, tokens_per_step
+from bench.results import annotate, fixed_name, k0_name, match_reference, method_of, step_time_keys, tokens_per_step
 
 
 def test_tokens_per_step_leaves_out_the_prefill_pass():
@@ -97,3 +97,9 @@ def test_x_hf_plain_median_pairs_each_round_with_hf_plain_measured_beside_the_se
              "hf_plain_tokens_per_s_rounds": [200, 100, 150]}]
     annotate(rows, {})
     assert rows[0]["x_hf_plain_median"] == pytest.approx(1.2)  # ratios 0.75, 1.2, 1.2
+
+
+def test_a_here_server_serves_its_method_under_names_of_its_own():
+    assert method_of("eagle3+here") == "eagle3" and method_of("eagle3") == "eagle3"
+    assert fixed_name("eagle3+here", 3) != fixed_name("eagle3", 3)  # both servers' rows in one run stay apart
+    assert k0_name("eagle3+here") != k0_name("eagle3")
