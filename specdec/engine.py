@@ -106,7 +106,11 @@ class SequenceState:
     def __init__(
         self, seq_id: str, prompt_ids: list[int], params: GenerationParams, hidden_layers: tuple[int, ...] = ()
     ):
-        """``hidden_layers``: the target hidden states a head proposer reads (``VerifyRequest.hidden_layers``)."""
+        """``hidden_layers``: the target hidden states a head proposer reads (``VerifyRequest.hidden_layers``).
+
+        A request with ``num_speculative_tokens`` 0 never drafts, so it asks for none: the
+        target's verify passes then cost what they cost without a head.
+        """
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         self.seq_id = seq_id
@@ -121,7 +125,7 @@ class SequenceState:
         self._base_seed = seed if seed is not None else secrets.randbits(63)
         self._step = 0  # step 0 is the prefill
         self._num_sent_to_proposer = 0  # sequence length the proposer has been sent
-        self.hidden_layers = tuple(hidden_layers)
+        self.hidden_layers = tuple(hidden_layers) if params.num_speculative_tokens > 0 else ()
         self._hidden: list[torch.Tensor] = []  # verified rows not yet sent to the proposer, each [n, features]
         self._num_hidden_sent = 0  # positions whose hidden states the proposer has been sent
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]

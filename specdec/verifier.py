@@ -13,6 +13,7 @@ like the cache.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -43,6 +44,20 @@ def verify_result(
     return VerifyResult(argmax=argmax, probs=probs, log_mass=log_mass)
 
 
+def asked_hidden_layers(requests: Sequence[VerifyRequest]) -> tuple[int, ...]:
+    """The hidden layers the requests of one verify call ask for: those of any that asks.
+
+    A sequence that drafts nothing asks for none (``SequenceState``), so one call may mix
+    it with sequences that ask for the head's layers: the pass returns them for every row,
+    and a sequence that asked for none leaves its rows unread. Two different non-empty
+    sets cannot come from one proposer and are refused.
+    """
+    asked = {r.hidden_layers for r in requests if r.hidden_layers}
+    if len(asked) > 1:
+        raise ValueError(f"the requests of one verify call must ask for the same hidden_layers, got {asked}")
+    return asked.pop() if asked else ()
+
+
 def _with_bans(logits: torch.Tensor, num_banned_rows: int, banned_token_ids: tuple[int, ...]) -> torch.Tensor:
     logits = logits.float().clone()
     logits[: min(num_banned_rows, logits.shape[0]), list(banned_token_ids)] = float("-inf")
@@ -66,10 +81,7 @@ class TargetVerifier(OwnsOneModel):
             check_banned(r.banned_token_ids, self.lm.vocab_size)
         tokens = [self._sequence_tokens(r) for r in requests]
         calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
-        layers = {r.hidden_layers for r in requests}
-        if len(layers) > 1:
-            raise ValueError(f"the requests of one verify call must ask for the same hidden_layers, got {layers}")
-        hidden_layers = layers.pop() if layers else ()
+        hidden_layers = asked_hidden_layers(requests)
         if not hidden_layers:
             return [verify_result(logits, r, t) for logits, r, t in zip(self.lm.forward(calls), requests, tokens)]
         logits, hidden = self.lm.forward_with_hidden(calls, hidden_layers)

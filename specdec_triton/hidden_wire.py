@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdec.types import ModelDescription, ProposeRequest, VerifyRequest, VerifyResult
+from specdec.verifier import asked_hidden_layers
 from specdec_triton.packing import each, i32, i64
 from specdec_triton.plumbing import RequestError
 
@@ -35,10 +36,8 @@ def _f32(tensor: torch.Tensor) -> np.ndarray:
 
 
 def verify_hidden_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
-    layers = {r.hidden_layers for r in requests}
-    if len(layers) != 1:
-        raise ValueError(f"the sequences of one verify request must ask for the same hidden layers, got {layers}")
-    ids = layers.pop()
+    """One list of layers for every sequence of the request (``asked_hidden_layers``)."""
+    ids = asked_hidden_layers(requests)
     return {"hidden_state_layer_ids": i64(ids)} if ids else {}
 
 

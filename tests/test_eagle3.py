@@ -369,3 +369,30 @@ def test_the_sequence_sends_the_proposer_the_rows_of_the_tokens_that_stay():
     assert (second.hidden_position, second.hidden_states.flatten().tolist()) == (3, [3.0, 4.0])  # 7 and 8 stay
     with pytest.raises(ValueError, match=r"carries no hidden states, but the proposer reads layers \(1,\)"):
         state.commit(Proposal(torch.tensor([1])), SampleResult(torch.tensor([1, 2]), 1), None)
+
+
+def test_a_request_that_never_drafts_asks_the_target_for_no_hidden_states():
+    from specdec.engine import SequenceState
+    from specdec.types import SampleResult, VerifyResult
+
+    state = SequenceState("s", [4, 5, 6], GenerationParams(max_tokens=10, num_speculative_tokens=0), hidden_layers=(1,))
+    assert state.verify_request(None).hidden_layers == ()
+    state.commit(None, SampleResult(torch.tensor([7]), 0), VerifyResult(torch.tensor([7]), None))  # no rows: no error
+    assert state.propose_request() is None and state.verify_request(None).hidden_layers == ()
+
+
+def test_one_verify_call_serves_sequences_that_ask_for_hidden_states_beside_ones_that_do_not(pair):
+    """A sequence that never drafts asks for no layers; the call's pass returns the others' all the same."""
+    from specdec.types import VerifyRequest
+
+    _, target_dir, _ = pair
+    verifier, greedy, layers = TargetVerifier(FastCausalLM(target_dir, max_num_seqs=6)), SamplingParams(), (2, 3, 6)
+    alone = verifier.verify([VerifyRequest("a", 0, PROMPTS[0], 1, greedy, hidden_layers=layers)])[0]
+    mixed = verifier.verify([VerifyRequest("b", 0, PROMPTS[0], 1, greedy, hidden_layers=layers),
+                             VerifyRequest("c", 0, PROMPTS[1], 1, greedy)])  # fmt: skip
+    torch.testing.assert_close(mixed[0].hidden_states, alone.hidden_states)
+    assert mixed[1].hidden_states.shape[0] == len(PROMPTS[1])  # returned, and left unread by its sequence
+    assert torch.equal(mixed[1].argmax, verifier.verify([VerifyRequest("d", 0, PROMPTS[1], 1, greedy)])[0].argmax)
+    with pytest.raises(ValueError, match="must ask for the same hidden_layers"):
+        verifier.verify([VerifyRequest("e", 0, PROMPTS[0], 1, greedy, hidden_layers=layers),
+                         VerifyRequest("f", 0, PROMPTS[1], 1, greedy, hidden_layers=(1,))])  # fmt: skip

@@ -339,3 +339,19 @@ def test_stop_words_round_trip():
     sequences = ((1, 2), (3,), (4, 5, 6))
     assert wire.stop_sequences_of(wire.stop_words_arrays(sequences)) == sequences
     assert wire.stop_sequences_of(wire.stop_words_arrays(())) == ()
+
+
+def test_a_verify_request_asks_for_the_head_layers_of_any_sequence_and_every_sequence_gets_its_rows():
+    # a sequence that drafts nothing asks for no layers (SequenceState); it shares the request with one that does
+    asking = VerifyRequest("a", 0, [1, 2, 3], 1, GREEDY, hidden_layers=(1, 2))
+    silent = VerifyRequest("b", 0, [4, 5], 1, GREEDY)
+    inputs = hidden_wire.verify_hidden_inputs([asking, silent])
+    assert inputs["hidden_state_layer_ids"].tolist() == [1, 2]
+    received = hidden_wire.with_hidden_layers([replace(asking, hidden_layers=()), silent], inputs)
+    assert [r.hidden_layers for r in received] == [(1, 2), (1, 2)]  # the verifier computes them for both
+    rows = {"hidden_states": np.arange(10, dtype=np.float32).reshape(5, 2)}  # one row per token fed
+    results = hidden_wire.attach_hidden([VerifyResult(torch.tensor([0]))] * 2, rows, [3, 2])
+    assert [r.hidden_states.shape[0] for r in results] == [3, 2]
+    assert hidden_wire.verify_hidden_inputs([silent]) == {}
+    with pytest.raises(ValueError, match="must ask for the same hidden_layers"):
+        hidden_wire.verify_hidden_inputs([asking, replace(silent, hidden_layers=(3,))])
