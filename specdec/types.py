@@ -139,7 +139,7 @@ class VerifyResult:
     argmax: torch.Tensor  # [num_logits] int64: the target's greedy token at each position
     probs: torch.Tensor | None = None  # [num_logits, vocab] float32 p; None when greedy or sampled here
     log_mass: torch.Tensor | None = None  # [num_logits] float32 (penalties.log_kept_mass); None unless asked
-    hidden_states: torch.Tensor | None = None  # [len(token_ids), len(hidden_layers) * hidden]; None: not asked
+    hidden_states: torch.Tensor | None = None  # [len(token_ids), len(hidden_layers) * hidden]; None: none asked in the call
     sampled: SampleResult | None = None  # the sampler's verdict, for a request with sample_here
 
 
