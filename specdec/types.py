@@ -139,7 +139,8 @@ class VerifyResult:
     argmax: torch.Tensor  # [num_logits] int64: the target's greedy token at each position
     probs: torch.Tensor | None = None  # [num_logits, vocab] float32 p; None when greedy or sampled here
     log_mass: torch.Tensor | None = None  # [num_logits] float32 (penalties.log_kept_mass); None unless asked
-    hidden_states: torch.Tensor | None = None  # [len(token_ids), len(hidden_layers) * hidden]; None: none asked in the call
+    # [len(token_ids), len(hidden_layers) * hidden], when any sequence of the call asked for hidden_layers; else None
+    hidden_states: torch.Tensor | None = None
     sampled: SampleResult | None = None  # the sampler's verdict, for a request with sample_here
 
 
