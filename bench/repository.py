@@ -20,6 +20,22 @@ _PARAM = re.compile(
 )
 
 
+HERE_SUFFIX = "+here"  # a configuration served with the target and the proposer in the orchestrator's process
+
+
+def method_of(name: str) -> str:
+    """The proposer method a configuration serves: ``eagle3+here`` serves ``eagle3``."""
+    return name.removesuffix(HERE_SUFFIX)
+
+
+def here_edits(name: str, edits: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """``edits`` with, for a ``+here`` configuration, ``run_in_orchestrator`` on target_verifier and draft_proposer."""
+    if name.endswith(HERE_SUFFIX):
+        for model in ("target_verifier", "draft_proposer"):
+            edits.setdefault(model, {})["run_in_orchestrator"] = "true"
+    return edits
+
+
 def get_parameters(pbtxt: str) -> dict[str, str]:
     """``{key: string_value}`` of every ``parameters`` entry in a ``config.pbtxt`` text."""
     return {m.group("key"): m.group("value") for m in _PARAM.finditer(pbtxt)}

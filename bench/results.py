@@ -38,17 +38,11 @@ def fixed_name(method: str, k: int) -> str:
     return f"{method} k={k}"
 
 
-def method_of(server_name: str) -> str:
-    """The proposer method a ``--methods`` entry serves: ``eagle3+here`` serves ``eagle3``."""
-    return server_name.removesuffix(HERE_SUFFIX)
-
-
 DEFAULT_NAME = "default"
 DEFAULT_SERVER = "shipped"  # the server of the repository's own configuration, against its own k = 0
 # the shipped configuration with target_verifier's run_in_orchestrator: the target in the orchestrator's process
 TARGET_HERE_NAME = "default, target here"
 TARGET_HERE_SERVER = "shipped-target-here"
-HERE_SUFFIX = "+here"  # a --methods entry served with both the target and the proposer in the orchestrator's process
 
 
 def step_time_keys(ks: list[int]) -> list[tuple[str, int]]:

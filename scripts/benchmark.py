@@ -59,10 +59,10 @@ from bench.phase import (
     phase_row,
     warm_up,
 )
-from bench.repository import checkpoint_edits, get_parameters, make_variant
+from bench.repository import HERE_SUFFIX, checkpoint_edits, get_parameters, here_edits, make_variant, method_of
 from bench.results import (
-    DEFAULT_NAME, DEFAULT_SERVER, HERE_SUFFIX, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name,
-    k0_name, match_reference, method_of, step_time_keys,
+    DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
+    match_reference, step_time_keys,
 )  # fmt: skip
 from bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
 from bench.server import SERVE_SCRIPT, TritonServer
@@ -260,19 +260,17 @@ def server_rows(
     once per round, right after the round's one-stream phases while the server idles, so
     that each one-stream row has a paired HF figure from the same minutes.
     """
-    both_here = server_name.endswith(HERE_SUFFIX)
-    target_here = server_name == TARGET_HERE_SERVER or both_here
+    target_here = server_name == TARGET_HERE_SERVER or server_name.endswith(HERE_SUFFIX)
     fixed = server_name not in (DEFAULT_SERVER, TARGET_HERE_SERVER)
-    edits = server_edits(args, method, shipped["num_speculative_tokens"], fixed)
+    edits = here_edits(server_name, server_edits(args, method, shipped["num_speculative_tokens"], fixed))
     if target_here:
         edits[TARGET_MODEL]["run_in_orchestrator"] = "true"
-    if both_here:
-        edits[PROPOSER_MODEL]["run_in_orchestrator"] = "true"
     repository = make_variant(args.repository, workdir / f"repo-{server_name}", edits)
     # (name, kind, k sent per request; None: none sent, the server's default)
     configs = [(k0_name(server_name), "k0", 0)]
     default_name = TARGET_HERE_NAME if target_here else DEFAULT_NAME
-    configs += [(fixed_name(server_name, k), "fixed", k) for k in args.ks] if fixed else [(default_name, "default", None)]
+    fixed_configs = [(fixed_name(server_name, k), "fixed", k) for k in args.ks]
+    configs += fixed_configs if fixed else [(default_name, "default", None)]
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     phases: dict[tuple[str, int], PhaseMeasurement] = {}  # (config, concurrency), in the order first run
     rounds: dict[tuple[str, int], list[float]] = {}

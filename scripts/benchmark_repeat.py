@@ -33,9 +33,9 @@ from pathlib import Path
 
 from bench import report
 from bench.client import Job
-from bench.phase import PROPOSER_MODEL, ORCHESTRATOR, Progress, measure_phase, phase_row, warm_up
+from bench.phase import ORCHESTRATOR, Progress, measure_phase, phase_row, warm_up
 from bench.repeat import COLUMNS, RepeatPhase, summary_rows, templated_prompts
-from bench.repository import checkpoint_edits, make_variant
+from bench.repository import HERE_SUFFIX, checkpoint_edits, here_edits, make_variant, method_of
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.workload import held_out_texts, select_prompts
 from specdec.heads import HEAD_METHODS
@@ -43,7 +43,6 @@ from specdec.models import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE_METHOD = "ngram"  # k = 0 requests run on its server: it keeps nothing between requests
-HERE = "+here"  # a configuration suffix: target and draft in the orchestrator's process
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,11 +73,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def server_repository(args, name: str, k: int, workdir: Path) -> Path:
-    method = name.removesuffix(HERE)
-    here = {"run_in_orchestrator": "true"} if name.endswith(HERE) else {}
-    edits = checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft)
-    for model in (PROPOSER_MODEL, "target_verifier"):
-        edits[model].update(here)
+    method = method_of(name)
+    edits = here_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft))
     edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
                            "speculative_disable_by_batch_size": "0"}  # fmt: skip
     return make_variant(args.repository, workdir / f"repo-{name}", edits)
@@ -102,7 +98,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, texts = load_tokenizer(args.target), held_out_texts()
     methods = list(args.ks)
-    num_configs = len(methods) + 1 + (BASELINE_METHOD + HERE in methods)
+    num_configs = len(methods) + 1 + (BASELINE_METHOD + HERE_SUFFIX in methods)
     per_repetition = sum(len(p) for _, _, p in workloads(args, tokenizer, texts, 0)) * num_configs
     progress = Progress(args.repetitions * per_repetition)
     phases: list[RepeatPhase] = []
@@ -118,8 +114,8 @@ def main() -> None:
         for method, server in servers.items():
             warm_up(server, [Job(warm, args.max_tokens, k, True) for k in (0, args.ks[method])], burst=args.concurrency)
         configs = [(m, m, args.ks[m]) for m in methods]
-        if BASELINE_METHOD + HERE in methods:
-            configs.insert(0, ("k=0" + HERE, BASELINE_METHOD + HERE, 0))
+        if BASELINE_METHOD + HERE_SUFFIX in methods:
+            configs.insert(0, ("k=0" + HERE_SUFFIX, BASELINE_METHOD + HERE_SUFFIX, 0))
         for repetition in range(args.repetitions):
             shift = repetition % len(configs)  # k=0 first (its outputs are the reference), then the rest rotated
             order = [("k=0", BASELINE_METHOD, 0), *configs[shift:], *configs[:shift]]

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from bench.results import annotate, fixed_name, k0_name, match_reference, method_of, step_time_keys, tokens_per_step
+from bench.repository import here_edits, method_of
+from bench.results import annotate, fixed_name, k0_name, match_reference, step_time_keys, tokens_per_step
 
 
 def test_tokens_per_step_leaves_out_the_prefill_pass():
@@ -103,3 +104,8 @@ def test_a_here_server_serves_its_method_under_names_of_its_own():
     assert method_of("eagle3+here") == "eagle3" and method_of("eagle3") == "eagle3"
     assert fixed_name("eagle3+here", 3) != fixed_name("eagle3", 3)  # both servers' rows in one run stay apart
     assert k0_name("eagle3+here") != k0_name("eagle3")
+    assert here_edits("eagle3+here", {"draft_proposer": {"method": "eagle3"}}) == {
+        "draft_proposer": {"method": "eagle3", "run_in_orchestrator": "true"},
+        "target_verifier": {"run_in_orchestrator": "true"},
+    }
+    assert here_edits("eagle3", {"draft_proposer": {"method": "eagle3"}}) == {"draft_proposer": {"method": "eagle3"}}
