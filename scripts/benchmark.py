@@ -260,11 +260,11 @@ def server_rows(
     once per round, right after the round's one-stream phases while the server idles, so
     that each one-stream row has a paired HF figure from the same minutes.
     """
-    target_here = server_name == TARGET_HERE_SERVER or server_name.endswith(HERE_SUFFIX)
     fixed = server_name not in (DEFAULT_SERVER, TARGET_HERE_SERVER)
     edits = here_edits(server_name, server_edits(args, method, shipped["num_speculative_tokens"], fixed))
-    if target_here:
+    if server_name == TARGET_HERE_SERVER:  # the shipped configuration with the target alone moved here
         edits[TARGET_MODEL]["run_in_orchestrator"] = "true"
+    target_here = edits[TARGET_MODEL].get("run_in_orchestrator") == "true"
     repository = make_variant(args.repository, workdir / f"repo-{server_name}", edits)
     # (name, kind, k sent per request; None: none sent, the server's default)
     configs = [(k0_name(server_name), "k0", 0)]
