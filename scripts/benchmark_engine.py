@@ -52,9 +52,12 @@ from specdec.heads import HEAD_METHODS, build_head_proposer  # noqa: E402
 from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
+from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
 
-METHODS = ("draft_model", *HEAD_METHODS, "ngram", "suffix")
+MODEL_METHODS = ("draft_model", *HEAD_METHODS)
+SUFFIX_FIRST = "+suffix"  # METHOD+suffix: suffix decoding first, the model where it has no strong match
+METHODS = (*MODEL_METHODS, "ngram", "suffix", *(m + SUFFIX_FIRST for m in MODEL_METHODS))
 MODEL_FREE = ("ngram", "suffix")
 HF_PLAIN = "hf plain"
 
@@ -95,6 +98,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--synthetic-acceptance-rate", type=float, default=None)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF generate baseline")
     p.add_argument("--timing-repeats", type=int, default=20)
+    p.add_argument("--suffix-min-score", type=float, default=DEFAULT_MIN_SCORE,
+                   help="METHOD+suffix: the score at which suffix decoding's draft is taken")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--commit", default=None, help="recorded commit (default: git's; a copy without .git says unknown)")
@@ -178,7 +183,7 @@ class Run:
         self.floor = self.floor or roofline(lm, args.device)
         print(f"[engine] {tag} target step ms: " + ", ".join(f"{n} {ms:.2f}" for n, ms in self.times[tag].items()))
         for method, k in args.configs:  # one unmeasured request each: lazy allocations, kernel choice, graph capture
-            self._phase(LocalStages(verifier, self.sampler, proposers.get(method)), self.prompts[:1], k, 1, "warm")
+            self._phase(self._stages(method, verifier, proposers.get(method)), self.prompts[:1], k, 1, "warm")
         outputs: dict[tuple[str, int, int], list[list[int]]] = {}
         for r in range(args.rounds):
             order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
@@ -186,7 +191,7 @@ class Run:
                 for method, k in order:
                     if method in MODEL_FREE:  # a fresh suffix tree: the phases repeat the same prompts
                         proposers[method] = self._proposer(method, graphs)
-                    phase = self._phase(LocalStages(verifier, self.sampler, proposers.get(method)), self.prompts, k, c,
+                    phase = self._phase(self._stages(method, verifier, proposers.get(method)), self.prompts, k, c,
                                         f"r{r}")  # fmt: skip
                     summary = phase.summary()
                     self.results.setdefault((tag, method, k, c), []).append(summary)
@@ -217,10 +222,19 @@ class Run:
         return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless}
 
     def _proposer(self, method: str, graphs: bool):
-        return build_proposer(method, self.args, self.max_num_seqs, self.max_model_len, graphs)
+        return build_proposer(method.removesuffix(SUFFIX_FIRST), self.args, self.max_num_seqs, self.max_model_len,
+                              graphs)  # fmt: skip
 
-    def _phase(self, stages: LocalStages, prompts: list[list[int]], k: int, concurrency: int, name: str):
-        layers = getattr(stages.proposer, "hidden_state_layers", ())
+    def _stages(self, method: str, verifier, proposer):
+        """The method's stages; a METHOD+suffix one with a fresh router (the phases repeat the same prompts)."""
+        stages = LocalStages(verifier, self.sampler, proposer)
+        if not method.endswith(SUFFIX_FIRST):
+            return stages
+        return SuffixFirstStages(stages, SuffixFirst(SuffixFirstConfig(min_score=self.args.suffix_min_score)))
+
+    def _phase(self, stages, prompts: list[list[int]], k: int, concurrency: int, name: str):
+        proposer = getattr(stages, "stages", stages).proposer  # a SuffixFirstStages wraps the model's
+        layers = getattr(proposer, "hidden_state_layers", ())
         return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
 
 

@@ -84,8 +84,16 @@ class SuffixProposer:
         return SuffixCacheStats(len(self._cached), self._global.num_tokens, self._global.num_nodes)
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        return [proposal for proposal, _ in self.propose_scored(requests)]
+
+    def propose_scored(self, requests: list[ProposeRequest]) -> list[tuple[Proposal, float]]:
+        """Each request's proposal and its draft's score (expected matching tokens; ``specdec.suffix_first``)."""
         check_propose_requests(requests, lambda seq_id: len(self._tokens.get(seq_id, ())))
         return [self._propose_one(request) for request in requests]
+
+    def sequence(self, seq_id: str) -> list[int]:
+        """The tokens held for ``seq_id`` (prompt, then output), as sent; the caller must not change them."""
+        return self._tokens[seq_id]
 
     def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:
         """Forget the sequence; ``response``, given when the request completed, joins the global tree."""
@@ -97,7 +105,7 @@ class SuffixProposer:
             while len(self._cached) > self.config.max_cached_requests:
                 self._global.remove(self._cached.popleft())
 
-    def _propose_one(self, request: ProposeRequest) -> Proposal:
+    def _propose_one(self, request: ProposeRequest) -> tuple[Proposal, float]:
         tokens = self._tokens.setdefault(request.seq_id, [])
         del tokens[request.position :]  # nothing, unless a request is sent again
         tokens.extend(request.token_ids)
@@ -107,7 +115,8 @@ class SuffixProposer:
             banned = set(request.banned_token_ids)
             cut = next((i for i, t in enumerate(drafts[: request.num_banned_tokens]) if t in banned), len(drafts))
             drafts = drafts[:cut]
-        return Proposal(token_ids=torch.tensor(drafts, dtype=torch.long), probs=None)
+        score = sum(draft.probs[: len(drafts)])  # of the drafts kept
+        return Proposal(token_ids=torch.tensor(drafts, dtype=torch.long), probs=None), score
 
     def _speculate(self, tokens: list[int], num_tokens: int) -> Draft:
         """The local "tree" is the sequence itself (``speculate_in_sequence``): the same counts, no nodes."""
