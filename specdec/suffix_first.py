@@ -105,8 +105,8 @@ class SuffixFirst:
         self.config = config
         self.suffix = SuffixProposer(config.suffix)
         self._views: dict[str, _ModelView] = {}
-        self.num_suffix_drafts = 0  # proposals taken from suffix decoding (not steps: a sequence each)
-        self.num_model_drafts = 0
+        self.num_suffix_drafts = 0  # proposals taken from suffix decoding (a sequence's step each)
+        self.num_model_drafts = 0  # sequences' steps sent to the model
 
     def plan(self, requests: list[ProposeRequest]) -> Plan:
         """Suffix decoding's draft where it scores ``min_score``; the rest become model requests."""
@@ -191,10 +191,10 @@ class SuffixFirstProposer:
 class SuffixFirstStages:
     """A step's stages with proposals from :class:`SuffixFirst` first and the wrapped stages' ``propose`` after.
 
-    ``on_release``: called after every release, e.g. to export the suffix trees' size.
+    ``on_release``: called with the router after every release, e.g. to export the suffix trees' size.
     """
 
-    def __init__(self, stages: Stages, router: SuffixFirst, on_release: Callable[[SuffixProposer], None] | None = None):
+    def __init__(self, stages: Stages, router: SuffixFirst, on_release: Callable[[SuffixFirst], None] | None = None):
         self.stages = stages
         self.router = router
         self.on_release = on_release
@@ -217,5 +217,5 @@ class SuffixFirstStages:
         for seq_id, response in ended.items():
             self.router.release(seq_id, response)
         if self.on_release is not None:
-            self.on_release(self.router.suffix)
+            self.on_release(self.router)
         await self.stages.release(ended)

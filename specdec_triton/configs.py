@@ -19,6 +19,7 @@ from specdec.proposers.ngram import NgramConfig
 from specdec.proposers.suffix import SuffixConfig
 from specdec.rejection_sampler import METHODS
 from specdec.speculation_length import SpeculationLength, parse_per_batch_size
+from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirstConfig
 from specdec_triton.plumbing import ParameterError, Parameters
 from specdec_triton.speculative_config import PARAMETER
 from specdec_triton.recovery import ON_STUB_FAILURE
@@ -62,7 +63,9 @@ class DraftProposerConfig:
     engine: str  # draft_model only
     max_num_seqs: int  # draft_model only
     cpu_compile: bool = False  # on CPU, draft_model (fast engine) and eagle3: the forward compiled by torch.compile
-    suffix: SuffixConfig = SuffixConfig()  # suffix only: vLLM's suffix_decoding_* keys
+    suffix: SuffixConfig = SuffixConfig()  # suffix, and beside a model: vLLM's suffix_decoding_* keys
+    # a model method with enable_suffix_decoding: suffix decoding first, the model where it has no strong match
+    suffix_first: SuffixFirstConfig | None = None
     given: tuple[str, ...] = ()  # the method-specific settings given a value
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
     # heads only: the target checkpoint the head drafts for (checked against it, and the
@@ -77,6 +80,7 @@ class DraftProposerConfig:
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
         method = params.get_str("method", "draft_model", choices=tuple(PROPOSERS))
+        suffix = _suffix_config(params)
         # under ngram and suffix the path is kept as written, unresolved: its variables need not be set
         draft_model = (params.get_path("draft_model", DEFAULT_DRAFT_MODEL) if method not in ("ngram", "suffix")
                        else params.get_str("draft_model", None))  # fmt: skip
@@ -89,7 +93,8 @@ class DraftProposerConfig:
             engine=params.get_str("engine", "fast", choices=ENGINES),
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
             cpu_compile=params.get_bool("cpu_compile", False),
-            suffix=_suffix_config(params),
+            suffix=suffix,
+            suffix_first=_suffix_first_config(params, method, suffix),
             given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
             sequence_idle_timeout_s=_idle_timeout(params),
             target_model=_head_target(params, method),
@@ -111,9 +116,10 @@ class DraftProposerConfig:
         path stays set under ``ngram``), but a value set for n-gram lookup alone
         suggests the user believes it is in use.
         """
+        read_here = {self.method, "suffix"} if self.suffix_first is not None else {self.method}
         unread = [
             f"{name} is set but only method {method} reads it; method is {self.method!r}"
-            for method, names in _METHOD_SETTINGS.items() if method != self.method
+            for method, names in _METHOD_SETTINGS.items() if method not in read_here
             for name in names if name in self.given
         ]  # fmt: skip
         if self.run_in_orchestrator and self.method in _METHOD_SETTINGS:
@@ -133,6 +139,26 @@ def _suffix_config(params: Parameters) -> SuffixConfig:
     }
     try:
         return SuffixConfig(**values)
+    except ValueError as err:
+        raise ParameterError(f"draft_proposer: parameter {err}") from None
+
+
+def _suffix_first_config(params: Parameters, method: str, suffix: SuffixConfig) -> SuffixFirstConfig | None:
+    """``enable_suffix_decoding`` (Arctic Inference's key) beside a model method, with its two settings."""
+    enabled = params.get_bool("enable_suffix_decoding", False)
+    min_score = params.get_float("suffix_decoding_min_score", DEFAULT_MIN_SCORE)
+    model_tokens = params.get_int("model_num_speculative_tokens", 0, minimum=0)
+    if not enabled:
+        for name in ("suffix_decoding_min_score", "model_num_speculative_tokens"):
+            if params.get_str(name, "") != "":
+                raise ParameterError(f"draft_proposer: parameter {name} is set but enable_suffix_decoding is not "
+                                     f"true; set it true, or remove {name}")  # fmt: skip
+        return None
+    if method in _METHOD_SETTINGS:
+        raise ParameterError(f"draft_proposer: enable_suffix_decoding puts suffix decoding in front of a model "
+                             f"(method draft_model, {' or '.join(HEAD_METHODS)}); method is {method!r}")  # fmt: skip
+    try:
+        return SuffixFirstConfig(suffix, min_score, model_tokens)
     except ValueError as err:
         raise ParameterError(f"draft_proposer: parameter {err}") from None
 

@@ -80,10 +80,15 @@ _SUFFIX_GAUGES = {
 }
 
 
-class SuffixCacheGauges:
-    """What suffix decoding keeps in memory, so its bound can be watched; only changes are sent.
+_SUFFIX_FIRST = ("spec_decode_suffix_first_proposals",
+                 "Proposals under enable_suffix_decoding, by source: suffix decoding's draft taken, or the model's")
 
-    The families are made on the first ``set``: a server that runs another method shows none.
+
+class SuffixCacheGauges:
+    """What suffix decoding keeps in memory, so its bound can be watched; only changes are sent. In front
+    of a model (``enable_suffix_decoding``), also how many proposals each source made.
+
+    The families are made on first use: a server that runs another method shows none.
     """
 
     def __init__(self, model_name: str, family_type=None):
@@ -91,6 +96,19 @@ class SuffixCacheGauges:
         self._families: list = []  # must outlive their metrics
         self._gauges: list = []
         self._values: tuple[int, ...] | None = None
+        self._by_source: dict[str, object] = {}  # "suffix" / "model" -> counter
+        self._counted = {"suffix": 0, "model": 0}  # the totals the counters hold
+
+    def count_proposals(self, from_suffix: int, from_model: int) -> None:
+        """The totals so far (``SuffixFirst``'s); each counter is sent what it lacks."""
+        if not self._by_source:
+            family = _family(*_SUFFIX_FIRST, "COUNTER", self._family_type)
+            self._families.append(family)
+            self._by_source = {s: family.Metric(labels={"model": self._model_name, "source": s}) for s in self._counted}
+        for source, total in (("suffix", from_suffix), ("model", from_model)):
+            if total > self._counted[source]:
+                self._by_source[source].increment(total - self._counted[source])
+                self._counted[source] = total
 
     def set(self, cached_responses: int, tree_nodes: int, tree_bytes: int) -> None:
         values = (cached_responses, tree_nodes, tree_bytes)

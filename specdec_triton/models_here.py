@@ -19,7 +19,7 @@ configuration when it loads.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,11 +70,19 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     if config.method in HEAD_METHODS:
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
                                        config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len)
-        return LoadedDraft(proposer, describe_head(proposer, config.draft_model))
+        return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, config.draft_model), config))
     _check_draft_window(config)
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
                   log=log, cpu_compile=config.cpu_compile)  # fmt: skip
-    return LoadedDraft(DraftModelProposer(lm), describe_lm(lm, config.draft_model, "draft_model"))
+    description = describe_lm(lm, config.draft_model, "draft_model")
+    return LoadedDraft(DraftModelProposer(lm), _with_suffix_first(description, config))
+
+
+def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:
+    """A model's description, carrying suffix decoding's settings when it runs in front (the orchestrator runs it)."""
+    if config.suffix_first is None:
+        return description
+    return replace(description, settings=config.suffix_first.settings())
 
 
 def _check_draft_window(config: DraftProposerConfig) -> None:

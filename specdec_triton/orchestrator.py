@@ -32,6 +32,7 @@ from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers import Proposer, SuffixProposer, check_draft_compatible, model_free_proposer
 from specdec.scheduler import ScheduledStep, StepReport, StepScheduler
 from specdec.scheduler import Stages as StepStages
+from specdec.suffix_first import SuffixFirst, SuffixFirstStages, suffix_first_for
 from specdec.types import ModelDescription, RequestStats
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
@@ -87,7 +88,8 @@ class Orchestrator:
         self.active = active
         self.log = log
         self.suffix_gauges = suffix_gauges
-        self._proposer_here: Proposer | None = None  # a model-free method's proposer, run in this process
+        # what proposes in this process: a model-free method's proposer, or suffix decoding in front of a model
+        self._proposer_here: Proposer | SuffixFirst | None = None
         self._proposer_described: ModelDescription | None = None  # the description it was built from
         self.num_active_requests = 0  # tokenized and not yet answered: running or waiting for a slot
         self.descriptions: Descriptions | None = None
@@ -165,29 +167,41 @@ class Orchestrator:
             on_step=self._record_step,
         )
         if self.log is not None:
-            where = "run in this process" if self._proposer_here is not None else descriptions.draft.model
+            where = descriptions.draft.model
+            if isinstance(self._proposer_here, SuffixFirst):
+                where = f"suffix decoding first, in this process; then {where}"
+            elif self._proposer_here is not None:
+                where = "run in this process"
             self.log(f"serving {descriptions.target.model} with {descriptions.draft.method} "
                      f"({where}), {descriptions.max_num_seqs} sequences at once")
 
-    def _proposer_for(self, draft: ModelDescription) -> Proposer | None:
-        """The model-free proposer this process runs for ``draft``, or None when the draft_proposer model proposes.
+    def _proposer_for(self, draft: ModelDescription) -> Proposer | SuffixFirst | None:
+        """What proposes in this process for ``draft``: its model-free proposer, or suffix decoding in front
+        of the draft_proposer model's drafts (``enable_suffix_decoding``); None when that model alone proposes.
 
         The one built before is kept while the description is the same, so suffix
         decoding's global tree outlives the recovery of another composing model.
         """
         if self._proposer_here is not None and self._proposer_described == draft:
             return self._proposer_here
-        proposer = model_free_proposer(draft)
+        proposer = model_free_proposer(draft) or suffix_first_for(draft)
         self._proposer_described = draft
         return proposer
 
     def _step_stages(self) -> StepStages:
         if self._proposer_here is None:
             return self.stages
+        if isinstance(self._proposer_here, SuffixFirst):
+            return SuffixFirstStages(self.stages, self._proposer_here, on_release=self._show_proposer_memory)
         return ProposeInProcess(self.stages, self._proposer_here, on_release=self._show_proposer_memory)
 
     def _show_proposer_memory(self, proposer) -> None:
-        if self.suffix_gauges is not None and isinstance(proposer, SuffixProposer):
+        if self.suffix_gauges is None:
+            return
+        if isinstance(proposer, SuffixFirst):
+            self.suffix_gauges.count_proposals(proposer.num_suffix_drafts, proposer.num_model_drafts)
+            proposer = proposer.suffix
+        if isinstance(proposer, SuffixProposer):
             stats = proposer.stats()
             self.suffix_gauges.set(stats.cached_responses, stats.tree_nodes, stats.approx_bytes)
 

@@ -39,7 +39,7 @@ class SpeculativeConfigError(ValueError):
 class Setting:
     model: str  # the model whose config.pbtxt key the vLLM key sets
     key: str
-    kind: type  # what the JSON value must be: str, int or float
+    kind: type  # what the JSON value must be: str, int, float or bool
     unset: tuple[str, ...]  # values of the pbtxt key that count as not chosen: empty and the shipped value
 
 
@@ -55,6 +55,8 @@ SETTINGS = {
     "disable_by_batch_size": Setting(ORCHESTRATOR, "speculative_disable_by_batch_size", int, ("", "0")),
     "prompt_lookup_min": Setting("draft_proposer", "prompt_lookup_min", int, ("",)),
     "prompt_lookup_max": Setting("draft_proposer", "prompt_lookup_max", int, ("",)),
+    # Arctic Inference's key: suffix decoding in front of the model method (specdec.suffix_first)
+    "enable_suffix_decoding": Setting("draft_proposer", "enable_suffix_decoding", bool, ("", "false")),
     "rejection_sample_method": Setting("rejection_sampler", "rejection_sample_method", str, ("", "probabilistic")),
     **_SUFFIX,
 }
@@ -114,6 +116,10 @@ def _check_keys(config: Mapping) -> None:
 
 def _as_text(name: str, value, kind: type) -> str:
     """The pbtxt string of a JSON value, after checking its type (the model checks its range)."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SpeculativeConfigError(f"speculative_config key '{name}' must be true or false, got {value!r}")
+        return "true" if value else "false"
     ok = isinstance(value, str) if kind is str else (
         isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
     )  # fmt: skip

@@ -35,6 +35,13 @@ def test_keys_map_onto_the_models_that_read_them():
                                                 "num_speculative_tokens_per_batch_size": ""}  # fmt: skip
 
 
+def test_arctic_inferences_key_puts_suffix_decoding_in_front_of_the_model():
+    settings = sc.parse('{"method": "eagle3", "model": "/ckpt/head", "enable_suffix_decoding": true}')
+    assert settings["draft_proposer"] == {"method": "eagle3", "draft_model": "/ckpt/head", "enable_suffix_decoding": "true"}
+    with pytest.raises(SpeculativeConfigError, match=r"'enable_suffix_decoding' must be true or false, got 'yes'"):
+        sc.parse('{"method": "eagle3", "enable_suffix_decoding": "yes"}')
+
+
 def test_a_bare_model_means_a_draft_model():
     assert sc.parse('{"model": "/ckpt/draft"}')["draft_proposer"] == {"draft_model": "/ckpt/draft",
                                                                       "method": "draft_model"}  # fmt: skip

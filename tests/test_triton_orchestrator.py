@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from byte_tokenizer import byte_level_tokenizer
 
-from specdec.engine import generate
+from specdec.engine import GenerationParams, generate
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import SequenceCancelled
 from specdec.speculation_length import SpeculationLength
+from specdec.suffix_first import SuffixFirstConfig
 from specdec.types import ModelDescription
 from specdec.verifier import TargetVerifier
 from specdec_triton.configs import OrchestratorConfig
@@ -69,7 +70,8 @@ class LocalStages:
         self.max_num_seqs: int | None = None
         self.draft_vocab_size: int | None = None  # what the draft describes, if not its own
         self.tokenizer_vocab_size: int | None = None  # what the tokenizer describes, if not its own
-        self.describe_settings: tuple | None = None  # what a model-free proposer describes, if not its own
+        # what the proposer describes, if not its own: a model-free one's, or suffix decoding's in front of a model
+        self.describe_settings: tuple | None = None
         self.describe_failures = 0  # describe calls still to fail
         self.peak_sequences = 0
         self.sent: list[tuple[str, int]] = []  # (stage, sequences) of each propose / verify / sample call, in order
@@ -90,10 +92,10 @@ class LocalStages:
         vocab = self.verifier.vocab_size
         if isinstance(self.proposer, (NgramProposer, SuffixProposer)):
             draft = describe_model_free(self.proposer)  # the orchestrator runs its own from these settings
-            if self.describe_settings is not None:
-                draft = replace(draft, settings=self.describe_settings)
         else:
             draft = ModelDescription("/models/draft", self.draft_vocab_size or vocab, None, None, "draft_model")
+        if self.describe_settings is not None:
+            draft = replace(draft, settings=self.describe_settings)
         return Descriptions(
             tokenizer=ModelDescription(self.codec.tokenizer_dir, self.tokenizer_vocab_size or len(self.codec.tokenizer),
                                        None, None, "tokenizer"),
@@ -321,6 +323,23 @@ def test_the_suffix_trees_outlive_the_recovery_of_another_model_and_are_gauged(c
     assert again["text_output"][0] == first["text_output"][0]
     assert int(again["total_accepted_draft_tokens"][0]) > int(first["total_accepted_draft_tokens"][0])
     assert gauge.value == 2
+
+
+def test_suffix_decoding_in_front_of_the_draft_model_is_run_here_and_counted_by_source(codec, models):
+    orchestrator, stages = make_orchestrator(codec, models, "draft_model")
+    stages.describe_settings = SuffixFirstConfig(min_score=1.0).settings()  # enable_suffix_decoding
+    prompt = "abcabcabcabcabc the quick brown fox"
+    params = GenerationParams(max_tokens=24, num_speculative_tokens=K)
+    for _ in range(2):  # the second request drafts from the first's response too
+        sent = run(orchestrator, request(prompt, max_tokens=24))
+        assert text_of(sent) == engine_text(codec, models, prompt, params)
+    by_source = {source: FakeFamily.metrics[("spec_decode_suffix_first_proposals", (("model", "sd"), ("source", source)))]
+                 for source in ("suffix", "model")}  # fmt: skip
+    assert by_source["suffix"].value > 0 and by_source["model"].value > 0
+    proposed = sum(n for stage, n in stages.sent if stage == "propose")  # what reached the draft model
+    assert proposed == by_source["model"].value
+    assert FakeFamily.metrics[("spec_decode_suffix_cached_responses", (("model", "sd"),))].value == 2
+    assert stages.proposer.num_active_sequences == 0
 
 
 def test_a_model_free_method_described_without_its_settings_is_refused(codec, models):

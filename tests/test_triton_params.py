@@ -204,6 +204,27 @@ def test_suffix_settings_take_vllm_keys_and_defaults(tmp_path):
                                        "method is 'ngram'"]  # fmt: skip
 
 
+def test_suffix_decoding_in_front_of_a_model_reads_its_settings_and_refuses_what_cannot_apply(tmp_path):
+    base, draft = str(tmp_path), str(tmp_path)
+    config = DraftProposerConfig.from_parameters(params(base, draft_model=draft, enable_suffix_decoding="true",
+                                                        suffix_decoding_max_tree_depth="12",
+                                                        suffix_decoding_min_score="1.5",
+                                                        model_num_speculative_tokens="3"))  # fmt: skip
+    first = config.suffix_first
+    assert (first.suffix.max_tree_depth, first.min_score, first.model_num_speculative_tokens) == (12, 1.5, 3)
+    assert config.unread_settings() == []  # the suffix_decoding_* keys are read beside the model
+    off = DraftProposerConfig.from_parameters(params(base, draft_model=draft, enable_suffix_decoding="false"))
+    assert off.suffix_first is None
+    with pytest.raises(ParameterError, match=r"suffix_decoding_min_score is set but enable_suffix_decoding is not true"):
+        DraftProposerConfig.from_parameters(params(base, draft_model=draft, suffix_decoding_min_score="1"))
+    with pytest.raises(ParameterError, match=r"enable_suffix_decoding puts suffix decoding in front of a model .*"
+                                             r"method is 'suffix'"):  # fmt: skip
+        DraftProposerConfig.from_parameters(params(base, method="suffix", enable_suffix_decoding="true"))
+    with pytest.raises(ParameterError, match=r"suffix_decoding_min_score must be > 0, got 0.0"):
+        DraftProposerConfig.from_parameters(params(base, draft_model=draft, enable_suffix_decoding="true",
+                                                   suffix_decoding_min_score="0"))  # fmt: skip
+
+
 def test_n_gram_settings_under_another_method_are_warned_of(tmp_path):
     base, draft = str(tmp_path), str(tmp_path)
     config = DraftProposerConfig.from_parameters(params(base, draft_model=draft, prompt_lookup_min="3"))
