@@ -59,7 +59,9 @@ from bench.phase import (
     phase_row,
     warm_up,
 )
-from bench.repository import HERE_SUFFIX, checkpoint_edits, get_parameters, here_edits, make_variant, method_of
+from bench.repository import (
+    HERE_SUFFIX, checkpoint_edits, get_parameters, make_variant, method_of, suffix_first, variant_edits,
+)  # fmt: skip
 from bench.results import (
     DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
     match_reference, step_time_keys,
@@ -93,8 +95,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--methods", default="suffix,draft_model,ngram",
                    help="draft_proposer methods, comma-separated; METHOD+here: that method with run_in_orchestrator "
                         "set on target_verifier and draft_proposer (both models in the orchestrator's process), on a "
-                        "server of its own with its own k = 0")
+                        "server of its own with its own k = 0; METHOD+suffix (draft_model or a head, before any "
+                        "+here): suffix decoding in front of the model (enable_suffix_decoding)")
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
+    p.add_argument("--model-k", type=int, default=0,
+                   help="METHOD+suffix servers: model_num_speculative_tokens, the model's drafts (0: each k)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
     p.add_argument("--num-prompts", type=int, default=16, help="requests per configuration and concurrency")
     p.add_argument("--rounds", type=int, default=1,
@@ -121,9 +126,11 @@ def parse_args() -> argparse.Namespace:
     if any(k < 1 for k in args.ks) or any(c < 1 for c in args.concurrency) or min(args.threads, args.rounds) < 1:
         p.error("--ks, --concurrency, --threads and --rounds values must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if method_of(m) not in PROPOSERS]
+    unknown = [m for m in args.methods if method_of(m) not in PROPOSERS
+               or suffix_first(m) and method_of(m) in ("ngram", "suffix")]  # fmt: skip
     if unknown or not args.methods:
-        p.error(f"--methods must name some of {sorted(PROPOSERS)} (each optionally +here), got {args.methods}")
+        p.error(f"--methods must name some of {sorted(PROPOSERS)} (each optionally +here; a model method "
+                f"optionally +suffix before it), got {args.methods}")
     return args
 
 
@@ -261,7 +268,9 @@ def server_rows(
     that each one-stream row has a paired HF figure from the same minutes.
     """
     fixed = server_name not in (DEFAULT_SERVER, TARGET_HERE_SERVER)
-    edits = here_edits(server_name, server_edits(args, method, shipped["num_speculative_tokens"], fixed))
+    edits = variant_edits(server_name, server_edits(args, method, shipped["num_speculative_tokens"], fixed), args.model_k)
+    if suffix_first(server_name):  # as a suffix server: no global tree
+        edits[PROPOSER_MODEL]["suffix_decoding_max_cached_requests"] = "0"
     if server_name == TARGET_HERE_SERVER:  # the shipped configuration with the target alone moved here
         edits[TARGET_MODEL]["run_in_orchestrator"] = "true"
     target_here = edits[TARGET_MODEL].get("run_in_orchestrator") == "true"
@@ -364,7 +373,7 @@ def main() -> None:
     if any(m.endswith(HERE_SUFFIX) for m in args.methods):
         notes.append("METHOD+here servers: run_in_orchestrator on target_verifier and draft_proposer, each against its "
                      "own k = 0 (the target in the orchestrator's process too)")
-    if "suffix" in map(method_of, args.methods):
+    if any(method_of(m) == "suffix" or suffix_first(m) for m in args.methods):
         notes.append("suffix servers keep no global tree (suffix_decoding_max_cached_requests 0), the default "
                      "server's included: the phases repeat the same prompts, so a tree would draft their earlier "
                      "outputs; the tree's gain on repeated work is measured by scripts/benchmark_repeat.py")

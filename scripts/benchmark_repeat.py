@@ -35,7 +35,7 @@ from bench import report
 from bench.client import Job
 from bench.phase import ORCHESTRATOR, Progress, measure_phase, phase_row, warm_up
 from bench.repeat import COLUMNS, RepeatPhase, summary_rows, templated_prompts
-from bench.repository import HERE_SUFFIX, checkpoint_edits, here_edits, make_variant, method_of
+from bench.repository import HERE_SUFFIX, checkpoint_edits, variant_edits, make_variant, method_of
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.workload import held_out_texts, select_prompts
 from specdec.heads import HEAD_METHODS
@@ -74,7 +74,7 @@ def parse_args() -> argparse.Namespace:
 
 def server_repository(args, name: str, k: int, workdir: Path) -> Path:
     method = method_of(name)
-    edits = here_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft))
+    edits = variant_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft))
     edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
                            "speculative_disable_by_batch_size": "0"}  # fmt: skip
     return make_variant(args.repository, workdir / f"repo-{name}", edits)

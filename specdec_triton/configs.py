@@ -52,6 +52,8 @@ _METHOD_SETTINGS = {
     "suffix": tuple(f"suffix_decoding_{name}" for name in SuffixConfig.__dataclass_fields__),
 }
 
+_SUFFIX_FIRST_SETTINGS = ("suffix_decoding_min_score", "model_num_speculative_tokens")  # enable_suffix_decoding's
+
 
 @dataclass(frozen=True)
 class DraftProposerConfig:
@@ -95,7 +97,8 @@ class DraftProposerConfig:
             cpu_compile=params.get_bool("cpu_compile", False),
             suffix=suffix,
             suffix_first=_suffix_first_config(params, method, suffix),
-            given=tuple(n for names in _METHOD_SETTINGS.values() for n in names if params.get_str(n, "") != ""),
+            given=tuple(n for names in (*_METHOD_SETTINGS.values(), _SUFFIX_FIRST_SETTINGS) for n in names
+                        if params.get_str(n, "") != ""),
             sequence_idle_timeout_s=_idle_timeout(params),
             target_model=_head_target(params, method),
             run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
@@ -122,6 +125,9 @@ class DraftProposerConfig:
             for method, names in _METHOD_SETTINGS.items() if method not in read_here
             for name in names if name in self.given
         ]  # fmt: skip
+        if self.suffix_first is None:
+            unread += [f"{name} is set but only enable_suffix_decoding reads it; it is false"
+                       for name in _SUFFIX_FIRST_SETTINGS if name in self.given]  # fmt: skip
         if self.run_in_orchestrator and self.method in _METHOD_SETTINGS:
             unread.append(f"run_in_orchestrator changes nothing for method {self.method!r}: it runs in "
                           "speculative_decoding's process always")  # fmt: skip
@@ -149,11 +155,7 @@ def _suffix_first_config(params: Parameters, method: str, suffix: SuffixConfig) 
     min_score = params.get_float("suffix_decoding_min_score", DEFAULT_MIN_SCORE)
     model_tokens = params.get_int("model_num_speculative_tokens", 0, minimum=0)
     if not enabled:
-        for name in ("suffix_decoding_min_score", "model_num_speculative_tokens"):
-            if params.get_str(name, "") != "":
-                raise ParameterError(f"draft_proposer: parameter {name} is set but enable_suffix_decoding is not "
-                                     f"true; set it true, or remove {name}")  # fmt: skip
-        return None
+        return None  # its two settings, if given, are warned of (unread_settings)
     if method in _METHOD_SETTINGS:
         raise ParameterError(f"draft_proposer: enable_suffix_decoding puts suffix decoding in front of a model "
                              f"(method draft_model, {' or '.join(HEAD_METHODS)}); method is {method!r}")  # fmt: skip

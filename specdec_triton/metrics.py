@@ -96,14 +96,14 @@ class SuffixCacheGauges:
         self._families: list = []  # must outlive their metrics
         self._gauges: list = []
         self._values: tuple[int, ...] | None = None
+        self._source_family = None  # must outlive its counters
         self._by_source: dict[str, object] = {}  # "suffix" / "model" -> counter
         self._counted = {"suffix": 0, "model": 0}  # the totals the counters hold
 
     def count_proposals(self, from_suffix: int, from_model: int) -> None:
         """The totals so far (``SuffixFirst``'s); each counter is sent what it lacks."""
         if not self._by_source:
-            family = _family(*_SUFFIX_FIRST, "COUNTER", self._family_type)
-            self._families.append(family)
+            family = self._source_family = _family(*_SUFFIX_FIRST, "COUNTER", self._family_type)
             self._by_source = {s: family.Metric(labels={"model": self._model_name, "source": s}) for s in self._counted}
         for source, total in (("suffix", from_suffix), ("model", from_model)):
             if total > self._counted[source]:

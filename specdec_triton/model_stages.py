@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
@@ -63,7 +64,7 @@ class ModelStages:
         )
         descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
         # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing
-        self._stateful = self._models_holding(draft=self._draft_here is None and not draft.settings)
+        self._stateful = self._models_holding(draft=self._draft_here is None and draft.method not in MODEL_FREE_METHODS)
         await self._connect({wire.DRAFT_PROPOSER: draft_socket, wire.TARGET_VERIFIER: target_socket})
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them

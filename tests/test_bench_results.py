@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from bench.repository import here_edits, method_of
+from bench.repository import method_of, suffix_first, variant_edits
 from bench.results import annotate, fixed_name, k0_name, match_reference, step_time_keys, tokens_per_step
 
 
@@ -104,8 +104,19 @@ def test_a_here_server_serves_its_method_under_names_of_its_own():
     assert method_of("eagle3+here") == "eagle3" and method_of("eagle3") == "eagle3"
     assert fixed_name("eagle3+here", 3) != fixed_name("eagle3", 3)  # both servers' rows in one run stay apart
     assert k0_name("eagle3+here") != k0_name("eagle3")
-    assert here_edits("eagle3+here", {"draft_proposer": {"method": "eagle3"}}) == {
+    assert variant_edits("eagle3+here", {"draft_proposer": {"method": "eagle3"}}) == {
         "draft_proposer": {"method": "eagle3", "run_in_orchestrator": "true"},
         "target_verifier": {"run_in_orchestrator": "true"},
     }
-    assert here_edits("eagle3", {"draft_proposer": {"method": "eagle3"}}) == {"draft_proposer": {"method": "eagle3"}}
+    assert variant_edits("eagle3", {"draft_proposer": {"method": "eagle3"}}) == {"draft_proposer": {"method": "eagle3"}}
+
+
+def test_a_suffix_first_server_serves_its_model_method_with_suffix_decoding_in_front():
+    assert method_of("eagle3+suffix") == method_of("eagle3+suffix+here") == "eagle3"
+    assert suffix_first("eagle3+suffix+here") and not suffix_first("suffix") and not suffix_first("eagle3+here")
+    assert variant_edits("draft_model+suffix+here", {}, model_k=4) == {
+        "draft_proposer": {"run_in_orchestrator": "true", "enable_suffix_decoding": "true",
+                           "model_num_speculative_tokens": "4"},
+        "target_verifier": {"run_in_orchestrator": "true"},
+    }  # fmt: skip
+    assert variant_edits("eagle3+suffix", {})["draft_proposer"]["model_num_speculative_tokens"] == ""  # the step's k
