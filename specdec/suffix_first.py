@@ -33,6 +33,10 @@ from specdec.proposers.suffix import SuffixConfig, SuffixProposer
 from specdec.scheduler import Stages
 from specdec.types import ModelDescription, Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 
+# A sequence's backlog goes to the model once it is this long, suffix decoding's draft or not: it bounds
+# the catch-up pass, and a model that never hears of a sequence would reclaim it as idle
+# (sequence_idle_timeout_s) before the sequence needs it again.
+MAX_BACKLOG_TOKENS = 256
 DEFAULT_MIN_SCORE = 2.0  # about how many of four drafts a head or draft model gets accepted on held-out text
 
 
@@ -109,13 +113,15 @@ class SuffixFirst:
         self.num_model_drafts = 0  # sequences' steps sent to the model
 
     def plan(self, requests: list[ProposeRequest]) -> Plan:
-        """Suffix decoding's draft where it scores ``min_score``; the rest become model requests."""
+        """Suffix decoding's draft where it scores ``min_score`` (and the model lacks under ``MAX_BACKLOG_TOKENS``
+        of the sequence); the rest become model requests."""
         scored = self.suffix.propose_scored(requests)  # checks the requests and keeps every sequence's tokens
         from_suffix, to_model = {}, []
         for request, (proposal, score) in zip(requests, scored):
             view = self._views.setdefault(request.seq_id, _ModelView())
             self._keep(view, request)
-            if len(proposal.token_ids) and score >= self.config.min_score:
+            backlog = len(self.suffix.sequence(request.seq_id)) - view.num_tokens  # tokens the model lacks
+            if len(proposal.token_ids) and score >= self.config.min_score and backlog < MAX_BACKLOG_TOKENS:
                 from_suffix[request.seq_id] = proposal
             else:
                 to_model.append(self._backlog(view, request))

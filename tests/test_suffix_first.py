@@ -14,7 +14,9 @@ from specdec.heads.formats import save_eagle3
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, SuffixConfig
 from specdec.rejection_sampler import RejectionSampler
-from specdec.suffix_first import SuffixFirst, SuffixFirstConfig, SuffixFirstProposer, SuffixFirstStages, suffix_first_for
+from specdec.suffix_first import (
+    MAX_BACKLOG_TOKENS, SuffixFirst, SuffixFirstConfig, SuffixFirstProposer, SuffixFirstStages, suffix_first_for,
+)  # fmt: skip
 from specdec.types import ModelDescription, Proposal, ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
 from test_eagle3 import DRAFT_VOCAB, VOCAB, random_head
@@ -65,6 +67,16 @@ def test_a_weak_match_goes_to_the_model_with_everything_it_was_not_sent():
     # the next model request starts where this one ended
     proposer.propose([request("a", 17, [3], hidden=torch.zeros(2, 2), hidden_position=15)])
     assert (model.calls[1][0].position, model.calls[1][0].token_ids, model.calls[1][0].hidden_position) == (17, [3], 15)
+
+
+def test_a_long_backlog_goes_to_the_model_even_under_a_strong_match():
+    model = RecordingModel()
+    proposer = SuffixFirstProposer(SuffixFirstConfig(), model)
+    tokens = LOOP * (MAX_BACKLOG_TOKENS // len(LOOP) + 1)  # the bound falls within its last five
+    proposer.propose([request("a", 0, tokens[:-5])])
+    assert model.calls == []  # short of the bound: suffix decoding's draft
+    [proposal] = proposer.propose([request("a", len(tokens) - 5, tokens[-5:])])
+    assert [len(call[0].token_ids) for call in model.calls] == [len(tokens)] and proposal.token_ids.tolist() == [1] * 4
 
 
 def test_a_cut_back_moves_the_models_backlog_back_with_it():
