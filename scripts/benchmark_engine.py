@@ -8,7 +8,8 @@ each concurrency, with the configurations interleaved round by round:
 
 * ``k0`` -- plain decoding through the same scheduler (one target pass per token);
 * ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``ngram`` or ``suffix``
-  drafting K tokens every step;
+  drafting K tokens every step; ``METHOD+suffix:K`` (a model method) with suffix decoding
+  in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
 * each of them with CUDA graphs captured and without (``--cuda-graphs on,off``, CUDA only);
 * ``hf plain`` -- Hugging Face ``generate`` on the same target, one request at a time.
 
@@ -100,6 +101,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timing-repeats", type=int, default=20)
     p.add_argument("--suffix-min-score", type=float, default=DEFAULT_MIN_SCORE,
                    help="METHOD+suffix: the score at which suffix decoding's draft is taken")
+    p.add_argument("--model-k", type=int, default=0, help="METHOD+suffix: the model's drafts per step (0: K)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--commit", default=None, help="recorded commit (default: git's; a copy without .git says unknown)")
@@ -230,7 +232,8 @@ class Run:
         stages = LocalStages(verifier, self.sampler, proposer)
         if not method.endswith(SUFFIX_FIRST):
             return stages
-        return SuffixFirstStages(stages, SuffixFirst(SuffixFirstConfig(min_score=self.args.suffix_min_score)))
+        config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
+        return SuffixFirstStages(stages, SuffixFirst(config))
 
     def _phase(self, stages, prompts: list[list[int]], k: int, concurrency: int, name: str):
         proposer = getattr(stages, "stages", stages).proposer  # a SuffixFirstStages wraps the model's

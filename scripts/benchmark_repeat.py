@@ -53,7 +53,10 @@ def parse_args() -> argparse.Namespace:
                    help="the head's directory for methods eagle3 / mlp_speculator")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--ks", default="ngram:8,suffix:8,draft_model:4",
-                   help="method:k pairs (METHOD+here: models in the orchestrator); each one gets a server")
+                   help="method:k pairs (METHOD+here: models in the orchestrator; METHOD+suffix: suffix decoding "
+                        "in front of a model method); each one gets a server")
+    p.add_argument("--model-k", type=int, default=0,
+                   help="METHOD+suffix servers: model_num_speculative_tokens, the model's drafts (0: its k)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per workload and repetition")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -74,7 +77,8 @@ def parse_args() -> argparse.Namespace:
 
 def server_repository(args, name: str, k: int, workdir: Path) -> Path:
     method = method_of(name)
-    edits = variant_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft))
+    edits = variant_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft),
+                          args.model_k)  # fmt: skip
     edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
                            "speculative_disable_by_batch_size": "0"}  # fmt: skip
     return make_variant(args.repository, workdir / f"repo-{name}", edits)

@@ -70,8 +70,11 @@ def test_the_lossless_check_names_a_configuration_that_differs():
 def test_configs_parse_and_always_include_k0():
     parse = _benchmark_engine().parse_configs
     assert parse("draft_model:4,eagle3:2") == [("k0", 0), ("draft_model", 4), ("eagle3", 2)]
+    assert parse("eagle3+suffix:8") == [("k0", 0), ("eagle3+suffix", 8)]
     with pytest.raises(Exception, match="METHOD:K"):
         parse("medusa:3")
+    with pytest.raises(Exception, match="METHOD:K"):
+        parse("suffix+suffix:3")
 
 
 def test_the_engine_benchmark_bans_eos_until_max_tokens_as_the_served_requests_do(monkeypatch, shipped_pair):
@@ -89,3 +92,15 @@ def test_the_engine_benchmark_bans_eos_until_max_tokens_as_the_served_requests_d
     assert all(params.min_tokens == params.max_tokens == 8 for params in run.params_for.values())
     config = generation_config(8, list(eos), ignore_eos=True)  # the HF row bans the same ids
     assert (config.eos_token_id, config.min_new_tokens, config.pad_token_id) == (list(eos), 8, eos[0])
+
+
+def test_a_suffix_first_configuration_runs_through_the_engine_benchmark_exactly(monkeypatch, shipped_pair):
+    module = _benchmark_engine()
+    monkeypatch.setattr(sys, "argv", ["benchmark_engine.py", "--configs", "draft_model+suffix:4", "--num-prompts", "2",
+                                      "--max-tokens", "16", "--concurrency", "1", "--rounds", "1", "--no-hf",
+                                      "--timing-repeats", "1", "--model-k", "2"])  # fmt: skip
+    run = module.Run(module.parse_args())
+    run.measure(False, lambda: None)
+    assert run.failures == []  # every output equal to k0's
+    [summary] = run.results[("cpu", "draft_model+suffix", 4, 1)]
+    assert summary["tokens_per_s_aggregate"] > 0
