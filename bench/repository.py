@@ -34,16 +34,19 @@ def suffix_first(name: str) -> bool:
     return name.removesuffix(HERE_SUFFIX).endswith(SUFFIX_FIRST)
 
 
-def variant_edits(name: str, edits: dict[str, dict[str, str]], model_k: int = 0) -> dict[str, dict[str, str]]:
+def variant_edits(name: str, edits: dict[str, dict[str, str]], model_k: int = 0,
+                  min_score: float | None = None) -> dict[str, dict[str, str]]:  # fmt: skip
     """``edits`` with what the configuration's name asks for: ``+here``, ``run_in_orchestrator`` on
     target_verifier and draft_proposer; ``+suffix`` (before ``+here``), ``enable_suffix_decoding`` with
-    ``model_num_speculative_tokens`` ``model_k`` (0: the step's k)."""
+    ``model_num_speculative_tokens`` ``model_k`` (0: the step's k) and ``suffix_decoding_min_score``
+    ``min_score`` (None: the model's default)."""
     if name.endswith(HERE_SUFFIX):
         for model in ("target_verifier", "draft_proposer"):
             edits.setdefault(model, {})["run_in_orchestrator"] = "true"
     if suffix_first(name):
         edits.setdefault("draft_proposer", {}).update(
-            enable_suffix_decoding="true", model_num_speculative_tokens=str(model_k) if model_k else "")
+            enable_suffix_decoding="true", model_num_speculative_tokens=str(model_k) if model_k else "",
+            suffix_decoding_min_score="" if min_score is None else str(min_score))  # fmt: skip
     return edits
 
 

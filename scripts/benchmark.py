@@ -100,6 +100,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
     p.add_argument("--model-k", type=int, default=0,
                    help="METHOD+suffix servers: model_num_speculative_tokens, the model's drafts (0: each k)")
+    p.add_argument("--suffix-min-score", type=float, default=None,
+                   help="METHOD+suffix servers: suffix_decoding_min_score (default: the model's, 2.0)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
     p.add_argument("--num-prompts", type=int, default=16, help="requests per configuration and concurrency")
     p.add_argument("--rounds", type=int, default=1,
@@ -268,7 +270,8 @@ def server_rows(
     that each one-stream row has a paired HF figure from the same minutes.
     """
     fixed = server_name not in (DEFAULT_SERVER, TARGET_HERE_SERVER)
-    edits = variant_edits(server_name, server_edits(args, method, shipped["num_speculative_tokens"], fixed), args.model_k)
+    edits = variant_edits(server_name, server_edits(args, method, shipped["num_speculative_tokens"], fixed), args.model_k,
+                          args.suffix_min_score)  # fmt: skip
     if suffix_first(server_name):  # as a suffix server: no global tree
         edits[PROPOSER_MODEL]["suffix_decoding_max_cached_requests"] = "0"
     if server_name == TARGET_HERE_SERVER:  # the shipped configuration with the target alone moved here

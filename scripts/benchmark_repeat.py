@@ -57,6 +57,8 @@ def parse_args() -> argparse.Namespace:
                         "in front of a model method); each one gets a server")
     p.add_argument("--model-k", type=int, default=0,
                    help="METHOD+suffix servers: model_num_speculative_tokens, the model's drafts (0: its k)")
+    p.add_argument("--suffix-min-score", type=float, default=None,
+                   help="METHOD+suffix servers: suffix_decoding_min_score (default: the model's, 2.0)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per workload and repetition")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -78,7 +80,7 @@ def parse_args() -> argparse.Namespace:
 def server_repository(args, name: str, k: int, workdir: Path) -> Path:
     method = method_of(name)
     edits = variant_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft),
-                          args.model_k)  # fmt: skip
+                          args.model_k, args.suffix_min_score)  # fmt: skip
     edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
                            "speculative_disable_by_batch_size": "0"}  # fmt: skip
     return make_variant(args.repository, workdir / f"repo-{name}", edits)

@@ -116,7 +116,8 @@ def test_a_suffix_first_server_serves_its_model_method_with_suffix_decoding_in_f
     assert suffix_first("eagle3+suffix+here") and not suffix_first("suffix") and not suffix_first("eagle3+here")
     assert variant_edits("draft_model+suffix+here", {}, model_k=4) == {
         "draft_proposer": {"run_in_orchestrator": "true", "enable_suffix_decoding": "true",
-                           "model_num_speculative_tokens": "4"},
+                           "model_num_speculative_tokens": "4", "suffix_decoding_min_score": ""},
         "target_verifier": {"run_in_orchestrator": "true"},
     }  # fmt: skip
     assert variant_edits("eagle3+suffix", {})["draft_proposer"]["model_num_speculative_tokens"] == ""  # the step's k
+    assert variant_edits("eagle3+suffix", {}, min_score=1.0)["draft_proposer"]["suffix_decoding_min_score"] == "1.0"

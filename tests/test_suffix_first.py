@@ -183,3 +183,26 @@ def test_speculative_sampling_with_both_kinds_of_draft_matches_the_target_distri
                                                                               router.num_model_drafts)
     assert 0.05 < sampler.accepted / sampler.drafted < 0.95
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
+
+
+def test_an_mlp_speculator_behind_suffix_decoding_drafts_its_n_predict_while_suffix_decoding_drafts_more(tmp_path):
+    """k 5 for suffix decoding beside a speculator of 3 stages (model_num_speculative_tokens 3): exact."""
+    from test_mlp_speculator import HIDDEN, N_PREDICT, PROMPTS as MLP_PROMPTS, VOCAB as MLP_VOCAB, write_speculator
+
+    target = build_tiny_llama(seed=0, vocab_size=MLP_VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                              initializer_range=0.3)  # fmt: skip
+    target.save_pretrained(tmp_path / "target")
+    write_speculator(tmp_path / "head", MLP_VOCAB, HIDDEN, N_PREDICT, tie=False)
+    inner = build_head_proposer("mlp_speculator", tmp_path / "head", tmp_path / "target")
+    config = SuffixFirstConfig(min_score=1.0, model_num_speculative_tokens=N_PREDICT)
+    proposer, verifier = SuffixFirstProposer(config, inner), TargetVerifier(CachedCausalLM(target))
+    longest = 0
+    for prompt in [*MLP_PROMPTS, [1, 2, 3, 4] * 5]:
+        params = GenerationParams(max_tokens=20, num_speculative_tokens=5)
+        out = []
+        for step in generate(proposer, verifier, RejectionSampler(), prompt, params):
+            out += step.new_token_ids
+            longest = max(longest, len(step.new_token_ids))
+        assert out == hf_generate_greedy(target, prompt, 20), prompt
+    assert proposer.router.num_suffix_drafts > 0 and proposer.router.num_model_drafts > 0
+    assert longest > N_PREDICT + 1, "suffix decoding drafted past the speculator's stages, and was accepted"
