@@ -24,7 +24,7 @@ model's, in this process or another) with it, as the orchestrator runs it;
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -91,7 +91,8 @@ class _ModelView:
 
     num_tokens: int = 0  # tokens of the sequence the model was sent (after any cut-back)
     num_features: int = 0  # target hidden-state rows the model was sent
-    pending: torch.Tensor | None = None  # [n, features]: rows num_features .. num_features + n - 1, not sent
+    # [n_i, features] each, in order: rows num_features onwards, not sent (joined once, when they are)
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class SuffixFirst:
             view.num_tokens = request.position + len(request.token_ids)
             if request.hidden_states is not None:
                 view.num_features = request.hidden_position + request.hidden_states.shape[0]
-            view.pending = None
+            view.pending = []
         from_model = {r.seq_id: answer for r, answer in zip(plan.to_model, answers)}
         return [plan.from_suffix[r.seq_id] if r.seq_id in plan.from_suffix else from_model[r.seq_id] for r in requests]
 
@@ -159,18 +160,21 @@ class SuffixFirst:
             return
         start = request.hidden_position
         if start < view.num_features:  # the model will drop its rows past start when it is sent these
-            view.num_features, view.pending = start, request.hidden_states
+            view.num_features, view.pending = start, [request.hidden_states]
             return
-        kept = view.pending[: start - view.num_features] if view.pending is not None else None  # [m, features]
-        view.pending = request.hidden_states if kept is None or not len(kept) else torch.cat([kept, request.hidden_states])
+        keep = start - view.num_features  # rows queued before the request's own
+        if keep < sum(rows.shape[0] for rows in view.pending):  # the request resends some (a retried call)
+            view.pending = [torch.cat(view.pending)[:keep]]
+        view.pending.append(request.hidden_states)
 
     def _backlog(self, view: _ModelView, request: ProposeRequest) -> ProposeRequest:
         """The request as the model must see it: every token and feature row it was not sent, from where it stopped."""
         tokens = self.suffix.sequence(request.seq_id)
         cap = self.config.model_num_speculative_tokens
+        pending = torch.cat(view.pending) if len(view.pending) > 1 else (view.pending[0] if view.pending else None)
         return replace(request, position=view.num_tokens, token_ids=tokens[view.num_tokens :],
                        num_tokens=min(request.num_tokens, cap) if cap else request.num_tokens,
-                       hidden_states=view.pending, hidden_position=view.num_features)  # fmt: skip
+                       hidden_states=pending, hidden_position=view.num_features)  # fmt: skip
 
 
 class SuffixFirstProposer:
