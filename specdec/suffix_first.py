@@ -31,7 +31,9 @@ import torch
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.suffix import SuffixConfig, SuffixProposer
 from specdec.scheduler import Stages
-from specdec.types import ModelDescription, Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
+from specdec.types import (
+    ModelDescription, Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult,
+)  # fmt: skip
 
 # A sequence's backlog goes to the model once it is this long, suffix decoding's draft or not: it bounds
 # the catch-up pass, and a model that never hears of a sequence would reclaim it as idle
@@ -178,7 +180,8 @@ class SuffixFirst:
 
 
 class SuffixFirstProposer:
-    """:class:`SuffixFirst` in front of a proposer in this process: itself a ``Proposer`` (``specdec.engine.generate``)."""
+    """:class:`SuffixFirst` in front of a proposer in this process; itself a ``Proposer``
+    (for ``specdec.engine.generate``)."""
 
     def __init__(self, config: SuffixFirstConfig, model):
         self.router = SuffixFirst(config)

@@ -64,7 +64,8 @@ class ModelStages:
         )
         descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
         # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing
-        self._stateful = self._models_holding(draft=self._draft_here is None and draft.method not in MODEL_FREE_METHODS)
+        holds = self._draft_here is None and draft.method not in MODEL_FREE_METHODS  # with settings or not
+        self._stateful = self._models_holding(draft=holds)
         await self._connect({wire.DRAFT_PROPOSER: draft_socket, wire.TARGET_VERIFIER: target_socket})
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them

@@ -69,7 +69,7 @@ def test_the_repeat_benchmark_serves_a_here_config_with_both_models_in_the_orche
     spec.loader.exec_module(script)
     models = REPO_ROOT / "models"
     args = argparse.Namespace(target=models / "tiny-target", draft=models / "tiny-draft", head=models / "tiny-eagle3",
-                              repository=REPO_ROOT / "model_repository")  # fmt: skip
+                              repository=REPO_ROOT / "model_repository", model_k=3, suffix_min_score=None)  # fmt: skip
     here = script.server_repository(args, "eagle3+here", 4, tmp_path)
     plain = script.server_repository(args, "eagle3", 4, tmp_path)
     for repository, expected in ((here, "true"), (plain, "false")):
@@ -77,6 +77,11 @@ def test_the_repeat_benchmark_serves_a_here_config_with_both_models_in_the_orche
             parameters = get_parameters((repository / model / "config.pbtxt").read_text())
             assert parameters["run_in_orchestrator"] == expected, (repository, model)
     assert get_parameters((here / "draft_proposer" / "config.pbtxt").read_text())["method"] == "eagle3"
+    suffix_first = get_parameters((script.server_repository(args, "eagle3+suffix", 8, tmp_path) / "draft_proposer"
+                                   / "config.pbtxt").read_text())  # fmt: skip
+    assert (suffix_first["method"], suffix_first["enable_suffix_decoding"]) == ("eagle3", "true")
+    assert suffix_first["model_num_speculative_tokens"] == "3" and suffix_first["run_in_orchestrator"] == "false"
+    assert get_parameters((plain / "draft_proposer" / "config.pbtxt").read_text())["enable_suffix_decoding"] == "false"
 
 
 def test_the_served_benchmark_points_each_method_at_its_checkpoint_and_the_target(tmp_path):
