@@ -63,8 +63,9 @@ class ModelStages:
             bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
         descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
-        # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing
-        holds = self._draft_here is None and draft.method not in MODEL_FREE_METHODS  # with settings or not
+        # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing;
+        # a model holds its sequences, with suffix decoding in front of it (settings described) or not
+        holds = self._draft_here is None and draft.method not in MODEL_FREE_METHODS
         self._stateful = self._models_holding(draft=holds)
         await self._connect({wire.DRAFT_PROPOSER: draft_socket, wire.TARGET_VERIFIER: target_socket})
         # a step's calls are few (one per stage), but finished sequences' releases and new
