@@ -19,7 +19,10 @@ from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, Ve
 
 class ProposeInProcess:
     def __init__(self, stages: Stages, proposer: Proposer, on_release: Callable[[Proposer], None] | None = None):
-        """``on_release``: called after every release, e.g. to export what the proposer keeps (suffix trees)."""
+        """``on_release``: called after every release, e.g. to export what the proposer keeps (suffix trees).
+
+        ``specdec.suffix_first.SuffixFirstStages`` runs its router here in the proposer's place.
+        """
         self.stages = stages
         self.proposer = proposer
         self.on_release = on_release

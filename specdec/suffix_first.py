@@ -28,12 +28,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
+from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.suffix import SuffixConfig, SuffixProposer
 from specdec.scheduler import Stages
-from specdec.types import (
-    ModelDescription, Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult,
-)  # fmt: skip
+from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 # A sequence's backlog goes to the model once it is this long, suffix decoding's draft or not: it bounds
 # the catch-up pass, and a model that never hears of a sequence would reclaim it as idle
@@ -201,34 +200,21 @@ class SuffixFirstProposer:
         self.model.release(seq_id, response)
 
 
-class SuffixFirstStages:
+class SuffixFirstStages(ProposeInProcess):
     """A step's stages with proposals from :class:`SuffixFirst` first and the wrapped stages' ``propose`` after.
 
-    ``on_release``: called with the router after every release, e.g. to export the suffix trees' size.
+    As :class:`~specdec.propose_in_process.ProposeInProcess`, with the router as the part in
+    this process: verify, sample and release go on to the wrapped stages, the router hears
+    every release, and ``on_release`` is called with it after each (the suffix trees' size).
     """
 
     def __init__(self, stages: Stages, router: SuffixFirst, on_release: Callable[[SuffixFirst], None] | None = None):
-        self.stages = stages
-        self.router = router
-        self.on_release = on_release
+        super().__init__(stages, router, on_release)
 
     @property
-    def samples_in_verify(self) -> bool:
-        return bool(getattr(self.stages, "samples_in_verify", False))
+    def router(self) -> SuffixFirst:
+        return self.proposer
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         plan = self.router.plan(requests)
         return self.router.answered(requests, plan, await self.stages.propose(plan.to_model) if plan.to_model else [])
-
-    async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        return await self.stages.verify(requests)
-
-    async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
-        return await self.stages.sample(calls)
-
-    async def release(self, ended: dict[str, list[int] | None]) -> None:
-        for seq_id, response in ended.items():
-            self.router.release(seq_id, response)
-        if self.on_release is not None:
-            self.on_release(self.router)
-        await self.stages.release(ended)

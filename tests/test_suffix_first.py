@@ -10,7 +10,6 @@ from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.engine import GenerationParams, generate
 from specdec.fast.runner import FastCausalLM
 from specdec.heads import build_head_proposer
-from specdec.heads.formats import save_eagle3
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, SuffixConfig
 from specdec.rejection_sampler import RejectionSampler
@@ -19,7 +18,7 @@ from specdec.suffix_first import (
 )  # fmt: skip
 from specdec.types import ModelDescription, Proposal, ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
-from test_eagle3 import DRAFT_VOCAB, VOCAB, random_head
+from test_eagle3 import VOCAB, pair  # noqa: F401  (pair: a 6-layer target and a random EAGLE-3 head)
 from test_sampled_losslessness import NUM_SAMPLES, CountingSampler, chisquare_pvalue, exact_joint, sample_first_tokens
 
 LOOP = [5, 6, 7, 8, 9]  # a prompt that repeats itself: suffix decoding drafts its continuation with certainty
@@ -138,21 +137,12 @@ def test_the_description_carries_the_settings_and_builds_the_same_router():
         SuffixFirstConfig(min_score=0)
 
 
-@pytest.fixture(scope="module")
-def head_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("suffix-first")
-    target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, initializer_range=0.3)
-    target.save_pretrained(root / "target")
-    save_eagle3(random_head(root / "target", 1, DRAFT_VOCAB), root / "head", verifier=str(root / "target"))
-    return target, root / "target", root / "head"
-
-
 PROMPTS = [[3, 7, 1, 12, 30], LOOP * 3 + [2], [9, 9, 9, 2, 2, 2, 9, 9], list(range(1, 21)) * 2]
 
 
 @pytest.mark.parametrize("model", ["eagle3", "draft_model"])
-def test_greedy_output_equals_hf_generate_with_both_kinds_of_draft(head_pair, model):
-    target, target_dir, head_dir = head_pair
+def test_greedy_output_equals_hf_generate_with_both_kinds_of_draft(pair, model):
+    target, target_dir, head_dir = pair
     verifier = TargetVerifier(FastCausalLM(target_dir, max_num_seqs=2))
     inner = (build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2) if model == "eagle3"
              else DraftModelProposer(CachedCausalLM(build_tiny_llama(seed=3, vocab_size=VOCAB, hidden_size=32))))
