@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench import report  # noqa: E402
 from bench.bound import forward_ms, speedup_bound  # noqa: E402
 from bench.engine import LocalStages, run_phase  # noqa: E402
+from bench.repository import SUFFIX_FIRST, method_of, suffix_first  # noqa: E402
 from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
 from specdec.fast import FastCausalLM  # noqa: E402
@@ -57,7 +58,6 @@ from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirst, SuffixFirstConf
 from specdec.verifier import TargetVerifier  # noqa: E402
 
 MODEL_METHODS = ("draft_model", *HEAD_METHODS)
-SUFFIX_FIRST = "+suffix"  # METHOD+suffix: suffix decoding first, the model where it has no strong match
 METHODS = (*MODEL_METHODS, "ngram", "suffix", *(m + SUFFIX_FIRST for m in MODEL_METHODS))
 MODEL_FREE = ("ngram", "suffix")
 HF_PLAIN = "hf plain"
@@ -185,7 +185,7 @@ class Run:
         self.floor = self.floor or roofline(lm, args.device)
         print(f"[engine] {tag} target step ms: " + ", ".join(f"{n} {ms:.2f}" for n, ms in self.times[tag].items()))
         for method, k in args.configs:  # one unmeasured request each: lazy allocations, kernel choice, graph capture
-            self._phase(self._stages(method, verifier, proposers.get(method)), self.prompts[:1], k, 1, "warm")
+            self._phase(method, verifier, proposers.get(method), self.prompts[:1], k, 1, "warm")
         outputs: dict[tuple[str, int, int], list[list[int]]] = {}
         for r in range(args.rounds):
             order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
@@ -193,8 +193,7 @@ class Run:
                 for method, k in order:
                     if method in MODEL_FREE:  # a fresh suffix tree: the phases repeat the same prompts
                         proposers[method] = self._proposer(method, graphs)
-                    phase = self._phase(self._stages(method, verifier, proposers.get(method)), self.prompts, k, c,
-                                        f"r{r}")  # fmt: skip
+                    phase = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
                     summary = phase.summary()
                     self.results.setdefault((tag, method, k, c), []).append(summary)
                     outputs[(method, k, c)] = phase.outputs
@@ -224,19 +223,14 @@ class Run:
         return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless}
 
     def _proposer(self, method: str, graphs: bool):
-        return build_proposer(method.removesuffix(SUFFIX_FIRST), self.args, self.max_num_seqs, self.max_model_len,
-                              graphs)  # fmt: skip
+        return build_proposer(method_of(method), self.args, self.max_num_seqs, self.max_model_len, graphs)
 
-    def _stages(self, method: str, verifier, proposer):
-        """The method's stages; a METHOD+suffix one with a fresh router (the phases repeat the same prompts)."""
+    def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):
+        """One phase of ``method``'s stages; a METHOD+suffix one with a fresh router (the phases repeat the prompts)."""
         stages = LocalStages(verifier, self.sampler, proposer)
-        if not method.endswith(SUFFIX_FIRST):
-            return stages
-        config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
-        return SuffixFirstStages(stages, SuffixFirst(config))
-
-    def _phase(self, stages, prompts: list[list[int]], k: int, concurrency: int, name: str):
-        proposer = getattr(stages, "stages", stages).proposer  # a SuffixFirstStages wraps the model's
+        if suffix_first(method):
+            config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
+            stages = SuffixFirstStages(stages, SuffixFirst(config))
         layers = getattr(proposer, "hidden_state_layers", ())
         return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
 

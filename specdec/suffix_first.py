@@ -38,7 +38,9 @@ from specdec.types import ModelDescription, Proposal, ProposeRequest
 # the catch-up pass, and a model that never hears of a sequence would reclaim it as idle
 # (sequence_idle_timeout_s) before the sequence needs it again.
 MAX_BACKLOG_TOKENS = 256
-DEFAULT_MIN_SCORE = 2.0  # about how many of four drafts a head or draft model gets accepted on held-out text
+# of four drafts on held-out text the shipped head gets about 2.2 accepted, the draft model about 1.5: a
+# suffix draft expected to match as many is taken, and saves the model's passes
+DEFAULT_MIN_SCORE = 2.0
 
 
 @dataclass(frozen=True)
