@@ -50,6 +50,7 @@ DETAIL_COLUMNS = (
     ("mean len", "mean_accepted_length", "{:.2f}"),
     ("per-position accept", "per_position_acceptance", None),
     ("seqs/forward", "target_sequences_per_execution", "{:.2f}"),
+    ("suffix share", "suffix_share", "{:.0%}"),
     ("bound", "speedup_bound", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.0%}"),
     ("overhead ms/step", "step_overhead_ms", "{:.2f}"),

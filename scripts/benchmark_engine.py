@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench import report  # noqa: E402
 from bench.bound import forward_ms, speedup_bound  # noqa: E402
 from bench.engine import LocalStages, run_phase  # noqa: E402
+from bench.phase import proposal_sources  # noqa: E402
 from bench.repository import SUFFIX_FIRST, method_of, suffix_first  # noqa: E402
 from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
@@ -193,8 +194,8 @@ class Run:
                 for method, k in order:
                     if method in MODEL_FREE:  # a fresh suffix tree: the phases repeat the same prompts
                         proposers[method] = self._proposer(method, graphs)
-                    phase = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
-                    summary = phase.summary()
+                    phase, sources = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
+                    summary = {**phase.summary(), **sources}
                     self.results.setdefault((tag, method, k, c), []).append(summary)
                     outputs[(method, k, c)] = phase.outputs
                     print(f"[engine] round {r + 1}/{args.rounds} {tag} c={c} {method} k={k}: "
@@ -226,13 +227,18 @@ class Run:
         return build_proposer(method_of(method), self.args, self.max_num_seqs, self.max_model_len, graphs)
 
     def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):
-        """One phase of ``method``'s stages; a METHOD+suffix one with a fresh router (the phases repeat the prompts)."""
+        """One phase of ``method``'s stages, and the proposals by source of a METHOD+suffix one (with a fresh
+        router: the phases repeat the prompts)."""
         stages = LocalStages(verifier, self.sampler, proposer)
+        router = None
         if suffix_first(method):
             config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
-            stages = SuffixFirstStages(stages, SuffixFirst(config))
+            router = SuffixFirst(config)
+            stages = SuffixFirstStages(stages, router)
         layers = getattr(proposer, "hidden_state_layers", ())
-        return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
+        phase = run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
+        by_source = {"suffix": router.num_suffix_drafts, "model": router.num_model_drafts} if router else {}
+        return phase, proposal_sources(by_source)
 
 
 def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:
@@ -323,15 +329,15 @@ def roofline(lm: FastCausalLM, device: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| config | graphs | c | tok/s | x k0 | x HF plain | ITL p50 ms | tokens/step | accept per position | bound | eff. |"
-    lines = [head, "|" + "---|" * 11]
+    head = "| config | graphs | c | tok/s | x k0 | x HF plain | ITL p50 ms | tokens/step | accept per position | suffix share | bound | eff. |"
+    lines = [head, "|" + "---|" * 12]
     fmt = lambda v, p=2: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
         lines.append(
             f"| {r['config']} | {r.get('graphs') or ''} | {r['concurrency']} | {fmt(r['tokens_per_s_aggregate'], 1)} | "
             f"{fmt(r.get('x_k0'))} | {fmt(r.get('x_hf_plain'))} | {fmt(r['itl_ms_p50'])} | "
             f"{fmt(r.get('mean_accepted_length'))} | {' '.join(f'{x:.2f}' for x in r.get('per_position_acceptance') or [])} | "
-            f"{fmt(r.get('bound'))} | {fmt(r.get('efficiency'))} |"
+            f"{fmt(r.get('suffix_share'))} | {fmt(r.get('bound'))} | {fmt(r.get('efficiency'))} |"
         )
     return "\n".join(lines)
 

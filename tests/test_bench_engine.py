@@ -104,3 +104,7 @@ def test_a_suffix_first_configuration_runs_through_the_engine_benchmark_exactly(
     assert run.failures == []  # every output equal to k0's
     [summary] = run.results[("cpu", "draft_model+suffix", 4, 1)]
     assert summary["tokens_per_s_aggregate"] > 0
+    drafted = summary["proposals_from_suffix"] + summary["proposals_from_model"]  # a sequence's step each
+    assert drafted > 0 and summary["suffix_share"] == summary["proposals_from_suffix"] / drafted
+    [k0] = run.results[("cpu", "k0", 0, 1)]
+    assert "suffix_share" not in k0
