@@ -15,7 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from bench.stats import Acceptance, RequestTiming, latency_summary
+from bench.stats import Acceptance, RequestTiming, latency_summary, source_figures
 from specdec.engine import GenerationParams, SequenceState
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepReport, StepScheduler
@@ -86,7 +86,16 @@ class PhaseResult:
             "step_ms_mean": 1e3 * self.elapsed_s / len(self.steps) if self.steps else float("nan"),
             "propose_ms_per_drafting_step": 1e3 * propose_s / len(drafting) if drafting else 0.0,
             "verify_ms_per_step": 1e3 * verify_s / len(self.steps) if self.steps else float("nan"),
+            **source_figures(self._by_source()),
         }
+
+    def _by_source(self) -> dict[str, tuple[int, int, int]]:
+        """``{source: (steps drafted, draft tokens, accepted tokens)}`` of the proposals that name a source."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for sequence in (seq for step in self.steps for seq in step.sequences if seq.source is not None):
+            steps, drafted, accepted = out.get(sequence.source, (0, 0, 0))
+            out[sequence.source] = (steps + 1, drafted + sequence.num_draft_tokens, accepted + sequence.num_accepted)
+        return out
 
 
 def run_phase(

@@ -29,6 +29,7 @@ from bench.stats import (
     parse_prometheus,
     samples_delta,
     samples_sum,
+    source_figures,
     step_overhead_ms,
     with_socket_calls,
 )
@@ -43,7 +44,9 @@ COMPUTE_MODELS = (PROPOSER_MODEL, TARGET_MODEL, SAMPLER_MODEL)  # "model compute
 ACTIVE_METRIC = "spec_decode_num_active_sequences"  # gauge: sequences each model holds
 STEPS_METRIC = "spec_decode_num_steps"  # counter: target passes, prefills included
 STAGE_CALLS_METRIC = "spec_decode_stage_calls"  # counter by stage; stage="verify": target_verifier calls
-SOURCES_METRIC = "spec_decode_suffix_first_proposals"  # counter by source, under enable_suffix_decoding
+# counters by source under enable_suffix_decoding: steps drafted, draft tokens, accepted tokens
+SOURCE_METRICS = ("spec_decode_suffix_first_proposals", "spec_decode_suffix_first_draft_tokens",
+                  "spec_decode_suffix_first_accepted_tokens")
 
 try:
     from tqdm import tqdm
@@ -155,7 +158,8 @@ def phase_row(measured: PhaseMeasurement) -> dict:
     elif TARGET_MODEL in stats and stats[TARGET_MODEL].execution_count:  # a repository without the counter
         target = stats[TARGET_MODEL]
         row["target_sequences_per_execution"] = target.inference_count / target.execution_count
-    row.update(proposal_sources(metric_by_label(metrics, SOURCES_METRIC, "source")))
+    by_source = [metric_by_label(metrics, name, "source") for name in SOURCE_METRICS]
+    row.update(source_figures({s: tuple(counts.get(s, 0.0) for counts in by_source) for s in by_source[0]}))
     acceptance = acceptance_from_metrics(metrics)
     if acceptance is not None:
         row.update(acceptance.as_dict(), acceptance_source="prometheus")
@@ -165,12 +169,3 @@ def phase_row(measured: PhaseMeasurement) -> dict:
                    acceptance_rate=accepted / drafted if drafted else math.nan, acceptance_source="request outputs")
     return row
 
-
-def proposal_sources(by_source: dict[str, float]) -> dict:
-    """With suffix decoding in front of a model: the sequences' steps each source drafted, and suffix
-    decoding's share of them (what says how often the model's pass was saved); empty otherwise."""
-    if not by_source:
-        return {}
-    suffix, model = round(by_source.get("suffix", 0)), round(by_source.get("model", 0))
-    return {"proposals_from_suffix": suffix, "proposals_from_model": model,
-            "suffix_share": suffix / (suffix + model) if suffix + model else math.nan}

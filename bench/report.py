@@ -51,6 +51,8 @@ DETAIL_COLUMNS = (
     ("per-position accept", "per_position_acceptance", None),
     ("seqs/forward", "target_sequences_per_execution", "{:.2f}"),
     ("suffix share", "suffix_share", "{:.0%}"),
+    ("accepted/step suffix", "accepted_per_step_suffix", "{:.2f}"),
+    ("accepted/step model", "accepted_per_step_model", "{:.2f}"),
     ("bound", "speedup_bound", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.0%}"),
     ("overhead ms/step", "step_overhead_ms", "{:.2f}"),

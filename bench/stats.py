@@ -192,6 +192,21 @@ def acceptance_from_metrics(delta: Samples, prefix: str = "spec_decode_") -> Acc
     )
 
 
+def source_figures(by_source: dict[str, tuple[float, float, float]]) -> dict:
+    """With suffix decoding in front of a model: ``{source: (steps drafted, draft tokens, accepted tokens)}``
+    as a row's figures -- the steps each source drafted, suffix decoding's share of them (how often a
+    model pass was saved), and the accepted tokens per step each source drafted; empty without sources."""
+    if not by_source:
+        return {}
+    steps = {s: round(by_source.get(s, (0, 0, 0))[0]) for s in ("suffix", "model")}
+    total = sum(steps.values())
+    row: dict = {f"proposals_from_{s}": n for s, n in steps.items()}
+    row["suffix_share"] = steps["suffix"] / total if total else math.nan
+    for source, n in steps.items():
+        row[f"accepted_per_step_{source}"] = by_source[source][2] / n if n else math.nan
+    return row
+
+
 # --- Triton statistics extension --------------------------------------------------------
 
 

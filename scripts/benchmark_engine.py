@@ -45,7 +45,6 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench import report  # noqa: E402
 from bench.bound import forward_ms, speedup_bound  # noqa: E402
 from bench.engine import LocalStages, run_phase  # noqa: E402
-from bench.phase import proposal_sources  # noqa: E402
 from bench.repository import SUFFIX_FIRST, method_of, suffix_first  # noqa: E402
 from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
@@ -194,8 +193,8 @@ class Run:
                 for method, k in order:
                     if method in MODEL_FREE:  # a fresh suffix tree: the phases repeat the same prompts
                         proposers[method] = self._proposer(method, graphs)
-                    phase, sources = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
-                    summary = {**phase.summary(), **sources}
+                    phase = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
+                    summary = phase.summary()
                     self.results.setdefault((tag, method, k, c), []).append(summary)
                     outputs[(method, k, c)] = phase.outputs
                     print(f"[engine] round {r + 1}/{args.rounds} {tag} c={c} {method} k={k}: "
@@ -227,18 +226,13 @@ class Run:
         return build_proposer(method_of(method), self.args, self.max_num_seqs, self.max_model_len, graphs)
 
     def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):
-        """One phase of ``method``'s stages, and the proposals by source of a METHOD+suffix one (with a fresh
-        router: the phases repeat the prompts)."""
+        """One phase of ``method``'s stages; a METHOD+suffix one with a fresh router (the phases repeat the prompts)."""
         stages = LocalStages(verifier, self.sampler, proposer)
-        router = None
         if suffix_first(method):
             config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
-            router = SuffixFirst(config)
-            stages = SuffixFirstStages(stages, router)
+            stages = SuffixFirstStages(stages, SuffixFirst(config))
         layers = getattr(proposer, "hidden_state_layers", ())
-        phase = run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
-        by_source = {"suffix": router.num_suffix_drafts, "model": router.num_model_drafts} if router else {}
-        return phase, proposal_sources(by_source)
+        return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
 
 
 def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:

@@ -72,6 +72,7 @@ class SequenceStep:
     num_draft_tokens: int
     num_accepted: int
     num_new_tokens: int  # tokens emitted (fewer than accepted + 1 when a stop condition cut the step)
+    source: str | None = None  # the proposal's (``Proposal.source``): who drafted, where a step may take either
 
 
 @dataclass(frozen=True)
@@ -230,8 +231,9 @@ class StepScheduler:
             except ValueError as err:  # a result that does not fit the sequence's drafts
                 failed[sequence] = err
                 continue
-            steps.append(SequenceStep(len(proposals[sequence].token_ids), results[sequence].num_accepted,
-                                      len(output.new_token_ids)))  # fmt: skip
+            proposal = proposals[sequence]
+            steps.append(SequenceStep(len(proposal.token_ids), results[sequence].num_accepted,
+                                      len(output.new_token_ids), proposal.source))  # fmt: skip
             stats = sequence.state.stats
             sequence.deliver(ScheduledStep(
                 output, len(sequence.state.output_ids), stats.num_draft_tokens, stats.num_accepted_tokens))

@@ -14,7 +14,8 @@ sequence's next model request, which the model catches up in one pass (a head's
 ragged pass, a draft model's prefill of the new tokens). A step where suffix decoding
 drafts for every sequence makes no model call at all. Either proposal is corrected by
 rejection sampling as any other (suffix decoding's ``q`` is one-hot at its drafts), so
-the output stays the target's.
+the output stays the target's. Each proposal names its source (``Proposal.source``), so the
+steps it makes can be counted by source (the served metrics, the benchmarks).
 
 :class:`SuffixFirst` decides and keeps the model's view of each sequence; it calls
 nothing. :class:`SuffixFirstStages` wraps a step's stages (whose ``propose`` is the
@@ -41,6 +42,7 @@ MAX_BACKLOG_TOKENS = 256
 # of four drafts on held-out text the shipped head gets about 2.2 accepted, the draft model about 1.5: a
 # suffix draft expected to match as many is taken, and saves the model's passes
 DEFAULT_MIN_SCORE = 2.0
+SOURCES = SUFFIX_SOURCE, MODEL_SOURCE = "suffix", "model"  # Proposal.source of each kind of draft
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class SuffixFirst:
             self._keep(view, request)
             backlog = len(self.suffix.sequence(request.seq_id)) - view.num_tokens  # tokens the model lacks
             if len(proposal.token_ids) and score >= self.config.min_score and backlog < MAX_BACKLOG_TOKENS:
-                from_suffix[request.seq_id] = proposal
+                from_suffix[request.seq_id] = replace(proposal, source=SUFFIX_SOURCE)
             else:
                 to_model.append(self._backlog(view, request))
         self.num_suffix_drafts += len(from_suffix)
@@ -144,7 +146,7 @@ class SuffixFirst:
             if request.hidden_states is not None:
                 view.num_features = request.hidden_position + request.hidden_states.shape[0]
             view.pending = []
-        from_model = {r.seq_id: answer for r, answer in zip(plan.to_model, answers)}
+        from_model = {r.seq_id: replace(answer, source=MODEL_SOURCE) for r, answer in zip(plan.to_model, answers)}
         return [plan.from_suffix[r.seq_id] if r.seq_id in plan.from_suffix else from_model[r.seq_id] for r in requests]
 
     def release(self, seq_id: str, response: list[int] | None = None) -> None:

@@ -83,6 +83,9 @@ class Proposal:
     # q did not come back: it waits where the rejection sampler reads it (served, the
     # proposer hands it to rejection_sampler itself), so it crosses one process boundary
     probs_held: bool = False
+    # which of several proposers drafted it, where one step may take either (suffix decoding in
+    # front of a model: "suffix" or "model", specdec.suffix_first); None where one proposer drafts
+    source: str | None = None
 
 
 @dataclass(frozen=True)

@@ -80,13 +80,18 @@ _SUFFIX_GAUGES = {
 }
 
 
-_SUFFIX_FIRST = ("spec_decode_suffix_first_proposals",
-                 "Proposals under enable_suffix_decoding, by source: suffix decoding's draft taken, or the model's")
+# Under enable_suffix_decoding (specdec.suffix_first), by the source of each proposal (Proposal.source)
+_BY_SOURCE = {
+    "spec_decode_suffix_first_proposals": "Sequences' steps drafted by each source under enable_suffix_decoding: "
+    "suffix decoding's draft taken, or the model's",
+    "spec_decode_suffix_first_draft_tokens": "Draft tokens each source proposed under enable_suffix_decoding",
+    "spec_decode_suffix_first_accepted_tokens": "Draft tokens of each source the rejection sampler accepted "
+    "under enable_suffix_decoding",
+}
 
 
 class SuffixCacheGauges:
-    """What suffix decoding keeps in memory, so its bound can be watched; only changes are sent. In front
-    of a model (``enable_suffix_decoding``), also how many proposals each source made.
+    """What suffix decoding keeps in memory, so its bound can be watched; only changes are sent.
 
     The families are made on first use: a server that runs another method shows none.
     """
@@ -96,19 +101,6 @@ class SuffixCacheGauges:
         self._families: list = []  # must outlive their metrics
         self._gauges: list = []
         self._values: tuple[int, ...] | None = None
-        self._source_family = None  # must outlive its counters
-        self._by_source: dict[str, object] = {}  # "suffix" / "model" -> counter
-        self._counted = {"suffix": 0, "model": 0}  # the totals the counters hold
-
-    def count_proposals(self, from_suffix: int, from_model: int) -> None:
-        """The totals so far (``SuffixFirst``'s); each counter is sent what it lacks."""
-        if not self._by_source:
-            family = self._source_family = _family(*_SUFFIX_FIRST, "COUNTER", self._family_type)
-            self._by_source = {s: family.Metric(labels={"model": self._model_name, "source": s}) for s in self._counted}
-        for source, total in (("suffix", from_suffix), ("model", from_model)):
-            if total > self._counted[source]:
-                self._by_source[source].increment(total - self._counted[source])
-                self._counted[source] = total
 
     def set(self, cached_responses: int, tree_nodes: int, tree_bytes: int) -> None:
         values = (cached_responses, tree_nodes, tree_bytes)
@@ -187,6 +179,9 @@ class SpecDecodeCounters:
         self._shape_families = {name: _family(name, text, "COUNTER", family_type)
                                 for name, (_, text) in _STEP_SHAPE.items()}  # fmt: skip
         self._shape: dict[tuple[str, int], object] = {}  # (family, value) -> its metric, made on first use
+        self._family_type = family_type
+        self._source_families: dict[str, object] = {}  # _BY_SOURCE's, made on the first step with a source
+        self._by_source: dict[tuple[str, str], object] = {}  # (family, source) -> its metric
         self._labels = labels
         self._pending: dict[object, float] = {}  # metric -> increment not applied yet
         self._flush_interval_s = flush_interval_s
@@ -209,8 +204,13 @@ class SpecDecodeCounters:
                 self._shape[(name, value)] = metric
             self._add(metric, 1)
 
-    def record_step(self, num_draft_tokens: int, num_accepted: int, num_output_tokens: int) -> None:
-        """One sequence's part of a step (``spec_decode_num_steps`` counts target passes per sequence)."""
+    def record_step(self, num_draft_tokens: int, num_accepted: int, num_output_tokens: int,
+                    source: str | None = None) -> None:  # fmt: skip
+        """One sequence's part of a step (``spec_decode_num_steps`` counts target passes per sequence);
+        ``source``: which proposer drafted it, where a step may take either (``_BY_SOURCE``)."""
+        if source is not None:
+            for name, value in zip(_BY_SOURCE, (1, num_draft_tokens, num_accepted)):
+                self._add(self._source_metric(name, source), value)
         self._add(self._counters["spec_decode_num_steps"], 1)
         if num_draft_tokens:
             self._add(self._counters["spec_decode_num_drafts"], 1)
@@ -219,6 +219,15 @@ class SpecDecodeCounters:
         for position in range(num_accepted):
             self._add(self._per_position[position], 1)
         self._add(self._counters["spec_decode_num_output_tokens"], num_output_tokens)
+
+    def _source_metric(self, name: str, source: str):
+        metric = self._by_source.get((name, source))
+        if metric is None:
+            if not self._source_families:
+                self._source_families = {n: _family(n, text, "COUNTER", self._family_type) for n, text in _BY_SOURCE.items()}
+            metric = self._by_source[(name, source)] = self._source_families[name].Metric(
+                labels={**self._labels, "source": source})
+        return metric
 
     def flush(self) -> None:
         """Apply every pending update now."""

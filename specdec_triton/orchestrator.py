@@ -199,7 +199,6 @@ class Orchestrator:
         if self.suffix_gauges is None:
             return
         if isinstance(proposer, SuffixFirst):
-            self.suffix_gauges.count_proposals(proposer.num_suffix_drafts, proposer.num_model_drafts)
             proposer = proposer.suffix
         if isinstance(proposer, SuffixProposer):
             stats = proposer.stats()
@@ -297,7 +296,8 @@ class Orchestrator:
             return
         self.counters.record_step_shape(report.num_sequences, report.k)
         for sequence in report.sequences:
-            self.counters.record_step(sequence.num_draft_tokens, sequence.num_accepted, sequence.num_new_tokens)
+            self.counters.record_step(sequence.num_draft_tokens, sequence.num_accepted, sequence.num_new_tokens,
+                                      sequence.source)  # fmt: skip
         for stage, (num_sequences, seconds) in report.calls.items():
             self.counters.record_stage_call(stage, num_sequences, seconds)
 

@@ -106,5 +106,8 @@ def test_a_suffix_first_configuration_runs_through_the_engine_benchmark_exactly(
     assert summary["tokens_per_s_aggregate"] > 0
     drafted = summary["proposals_from_suffix"] + summary["proposals_from_model"]  # a sequence's step each
     assert drafted > 0 and summary["suffix_share"] == summary["proposals_from_suffix"] / drafted
+    accepted = sum(summary[f"proposals_from_{s}"] * summary[f"accepted_per_step_{s}"]
+                   for s in ("suffix", "model") if summary[f"proposals_from_{s}"])  # fmt: skip
+    assert accepted == pytest.approx(summary["num_accepted_tokens"])
     [k0] = run.results[("cpu", "k0", 0, 1)]
     assert "suffix_share" not in k0

@@ -6,13 +6,17 @@ import math
 import pytest
 
 from bench.client import JobResult
-from bench.phase import PhaseMeasurement, phase_row, proposal_sources
-from bench.stats import RequestTiming, parse_prometheus
+from bench.phase import PhaseMeasurement, phase_row
+from bench.stats import RequestTiming, parse_prometheus, source_figures
 
 SUFFIX_FIRST_METRICS = """\
 spec_decode_num_steps{model="speculative_decoding"} 12
 spec_decode_suffix_first_proposals{model="speculative_decoding",source="suffix"} 3
 spec_decode_suffix_first_proposals{model="speculative_decoding",source="model"} 7
+spec_decode_suffix_first_draft_tokens{model="speculative_decoding",source="suffix"} 24
+spec_decode_suffix_first_draft_tokens{model="speculative_decoding",source="model"} 28
+spec_decode_suffix_first_accepted_tokens{model="speculative_decoding",source="suffix"} 15
+spec_decode_suffix_first_accepted_tokens{model="speculative_decoding",source="model"} 14
 """
 
 
@@ -21,19 +25,22 @@ def _measurement(metrics: str) -> PhaseMeasurement:
     return PhaseMeasurement([JobResult(timing, "abc", None, None)], 0.4, parse_prometheus(metrics), {})
 
 
-def test_a_suffix_first_server_s_row_counts_each_source_s_proposals():
+def test_a_suffix_first_server_s_row_has_each_source_s_steps_and_accepted_tokens():
     row = phase_row(_measurement(SUFFIX_FIRST_METRICS))
     assert (row["proposals_from_suffix"], row["proposals_from_model"]) == (3, 7)
     assert row["suffix_share"] == pytest.approx(0.3)
+    assert (row["accepted_per_step_suffix"], row["accepted_per_step_model"]) == pytest.approx((5.0, 2.0))
     assert row["decode_steps"] == 11
 
 
 def test_a_server_without_suffix_decoding_in_front_has_no_source_figures():
     row = phase_row(_measurement('spec_decode_num_steps{model="speculative_decoding"} 12\n'))
-    assert not {"proposals_from_suffix", "proposals_from_model", "suffix_share"} & set(row)
+    assert not [key for key in row if "suffix" in key or key.startswith("proposals_from")]
 
 
-def test_proposal_sources_reads_a_missing_source_as_none_made():
-    assert proposal_sources({}) == {}
-    assert proposal_sources({"suffix": 4.0}) == {"proposals_from_suffix": 4, "proposals_from_model": 0, "suffix_share": 1.0}
-    assert math.isnan(proposal_sources({"suffix": 0.0, "model": 0.0})["suffix_share"])
+def test_a_source_that_drafted_nothing_has_no_acceptance_figure():
+    assert source_figures({}) == {}
+    row = source_figures({"suffix": (4, 20, 9)})
+    assert (row["proposals_from_suffix"], row["proposals_from_model"], row["suffix_share"]) == (4, 0, 1.0)
+    assert row["accepted_per_step_suffix"] == 2.25 and math.isnan(row["accepted_per_step_model"])
+    assert math.isnan(source_figures({"suffix": (0, 0, 0), "model": (0, 0, 0)})["suffix_share"])

@@ -46,6 +46,7 @@ class ScriptedStages:
         self.responses: dict[str, list[int] | None] = {}  # what each release passed on
         self.failing: set[str] = set()  # seq_ids whose verify fails
         self.sampler = RejectionSampler()
+        self.source: str | None = None  # what each proposal names as its source
 
     async def propose(self, requests):
         await asyncio.sleep(0)
@@ -56,7 +57,7 @@ class ScriptedStages:
             drafts = []
             for _ in range(request.num_tokens):
                 drafts.append(draft_token(tokens + drafts))
-            proposals.append(Proposal(torch.tensor(drafts, dtype=torch.long)))
+            proposals.append(Proposal(torch.tensor(drafts, dtype=torch.long), source=self.source))
         return proposals
 
     async def verify(self, requests):
@@ -140,6 +141,16 @@ def test_each_step_makes_one_propose_and_one_verify_call_for_every_running_seque
         assert report.calls["propose"][0] == drafting
     assert all(r.k == K for r in reports)
     assert sum(s.num_new_tokens for r in reports for s in r.sequences) == 10 * len(PROMPTS)
+
+
+def test_each_sequence_s_step_reports_the_source_its_proposal_names():
+    stages, reports = ScriptedStages(), []
+    stages.source = "suffix"
+    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None, on_step=reports.append)
+    run_all(scheduler, [make_state(stages, f"s{i}", p, max_tokens=10) for i, p in enumerate(PROMPTS)])
+    steps = [s for r in reports for s in r.sequences]
+    assert {s.source for s in steps if s.num_draft_tokens} == {"suffix"}
+    assert {s.source for s in steps if not s.num_draft_tokens} == {None}  # prefills and the last steps: not proposed
 
 
 def test_the_step_k_follows_the_batch_size_table_and_disable_by_batch_size():

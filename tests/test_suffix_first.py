@@ -14,7 +14,7 @@ from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, SuffixConfig
 from specdec.rejection_sampler import RejectionSampler
 from specdec.suffix_first import (
-    MAX_BACKLOG_TOKENS, SuffixFirst, SuffixFirstConfig, SuffixFirstProposer, SuffixFirstStages, suffix_first_for,
+    MAX_BACKLOG_TOKENS, MODEL_SOURCE, SUFFIX_SOURCE, SuffixFirst, SuffixFirstConfig, SuffixFirstProposer, SuffixFirstStages, suffix_first_for,
 )  # fmt: skip
 from specdec.types import ModelDescription, Proposal, ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
@@ -48,6 +48,7 @@ def test_a_strong_suffix_match_is_taken_and_the_model_is_not_called():
     proposer = SuffixFirstProposer(SuffixFirstConfig(min_score=2.0), model)
     [proposal] = proposer.propose([request("a", 0, LOOP * 4)])
     assert proposal.token_ids.tolist() == [5, 6, 7, 8] and proposal.probs is None
+    assert proposal.source == SUFFIX_SOURCE  # what the served metrics count it under
     assert model.calls == []
 
 
@@ -59,7 +60,7 @@ def test_a_weak_match_goes_to_the_model_with_everything_it_was_not_sent():
     assert model.calls == []
     # the sequence leaves the loop: no match, so the model drafts, sent both steps' tokens and features
     [proposal] = proposer.propose([request("a", 15, [1, 2], hidden=features[14:], hidden_position=14)])
-    assert proposal.token_ids.tolist() == [1, 1, 1, 1]
+    assert proposal.token_ids.tolist() == [1, 1, 1, 1] and proposal.source == MODEL_SOURCE
     [[sent]] = model.calls
     assert (sent.position, sent.token_ids, sent.hidden_position) == (0, LOOP * 3 + [1, 2], 0)
     assert torch.equal(sent.hidden_states, features)

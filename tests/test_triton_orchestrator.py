@@ -333,11 +333,20 @@ def test_suffix_decoding_in_front_of_the_draft_model_is_run_here_and_counted_by_
     for _ in range(2):  # the second request drafts from the first's response too
         sent = run(orchestrator, request(prompt, max_tokens=24))
         assert text_of(sent) == engine_text(codec, models, prompt, params)
-    by_source = {source: FakeFamily.metrics[("spec_decode_suffix_first_proposals", (("model", "sd"), ("source", source)))]
-                 for source in ("suffix", "model")}  # fmt: skip
-    assert by_source["suffix"].value > 0 and by_source["model"].value > 0
+    def by_source(name: str) -> dict[str, float]:
+        return {source: FakeFamily.metrics[(f"spec_decode_suffix_first_{name}", (("model", "sd"), ("source", source)))].value
+                for source in ("suffix", "model")}  # fmt: skip
+
+    steps = by_source("proposals")
+    assert steps["suffix"] > 0 and steps["model"] > 0
     proposed = sum(n for stage, n in stages.sent if stage == "propose")  # what reached the draft model
-    assert proposed == by_source["model"].value
+    assert proposed == steps["model"]
+    total = {name: FakeFamily.metrics[(f"spec_decode_num_{name}", (("model", "sd"),))].value
+             for name in ("drafts", "draft_tokens", "accepted_tokens")}  # fmt: skip
+    assert sum(steps.values()) == total["drafts"]  # every drafting step came from one source
+    assert sum(by_source("draft_tokens").values()) == total["draft_tokens"]
+    accepted = by_source("accepted_tokens")
+    assert sum(accepted.values()) == total["accepted_tokens"] and accepted["suffix"] > 0
     assert FakeFamily.metrics[("spec_decode_suffix_cached_responses", (("model", "sd"),))].value == 2
     assert stages.proposer.num_active_sequences == 0
 

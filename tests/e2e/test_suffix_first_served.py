@@ -39,9 +39,9 @@ def server(tmp_path_factory):
     server.stop()
 
 
-def proposals_by_source(server) -> dict[str, float]:
+def by_source(server, counter: str = "proposals") -> dict[str, float]:
     return {dict(labels)["source"]: value for (name, labels), value in server.metrics().items()
-            if name == "spec_decode_suffix_first_proposals"}  # fmt: skip
+            if name == f"spec_decode_suffix_first_{counter}"}  # fmt: skip
 
 
 def test_greedy_output_equals_the_targets_with_drafts_from_both_sources(server, reference):
@@ -56,8 +56,10 @@ def test_greedy_output_equals_the_targets_with_drafts_from_both_sources(server, 
         accepted += result.total_accepted_draft_tokens
     assert not failures, "\n".join(failures)
     assert accepted > 0
-    by_source = proposals_by_source(server)
-    assert by_source.get("suffix", 0) > 0 and by_source.get("model", 0) > 0, by_source
+    steps = by_source(server)
+    assert steps.get("suffix", 0) > 0 and steps.get("model", 0) > 0, steps
+    accepted = by_source(server, "accepted_tokens")
+    assert accepted.get("suffix", 0) > 0 and accepted.get("model", 0) > 0, accepted
     log = server.log_path.read_text()
     assert "suffix decoding first, in this process; then" in log
 
