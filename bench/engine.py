@@ -90,9 +90,9 @@ class PhaseResult:
         }
 
     def _by_source(self) -> dict[str, tuple[int, int, int]]:
-        """``{source: (steps drafted, draft tokens, accepted tokens)}`` of the proposals that name a source."""
+        """``{source: (steps drafted, draft tokens, accepted tokens)}`` of the drafts that name a source."""
         out: dict[str, tuple[int, int, int]] = {}
-        for sequence in (seq for step in self.steps for seq in step.sequences if seq.source is not None):
+        for sequence in (s for step in self.steps for s in step.sequences if s.source is not None and s.num_draft_tokens):
             steps, drafted, accepted = out.get(sequence.source, (0, 0, 0))
             out[sequence.source] = (steps + 1, drafted + sequence.num_draft_tokens, accepted + sequence.num_accepted)
         return out

@@ -168,4 +168,3 @@ def phase_row(measured: PhaseMeasurement) -> dict:
         row.update(num_draft_tokens=drafted, num_accepted_tokens=accepted,
                    acceptance_rate=accepted / drafted if drafted else math.nan, acceptance_source="request outputs")
     return row
-

@@ -192,13 +192,16 @@ def acceptance_from_metrics(delta: Samples, prefix: str = "spec_decode_") -> Acc
     )
 
 
+PROPOSAL_SOURCES = ("suffix", "model")  # the metrics' source labels (specdec.suffix_first's Proposal.source)
+
+
 def source_figures(by_source: dict[str, tuple[float, float, float]]) -> dict:
     """With suffix decoding in front of a model: ``{source: (steps drafted, draft tokens, accepted tokens)}``
     as a row's figures -- the steps each source drafted, suffix decoding's share of them (how often a
     model pass was saved), and the accepted tokens per step each source drafted; empty without sources."""
     if not by_source:
         return {}
-    steps = {s: round(by_source.get(s, (0, 0, 0))[0]) for s in ("suffix", "model")}
+    steps = {s: round(by_source.get(s, (0, 0, 0))[0]) for s in PROPOSAL_SOURCES}
     total = sum(steps.values())
     row: dict = {f"proposals_from_{s}": n for s, n in steps.items()}
     row["suffix_share"] = steps["suffix"] / total if total else math.nan

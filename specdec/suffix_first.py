@@ -42,7 +42,7 @@ MAX_BACKLOG_TOKENS = 256
 # of four drafts on held-out text the shipped head gets about 2.2 accepted, the draft model about 1.5: a
 # suffix draft expected to match as many is taken, and saves the model's passes
 DEFAULT_MIN_SCORE = 2.0
-SOURCES = SUFFIX_SOURCE, MODEL_SOURCE = "suffix", "model"  # Proposal.source of each kind of draft
+SUFFIX_SOURCE, MODEL_SOURCE = "suffix", "model"  # Proposal.source of each kind of draft
 
 
 @dataclass(frozen=True)

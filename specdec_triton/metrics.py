@@ -208,7 +208,7 @@ class SpecDecodeCounters:
                     source: str | None = None) -> None:  # fmt: skip
         """One sequence's part of a step (``spec_decode_num_steps`` counts target passes per sequence);
         ``source``: which proposer drafted it, where a step may take either (``_BY_SOURCE``)."""
-        if source is not None:
+        if source is not None and num_draft_tokens:  # as spec_decode_num_drafts counts
             for name, value in zip(_BY_SOURCE, (1, num_draft_tokens, num_accepted)):
                 self._add(self._source_metric(name, source), value)
         self._add(self._counters["spec_decode_num_steps"], 1)
