@@ -76,8 +76,13 @@ def summary_rows(phases: list[RepeatPhase]) -> list[dict]:
             "acceptance_rate": _median(p.row.get("acceptance_rate", math.nan) for p in members),
             "itl_ms_p50": _median(p.row["itl_ms_p50"] for p in members),
             "outputs_equal_k0": all(p.row.get("outputs_equal_k0", True) for p in members),
+            **{key: _median(p.row[key] for p in members) for key in SOURCE_KEYS if key in members[0].row},
         })  # fmt: skip
     return rows
+
+
+# with suffix decoding in front of a model (bench.stats.source_figures): medians over repetitions too
+SOURCE_KEYS = ("suffix_share", "accepted_per_step_suffix", "accepted_per_step_model")
 
 
 def _median(values) -> float:
@@ -91,4 +96,6 @@ COLUMNS = [
     ("max", "tokens_per_s_max", "{:.1f}"), ("x k=0 (median)", "x_k0_median", "{:.2f}"),
     ("tokens/step", "tokens_per_step", "{:.2f}"), ("acceptance", "acceptance_rate", "{:.2f}"),
     ("ITL p50 ms", "itl_ms_p50", "{:.2f}"), ("= k=0 output", "outputs_equal_k0", "{}"),
+    ("suffix share", "suffix_share", "{:.0%}"), ("accepted/step suffix", "accepted_per_step_suffix", "{:.2f}"),
+    ("accepted/step model", "accepted_per_step_model", "{:.2f}"),
 ]  # fmt: skip
