@@ -16,6 +16,13 @@ Each model's parameters are then read by the model's own config class, and a hea
 config against the target's, so a bad value, an unknown key or a head for another target
 fails here, with the message the load would give, instead of at server start.
 
+How many tokens a step drafts (speculative_decoding's ``num_speculative_tokens`` and
+``num_speculative_tokens_per_batch_size``) is kept from the source, which chose it for its
+own method and checkpoints: a copy with another method says so, since where drafting stops
+paying is the method's, the pair's and the hardware's. An MLP speculator drafts at most its
+``n_predict`` tokens a step, so a copy for one has both cut to it (and says so) unless
+``--param`` sets them; set above it, the copy is refused.
+
     scripts/new_repository.sh /srv/repo --target /ckpt/llama-3-8b --draft /ckpt/llama-3.2-1b \\
         --param target_verifier.max_num_seqs=32 --param draft_proposer.max_num_seqs=32
     scripts/serve.sh --model-repository /srv/repo
@@ -33,11 +40,14 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, whichever checko
 
 from bench.repository import checkpoint_edits, get_parameters, make_variant, parameter_edits  # noqa: E402
 from specdec.heads import HEAD_METHODS, check_head  # noqa: E402
+from specdec.heads.formats import read_head_config  # noqa: E402
+from specdec.speculation_length import parse_per_batch_size  # noqa: E402
 from specdec_triton import configs, wire  # noqa: E402
 from specdec_triton.paths import MODELS_DIR_VARIABLE, resolve_path  # noqa: E402
 from specdec_triton.plumbing import ParameterError, Parameters  # noqa: E402
 
 ORCHESTRATOR = "speculative_decoding"
+SPECULATION_LENGTH_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
 # the parameters holding a path, by model
 PATH_PARAMETERS = {
     wire.TOKENIZER: ("tokenizer_dir",),
@@ -106,6 +116,40 @@ def absolute_path_edits(source: Path, edits: dict[str, dict[str, str]]) -> dict[
     return out
 
 
+def speculation_length(args: argparse.Namespace, source: Path, edits: dict[str, dict[str, str]]) -> list[str]:
+    """Cut the step's k and batch-size table to an MLP speculator's ``n_predict`` (added to ``edits``), or refuse
+    them above it when ``--param`` sets them; the notes to print about what the copy keeps or cut."""
+    method, checkpoint = method_and_checkpoint(args)
+    given = {key: edits[ORCHESTRATOR][key] for key in SPECULATION_LENGTH_KEYS if key in edits.get(ORCHESTRATOR, {})}
+    values = {**get_parameters((source / ORCHESTRATOR / "config.pbtxt").read_text()), **given}
+    k, table = values["num_speculative_tokens"], values["num_speculative_tokens_per_batch_size"]
+    if method == "mlp_speculator":
+        try:
+            steps, per_batch_size = int(k), parse_per_batch_size(table)
+        except ValueError:
+            return []  # the copy's check names the bad value, as the load would
+        n_predict = int(read_head_config(checkpoint).get("n_predict", 0))
+        most = max([steps] + [entry for _, entry in per_batch_size])
+        if most <= n_predict or not n_predict:  # no n_predict: the copy's check refuses the head
+            return []
+        if given:
+            raise ValueError(f"{ORCHESTRATOR}.num_speculative_tokens {k!r} / num_speculative_tokens_per_batch_size "
+                             f"{table!r} ask for up to {most} drafts a step, but the MLP speculator {str(checkpoint)!r} "
+                             f"drafts at most its n_predict={n_predict}")  # fmt: skip
+        cut_table = ",".join(f"{size}:{min(entry, n_predict)}" for size, entry in per_batch_size)
+        edits.setdefault(ORCHESTRATOR, {}).update(num_speculative_tokens=str(min(steps, n_predict)),
+                                                  num_speculative_tokens_per_batch_size=cut_table)  # fmt: skip
+        return [f"{ORCHESTRATOR}: num_speculative_tokens {k} -> {min(steps, n_predict)} and "
+                f"num_speculative_tokens_per_batch_size {table!r} -> {cut_table!r}, the MLP speculator's "
+                f"n_predict={n_predict}"]  # fmt: skip
+    source_method = get_parameters((source / wire.DRAFT_PROPOSER / "config.pbtxt").read_text()).get("method")
+    if method in (None, source_method) or given:
+        return []
+    return [f"{ORCHESTRATOR}: kept num_speculative_tokens {k} and num_speculative_tokens_per_batch_size {table!r} "
+            f"from {source}, chosen for its method and checkpoints; for {method}, set yours from "
+            f"scripts/benchmark.py at your concurrencies (docs/serving.md, \"How many tokens a step drafts\")"]
+
+
 def check_configs(repository: Path) -> None:
     """Read each model's parameters with its own config class: the checks its load would make,
     and for a head, that it is the method's kind and fits the target (from the configs alone)."""
@@ -127,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             edits.setdefault(model, {}).update(values)
         for model, values in absolute_path_edits(source, edits).items():
             edits.setdefault(model, {}).update(values)
+        notes = speculation_length(args, source, edits)
         make_variant(source, args.dest, edits)
         check_configs(args.dest.resolve())
     except (KeyError, ValueError) as err:  # ParameterError is a ValueError
@@ -134,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = "bad parameter" if isinstance(err, ParameterError) else "error"
         print(f"new_repository: {kind}: {err.args[0] if err.args else err}", file=sys.stderr)
         return 1
+    for note in notes:
+        print(f"new_repository: note: {note}")
     print(f"wrote {args.dest}; serve it with: scripts/serve.sh --model-repository {args.dest.resolve()}")
     return 0
 

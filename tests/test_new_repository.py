@@ -117,3 +117,28 @@ def test_a_head_of_another_kind_or_for_another_target_is_refused_before_any_copy
         assert new_repository.main([str(dest), "--target", str(other), flag, str(MODELS / head)]) == 1
         assert f"does not fit target {str(other)!r}" in capsys.readouterr().err
         assert not dest.exists()
+
+
+def test_a_copy_for_an_mlp_speculator_drafts_at_most_its_n_predict(tmp_path, capsys):
+    """The shipped k (8) and table are cut to n_predict, and said so; set above it, the copy is refused."""
+    head = MODELS / "tiny-mlp-speculator"
+    assert new_repository.main([str(tmp_path / "repo"), "--mlp-speculator", str(head)]) == 0
+    orchestrator = parameters(tmp_path / "repo", "speculative_decoding")
+    assert (orchestrator["num_speculative_tokens"], orchestrator["num_speculative_tokens_per_batch_size"]) == ("3", "1:3,5:0")
+    assert "num_speculative_tokens 8 -> 3" in capsys.readouterr().out
+    argv = [str(tmp_path / "refused"), "--mlp-speculator", str(head), "--param", "speculative_decoding.num_speculative_tokens=4",
+            "--param", "speculative_decoding.num_speculative_tokens_per_batch_size=1:4"]
+    assert new_repository.main(argv) == 1
+    assert re.search(r"up to 4 drafts a step.*n_predict=3", capsys.readouterr().err)
+    assert not (tmp_path / "refused").exists()
+    argv = [str(tmp_path / "given"), "--mlp-speculator", str(head), "--param", "speculative_decoding.num_speculative_tokens=2",
+            "--param", "speculative_decoding.num_speculative_tokens_per_batch_size=1:2,3:1"]
+    assert new_repository.main(argv) == 0 and "note" not in capsys.readouterr().out
+    assert parameters(tmp_path / "given", "speculative_decoding")["num_speculative_tokens_per_batch_size"] == "1:2,3:1"
+
+
+def test_a_copy_with_another_method_says_whose_k_it_keeps(tmp_path, capsys):
+    assert new_repository.main([str(tmp_path / "repo"), "--eagle3", str(MODELS / "tiny-eagle3")]) == 0
+    assert "kept num_speculative_tokens 8 and num_speculative_tokens_per_batch_size '1:8,5:0'" in capsys.readouterr().out
+    assert new_repository.main([str(tmp_path / "same"), "--suffix"]) == 0  # the shipped method: nothing to say
+    assert "note" not in capsys.readouterr().out
