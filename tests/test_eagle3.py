@@ -7,6 +7,7 @@ the ``speculators`` format and loaded back the way the server loads it.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -113,6 +114,28 @@ def test_speculators_format_round_trips_and_reads_the_original_layout(pair, tmp_
     for name, tensor in head.state_dict().items():
         if name != "embed_tokens.weight":
             torch.testing.assert_close(shared.state_dict()[name], tensor)
+    # as its releases ship it: pytorch_model.bin, read as tensors only
+    (original / "model.safetensors").unlink()
+    torch.save(load_file(head_dir / "model.safetensors"), original / "pytorch_model.bin")
+    from_bin = load_eagle3(original, target_dir, torch.float32, "cpu")
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(from_bin.state_dict()[name], tensor)
+
+
+class _NotATensor:
+    pass
+
+
+def test_head_weights_that_are_missing_or_not_tensors_are_refused_naming_the_files(pair, tmp_path):
+    _, target_dir, head_dir = pair
+    head = tmp_path / "head"
+    head.mkdir()
+    shutil.copy(head_dir / "config.json", head / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"no weights: none of model.safetensors, .*pytorch_model.bin"):
+        load_eagle3(head, target_dir, torch.float32, "cpu")
+    torch.save({"fc.weight": _NotATensor()}, head / "pytorch_model.bin")  # a pickle that would build an object
+    with pytest.raises(ValueError, match=r"pytorch_model.bin is not a file of tensors"):
+        load_eagle3(head, target_dir, torch.float32, "cpu")
 
 
 def test_a_two_layer_head_round_trips_with_its_layers_named_as_vllm_loads_them(two_layer_pair):

@@ -8,7 +8,8 @@
   named ``fc``, ``layers.{i}.*`` (one per ``num_hidden_layers``; q/k/v and gate/up apart),
   ``norm``, ``lm_head``, ``d2t``, ``t2d`` and optionally ``embed_tokens``.
 * the original EAGLE-3 release: a Llama ``config.json`` (``num_hidden_layers`` 1,
-  ``draft_vocab_size``) and the layer's weights under ``midlayer.*``.
+  ``draft_vocab_size``) and the layer's weights under ``midlayer.*``, in safetensors or in
+  the ``pytorch_model.bin`` its releases ship (read with ``weights_only``: tensors, no code).
 
 A head without ``embed_tokens`` shares the target's (as vLLM does), so loading names the
 target checkpoint; it also fixes the default hidden-state layers and is what a head is
@@ -24,10 +25,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.cached_lm import check_model_dir
-from specdec.fast.checkpoint import LlamaArchConfig, read_config, safetensors_files
+from specdec.fast.checkpoint import SHARD_INDEX, SINGLE_FILE, LlamaArchConfig, read_config, safetensors_files
 from specdec.heads.eagle3 import EAGLE3, Eagle3Config, Eagle3Head, default_aux_layers
 
 SPECULATORS_VERSION = "0.1.0"
+TORCH_SINGLE_FILE, TORCH_SHARD_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 FUSED = (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj")))
 
 
@@ -55,11 +57,32 @@ def head_kind(raw: dict) -> str | None:
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the head: safetensors (one file or shards), else a ``pytorch_model.bin`` (or its shards)."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in (SINGLE_FILE, SHARD_INDEX)):
+        state = {}
+        for file in _torch_files(path):
+            try:
+                state.update(torch.load(file, map_location="cpu", weights_only=True))
+            except Exception as err:  # weights_only refuses anything but tensors and plain containers
+                raise ValueError(f"draft head {path!r}: {os.path.basename(file)} is not a file of tensors ({err})") from None
+        return state
     state = {}
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             state.update({name: f.get_tensor(name) for name in f.keys()})
     return state
+
+
+def _torch_files(path: str) -> list[str]:
+    """The ``pytorch_model.bin`` file or shards of a head that has no safetensors."""
+    single, index = os.path.join(path, TORCH_SINGLE_FILE), os.path.join(path, TORCH_SHARD_INDEX)
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(path, shard) for shard in sorted(set(json.load(f)["weight_map"].values()))]
+    raise FileNotFoundError(f"draft head {path!r} has no weights: none of {SINGLE_FILE}, {SHARD_INDEX}, "
+                            f"{TORCH_SINGLE_FILE}, {TORCH_SHARD_INDEX}")  # fmt: skip
 
 
 def eagle3_config(path: str | os.PathLike, target: LlamaArchConfig, target_path: str) -> Eagle3Config:
