@@ -3,9 +3,9 @@
 # transformers and triton; no tritonserver needed):
 #   1. the GPU tests: CUDA graphs against eager, the Triton rejection-sampling and attention
 #      kernels compiled for the device;
-#   2. losslessness on the GPU: the shipped pair and heads in float32, every method's greedy
-#      output against k = 0 of the same engine and against HF generate (benchmark_engine.py
-#      fails on any difference);
+#   2. losslessness on the GPU: the shipped pair and heads in float32 (and the head behind suffix
+#      decoding), every method's greedy output against k = 0 of the same engine and against HF
+#      generate (benchmark_engine.py fails on any difference);
 #   3. speed on a 1.5 B random-weight target (Llama-3.2-1B's shape, untied 128k vocabulary, bfloat16,
 #      synthetic acceptance): k = 0 against
 #      a draft model, EAGLE-3 and the MLP speculator, with CUDA graphs, then the same without.
@@ -40,8 +40,8 @@ step "gpu tests" 90 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
   tests/test_rejection_sampler.py tests/test_eagle3.py tests/test_mlp_speculator.py
 
 step "lossless on GPU (shipped models, float32)" 70 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
-  --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4 --concurrency 1,4 --num-prompts 8 \
-  --max-tokens 64 --rounds 1 --commit "$COMMIT" --out-dir "$OUT/tiny"
+  --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4,eagle3+suffix:8 --model-k 4 --concurrency 1,4 \
+  --num-prompts 8 --max-tokens 64 --rounds 1 --commit "$COMMIT" --out-dir "$OUT/tiny"
 
 step "random checkpoints" 90 bash -c "
   $PY scripts/make_random_model.py --preset llama-1b --vocab-size 128256 --out $MODELS/llama-1b &&
