@@ -122,13 +122,13 @@ def speculation_length(args: argparse.Namespace, source: Path, edits: dict[str, 
     method, checkpoint = method_and_checkpoint(args)
     given = {key: edits[ORCHESTRATOR][key] for key in SPECULATION_LENGTH_KEYS if key in edits.get(ORCHESTRATOR, {})}
     values = {**get_parameters((source / ORCHESTRATOR / "config.pbtxt").read_text()), **given}
-    k, table = values["num_speculative_tokens"], values["num_speculative_tokens_per_batch_size"]
+    k, table = values.get("num_speculative_tokens", "4"), values.get("num_speculative_tokens_per_batch_size", "")
     if method == "mlp_speculator":
         try:
             steps, per_batch_size = int(k), parse_per_batch_size(table)
-        except ValueError:
-            return []  # the copy's check names the bad value, as the load would
-        n_predict = int(read_head_config(checkpoint).get("n_predict", 0))
+            n_predict = int(read_head_config(checkpoint).get("n_predict", 0))
+        except (OSError, ValueError):
+            return []  # the copy's checks name the bad value or head, as the load would
         most = max([steps] + [entry for _, entry in per_batch_size])
         if most <= n_predict or not n_predict:  # no n_predict: the copy's check refuses the head
             return []
