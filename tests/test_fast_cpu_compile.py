@@ -70,6 +70,19 @@ def test_compiled_pair_greedy_equals_hf_generate(target, tmp_path):
     assert proposer.num_active_sequences == 0 and verifier.num_active_sequences == 0
 
 
+def test_a_compiled_qwen3_pair_greedy_equals_hf_generate(tmp_path):
+    """Qwen3's per-head query and key norms, compiled: the same greedy output as transformers'."""
+    path, hf = save_checkpoint(tmp_path / "target", "qwen3-tied", seed=0)
+    draft_path, _ = save_checkpoint(tmp_path / "draft", "qwen3-tied", seed=1)
+    lms = [FastCausalLM(p, dtype="float32", max_num_seqs=1, max_model_len=MAX_MODEL_LEN, cpu_compile=True)
+           for p in (path, draft_path)]  # fmt: skip
+    proposer, verifier = DraftModelProposer(lms[1]), TargetVerifier(lms[0])
+    prompt = random_ids(6, 27)
+    params = GenerationParams(max_tokens=16, num_speculative_tokens=3)
+    out = [t for step in generate(proposer, verifier, RejectionSampler(), prompt, params) for t in step.new_token_ids]
+    assert out == hf_greedy(hf, prompt, 16)
+
+
 def test_cpu_compile_is_refused_where_it_cannot_apply(target):
     path = target[0]
     with pytest.raises(ValueError, match="cpu_compile is for CPU"):

@@ -16,6 +16,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from specdec.fast import FastCausalLM, ForwardCall
@@ -37,6 +39,8 @@ FAMILIES = {
     ),
     "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 256}),
+    # heads wider than hidden / heads, as Qwen3's are (head_dim 128 on a 1024-wide 0.6B)
+    "qwen3-tied": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "tie_word_embeddings": True}),
 }
 
 
@@ -56,6 +60,11 @@ def save_checkpoint(directory, family: str = "llama", seed: int = 0, max_shard_s
             for layer in model.model.layers:
                 layer.self_attn.q_proj.bias.normal_(0, 0.5)
                 layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    if family.startswith("qwen3"):  # and the query and key norms to ones
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return directory, model
 

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from specdec.cached_lm import check_model_dir
 from specdec.models import check_within_positions
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+QK_NORM_MODEL_TYPES = ("qwen3",)  # RMSNorm over each head's queries and keys before the rotary embedding
 ROPE_TYPES = ("default", "linear", "llama3")
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -47,6 +48,7 @@ class LlamaArchConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     sliding_window: int | None = None  # the fast engine only runs where the window covers max_model_len
+    qk_norm: bool = False  # queries and keys normed per head before rotary (Qwen3)
 
     def validate(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -79,7 +81,8 @@ class LlamaArchConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"partial_rotary_factor must be 1.0, got {rope['partial_rotary_factor']}")
-        uses_window = raw.get("use_sliding_window", raw["model_type"] != "qwen2")  # qwen2 sets the flag explicitly
+        # qwen2 and qwen3 set the flag explicitly (and name a window they do not use by default)
+        uses_window = raw.get("use_sliding_window", raw["model_type"] not in ("qwen2", "qwen3"))
         config = cls(
             model_type=raw["model_type"],
             vocab_size=raw["vocab_size"],
@@ -99,6 +102,7 @@ class LlamaArchConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             sliding_window=raw.get("sliding_window") if uses_window else None,
+            qk_norm=raw["model_type"] in QK_NORM_MODEL_TYPES,
         )
         config.validate()
         return config

@@ -102,6 +102,10 @@ class Attention(nn.Module):
         self.grouped = config.num_heads != config.num_kv_heads  # GQA: a static flag, so a compiled graph need not branch
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bool({"q_proj", "k_proj", "v_proj"} & biases))
         self.o_proj = nn.Linear(config.num_heads * d, h, bias="o_proj" in biases)
+        # Qwen3: each head's queries and keys RMS-normed over head_dim before rotary; None elsewhere (a static
+        # attribute, so a compiled graph need not branch)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -117,6 +121,8 @@ class Attention(nn.Module):
         q = q.reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, S, D]
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over D, each head and token
         q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
         k = k * cos + rotate_half(k) * sin  # [B, KVH, S, D]
         write = write_kv if torch.compiler.is_compiling() else write_kv_in_place  # the compiled form where traced

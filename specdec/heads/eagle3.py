@@ -251,8 +251,9 @@ def eagle3_config_for(
     if width % target.head_dim:
         raise ValueError(f"hidden_size {width} is not a multiple of the target's head_dim {target.head_dim}")
     heads = width // target.head_dim
-    layer = LlamaArchConfig(**{
-        **target.__dict__, "num_layers": num_layers, "tie_word_embeddings": False, "hidden_size": width,
+    layer = LlamaArchConfig(**{  # a Llama layer whatever the target's family, as EAGLE-3 heads are
+        **target.__dict__, "model_type": "llama", "qk_norm": False, "num_layers": num_layers,
+        "tie_word_embeddings": False, "hidden_size": width,
         "intermediate_size": intermediate_size or target.intermediate_size * width // target.hidden_size,
         "num_heads": heads, "num_kv_heads": max(1, heads * target.num_kv_heads // target.num_heads),
     })  # fmt: skip
