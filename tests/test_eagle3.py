@@ -122,6 +122,20 @@ def test_speculators_format_round_trips_and_reads_the_original_layout(pair, tmp_
         torch.testing.assert_close(from_bin.state_dict()[name], tensor)
 
 
+def test_a_head_whose_layer_config_names_another_family_loads_as_llama_layers(pair, tmp_path):
+    """As vLLM builds them: a head for a Qwen3 target may name qwen3 and has no query and key norms."""
+    _, target_dir, head_dir = pair
+    head = tmp_path / "head"
+    shutil.copytree(head_dir, head)
+    raw = json.loads((head / "config.json").read_text())
+    raw["transformer_layer_config"]["model_type"] = "qwen3"
+    (head / "config.json").write_text(json.dumps(raw))
+    loaded, shipped = (load_eagle3(d, target_dir, torch.float32, "cpu") for d in (head, head_dir))
+    assert loaded.layers[0].self_attn.q_norm is None
+    for name, tensor in shipped.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+
+
 class _NotATensor:
     pass
 

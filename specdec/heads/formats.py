@@ -92,8 +92,9 @@ def eagle3_config(path: str | os.PathLike, target: LlamaArchConfig, target_path:
         raise ValueError(
             f"draft head {os.fspath(path)!r} is not an EAGLE-3 head (its config.json names {head_kind(raw)!r})"
         )
-    layer_raw = dict(raw.get("transformer_layer_config") or raw)
-    layer_raw.setdefault("model_type", "llama")
+    # the decoder layers are Llama layers whatever family the config names (a Qwen3 target's head
+    # has no query and key norms), as vLLM's llama_eagle3 builds them
+    layer_raw = {**(raw.get("transformer_layer_config") or raw), "model_type": "llama"}
     layer = LlamaArchConfig.from_dict(layer_raw)
     target_hidden = raw.get("target_hidden_size") or layer.hidden_size
     aux = tuple(raw.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers))
