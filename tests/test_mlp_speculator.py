@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.engine import GenerationParams, generate
@@ -52,6 +53,20 @@ def test_published_layout_round_trips(tmp_path, pair, tie):
         torch.testing.assert_close(loaded.state_dict()[name], tensor)
     if tie:  # one embedding, head and norm for every stage
         assert loaded.emb[0] is loaded.emb[N_PREDICT - 1] and loaded.proj[1] is loaded.proj[N_PREDICT - 1]
+
+
+def test_a_pytorch_model_bin_loads_and_a_misshapen_weight_is_named(tmp_path, pair):
+    _, target_dir, _ = pair
+    model = write_speculator(tmp_path / "head", VOCAB, HIDDEN, N_PREDICT, tie=False)
+    weights = load_file(tmp_path / "head" / "model.safetensors")
+    (tmp_path / "head" / "model.safetensors").unlink()
+    torch.save({f"speculator.{k}": v for k, v in weights.items()}, tmp_path / "head" / "pytorch_model.bin")
+    loaded = load_mlp_speculator(tmp_path / "head", target_dir, torch.float32, "cpu")
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    torch.save({**weights, "proj.0.weight": weights["proj.0.weight"][:, :-1]}, tmp_path / "head" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"proj.0.weight is \(16, 31\), its config.json makes it \(16, 32\)"):
+        load_mlp_speculator(tmp_path / "head", target_dir, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])

@@ -56,7 +56,7 @@ def head_kind(raw: dict) -> str | None:
     return None
 
 
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
+def read_head_weights(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the head: safetensors (one file or shards), else a ``pytorch_model.bin`` (or its shards)."""
     if not any(os.path.isfile(os.path.join(path, name)) for name in (SINGLE_FILE, SHARD_INDEX)):
         state = {}
@@ -145,7 +145,7 @@ def load_eagle3(
     """Load an EAGLE-3 head for the target at ``target_path``; refuses one built for another target."""
     path, target_path = check_model_dir(path), check_model_dir(target_path)
     config = eagle3_config(path, read_config(target_path), target_path)
-    state = _eagle3_state(_read_weights(path), config)
+    state = _eagle3_state(read_head_weights(path), config)
     if "embed_tokens.weight" not in state:
         if config.hidden_size != config.target_hidden_size:
             raise ValueError(

@@ -19,12 +19,12 @@ import os
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from specdec.cached_lm import check_model_dir
-from specdec.fast.checkpoint import read_config, safetensors_files
+from specdec.fast.checkpoint import read_config
+from specdec.heads.formats import read_head_weights
 
 MLP_SPECULATOR = "mlp_speculator"
 
@@ -132,14 +132,15 @@ def load_mlp_speculator(
     model = MLPSpeculator(mlp_speculator_config(path, target_path))
     params = dict(model.named_parameters())  # tied stages: only the first stage's names
     loaded = set()
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                key = name.removeprefix("speculator.")
-                if key in params:  # with tie_weights, the repeated stages' names share the first's tensors
-                    with torch.no_grad():
-                        params[key].copy_(f.get_tensor(name))
-                    loaded.add(key)
+    for name, tensor in read_head_weights(path).items():
+        key = name.removeprefix("speculator.")
+        if key in params:  # with tie_weights, the repeated stages' names share the first's tensors
+            if tuple(tensor.shape) != tuple(params[key].shape):
+                raise ValueError(f"MLP speculator {path!r}: {name} is {tuple(tensor.shape)}, its config.json "
+                                 f"makes it {tuple(params[key].shape)}")  # fmt: skip
+            with torch.no_grad():
+                params[key].copy_(tensor)
+            loaded.add(key)
     if set(params) - loaded:
         raise ValueError(f"MLP speculator {path!r}: weights missing for {sorted(set(params) - loaded)}")
     return model.to(device=device, dtype=dtype).eval()
