@@ -1,8 +1,9 @@
 """Read a Llama-family Hugging Face checkpoint (config.json + safetensors) without transformers.
 
-Llama, Mistral and Qwen2 share one decoder block (RMSNorm, rotary attention with
+Llama, Mistral, Qwen2 and Qwen3 share one decoder block (RMSNorm, rotary attention with
 grouped-query heads, SwiGLU MLP); they differ only in configuration: rope base and
-scaling, norm epsilon, head counts, q/k/v biases (Qwen2) and tied embeddings. This
+scaling, norm epsilon, head counts and width, q/k/v biases (Qwen2), per-head query and key
+norms (Qwen3) and tied embeddings. This
 module turns ``config.json`` into one validated, frozen ``LlamaArchConfig`` and the
 safetensors files (single or sharded) into a state dict named as in transformers.
 """

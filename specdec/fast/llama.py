@@ -1,6 +1,6 @@
-"""The Llama decoder (Llama, Mistral, Qwen2) as a ragged, batched forward over a slot KV cache.
+"""The Llama decoder (Llama, Mistral, Qwen2, Qwen3) as a ragged, batched forward over a slot KV cache.
 
-Numerics follow transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` line for line
+Numerics follow transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` line for line
 (RMSNorm in float32, rotary tables in float32 cast to the model dtype, SwiGLU MLP;
 Touvron et al. 2023), so float32 logits agree with Hugging Face to ~1e-5. The
 structure follows gpt-fast: each batch row is one sequence with its own cache slot,
