@@ -99,7 +99,10 @@ def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
             row["x_hf_plain"] = x
         k = row.get("k")
         if row["concurrency"] == 1 and k is not None and k >= 1 and row.get("proposer") is not None:
-            t_draft = 0.0 if row["proposer"] in ("ngram", "suffix") else step_times["draft_1"]
+            t_draft = _draft_step_ms(row, step_times)
+            if t_draft is None:  # what a drafted token costs was not timed: no bound rather than another's
+                row["speedup_bound"] = math.nan
+                continue
             length, fraction = _length_and_drafting_fraction(row)
             if math.isnan(fraction) or (fraction > 0 and not 1.0 <= length <= k + 1):
                 row["speedup_bound"] = math.nan  # no decode step was measured
@@ -110,6 +113,17 @@ def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
             if "x_k0" in row:
                 row["efficiency"] = efficiency(row["x_k0"], row["speedup_bound"])
     return rows
+
+
+def _draft_step_ms(row: dict, step_times: StepTimes) -> float | None:
+    """What one drafted token costs the row's proposer: nothing for a model-free one, the draft model's
+    timed step (``draft_1``), a head's where the run timed it (``<method>_1``); None otherwise, and for
+    suffix decoding in front of a model, whose steps draft from one source or the other."""
+    if "suffix_share" in row:
+        return None
+    if row["proposer"] in ("ngram", "suffix"):
+        return 0.0
+    return step_times.get("draft_1" if row["proposer"] == "draft_model" else f"{row['proposer']}_1")
 
 
 def _length_and_drafting_fraction(row: dict) -> tuple[float, float]:

@@ -58,6 +58,26 @@ def test_annotate_compares_each_row_with_k0_of_its_server_and_with_hf_plain():
                                          ("draft_1", 1)]
 
 
+def test_no_bound_where_the_proposer_s_draft_cost_was_not_timed():
+    """A head's drafted token costs what its own passes do, not the draft model's; suffix decoding in
+    front of a model drafts from either: neither gets a bound from another proposer's time."""
+    times = {"target_1": 10.0, "target_3": 12.0, "draft_1": 1.0}
+    measured = {"kind": "fixed", "k": 2, "baseline": "base", "concurrency": 1, "tokens_per_s_aggregate": 150.0,
+                "mean_accepted_length": 2.8, "num_drafts": 10, "decode_steps": 10}
+    rows = annotate([
+        {"config": "base", "kind": "k0", "k": 0, "proposer": None, "baseline": "base", "concurrency": 1,
+         "tokens_per_s_aggregate": 100.0},
+        {"config": "head", "proposer": "eagle3", **measured},
+        {"config": "head+suffix", "proposer": "eagle3", "suffix_share": 0.4, **measured},
+    ], times)
+    by = {r["config"]: r for r in rows}
+    assert math.isnan(by["head"]["speedup_bound"]) and "efficiency" not in by["head"]
+    assert math.isnan(by["head+suffix"]["speedup_bound"])
+    timed = annotate([dict(by["base"]), {"config": "head", "proposer": "eagle3", **measured}],
+                     {**times, "eagle3_1": 0.5})  # fmt: skip
+    assert timed[1]["speedup_bound"] == pytest.approx(2.8 * 10 / (12 + 2 * 0.5))
+
+
 def test_annotate_leaves_ratios_out_where_a_baseline_is_missing():
     rows = annotate([{"config": "ngram k=1", "kind": "fixed", "concurrency": 2, "k": 1, "proposer": "ngram",
                       "baseline": "k=0 (ngram server)", "tokens_per_s_aggregate": 50.0}], {})
