@@ -7,6 +7,8 @@ plus ``k`` draft passes, and replaces ``L`` plain decoding steps (Leviathan et a
 
     speedup_bound = L * T_target(1) / (T_target(k + 1) + k * T_draft(1))
 
+A draft head (EAGLE-3, MLP speculator) is timed by the proposal: ``k * T_draft(1)`` is what one
+call for ``k`` drafts costs it (``propose_ms``), its catch-up over the step's new rows included.
 An n-gram proposer costs no model pass: ``T_draft = 0``. It also finds nothing to
 propose at some steps; such a step is a plain one (one token for ``T_target(1)``).
 With a share ``f`` of the decode steps drafting, tokens and cost per step are averaged:
@@ -30,6 +32,7 @@ import torch
 from specdec.cached_lm import CachedLM, ForwardCall
 from specdec.fast.runner import FastCausalLM
 from specdec.models import CachedCausalLM
+from specdec.types import ProposeRequest, SamplingParams
 
 # One forward of one sequence: (seq_id, position, token_ids, num_logits) -> logits
 ForwardFn = Callable[[str, int, list[int], int], object]
@@ -106,6 +109,79 @@ def forward_ms(
     for name, _, lm, _ in runs:
         lm.release(name)  # the timing sequences leave no slot taken
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def propose_ms(
+    proposer, feature_size: int, vocab_size: int, context_len: int, ks: list[int], repeats: int = 20,
+    warmup: int = 5, seed: int = 0, between: Callable[[], None] | None = None,
+) -> dict[int, float]:
+    """Median wall time (ms) of one ``k``-draft proposal of a head (``proposer``, reading ``feature_size``
+    target features a row) for each of ``ks``, one greedy sequence, as served in steady state.
+
+    The sequence is first sent ``context_len`` tokens and their features; each timed call then
+    sends two more of each (an accepted draft and the bonus token, the last token's replaced),
+    as a step that accepted one draft does. Features are random: a head's cost does not depend
+    on their values. ``between`` runs untimed before each proposal (a target forward, as a step
+    verifies before it proposes: ``forward_ms`` times the draft model's step among the target's too).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(proposer.device)
+
+    def features(n: int) -> torch.Tensor:  # [n, feature_size]
+        return torch.randn(n, feature_size, generator=gen)
+
+    out = {}
+    for k in ks:
+        seq_id, length = f"bench-propose-{k}", context_len
+        ids = torch.randint(0, vocab_size, (context_len + warmup + repeats + 1,), generator=gen).tolist()
+        proposer.propose([ProposeRequest(seq_id, 0, ids[:context_len], k, SamplingParams(), seed,
+                                         hidden_states=features(context_len - 1))])  # fmt: skip
+        times = []
+        try:
+            for i in range(warmup + repeats):
+                request = ProposeRequest(seq_id, length - 1, ids[length - 1 : length + 1], k, SamplingParams(), seed,
+                                         hidden_states=features(2), hidden_position=length - 2)  # fmt: skip
+                if between is not None:
+                    between()
+                synchronize(device)
+                start = time.perf_counter()
+                proposer.propose([request])
+                synchronize(device)
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+                length += 1
+        finally:
+            proposer.release(seq_id)
+        out[k] = 1e3 * statistics.median(times)
+    return out
+
+
+def head_propose_ms(
+    method: str, head, target, target_hidden_size: int, ks: list[int], dtype: str, device: str,
+    cpu_compile: bool, cuda_graphs: bool | None, context_len: int, repeats: int, seed: int = 0,
+    target_lm: torch.nn.Module | CachedLM | None = None,
+) -> dict[str, float]:
+    """``{"<method>_propose_<k>": ms}``: a head's ``k``-draft proposal (``propose_ms``), loaded as the
+    server loads it, each after a one-token forward of ``target_lm`` (untimed); an MLP speculator's
+    only for ``k`` up to its ``n_predict``."""
+    from specdec.heads import build_head_proposer
+
+    proposer = build_head_proposer(method, head, target, dtype, device, max_num_seqs=1, cpu_compile=cpu_compile,
+                                   cuda_graphs=cuda_graphs)  # fmt: skip
+    ks = [k for k in ks if k >= 1 and (method != "mlp_speculator" or k <= proposer.model.n_predict)]
+    feature_size = len(proposer.hidden_state_layers) * target_hidden_size
+    between = None
+    if target_lm is not None:
+        forward, lm = _one_sequence_forward(target_lm)
+        forward("bench-between", 0, list(range(context_len)), 1)
+        between = lambda: forward("bench-between", context_len, [0], 1)  # noqa: E731  cut back to context_len
+    try:
+        times = propose_ms(proposer, feature_size, proposer.vocab_size, context_len, ks, repeats, seed=seed,
+                           between=between)  # fmt: skip
+    finally:
+        if target_lm is not None:
+            lm.release("bench-between")
+    return {f"{method}_propose_{k}": ms for k, ms in times.items()}
 
 
 def _one_sequence_forward(model: torch.nn.Module | CachedLM) -> tuple[ForwardFn, CachedLM]:

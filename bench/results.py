@@ -117,13 +117,17 @@ def annotate(rows: list[dict], step_times: StepTimes) -> list[dict]:
 
 def _draft_step_ms(row: dict, step_times: StepTimes) -> float | None:
     """What one drafted token costs the row's proposer: nothing for a model-free one, the draft model's
-    timed step (``draft_1``), a head's where the run timed it (``<method>_1``); None otherwise, and for
-    suffix decoding in front of a model, whose steps draft from one source or the other."""
+    timed step (``draft_1``), a head's timed ``k``-draft proposal over ``k`` (``<method>_propose_<k>``,
+    ``bench.bound.head_propose_ms``); None where the run did not time it, and for suffix decoding in
+    front of a model, whose steps draft from one source or the other."""
     if "suffix_share" in row:
         return None
     if row["proposer"] in ("ngram", "suffix"):
         return 0.0
-    return step_times.get("draft_1" if row["proposer"] == "draft_model" else f"{row['proposer']}_1")
+    if row["proposer"] == "draft_model":
+        return step_times.get("draft_1")
+    proposal = step_times.get(f"{row['proposer']}_propose_{row['k']}")
+    return None if proposal is None else proposal / row["k"]
 
 
 def _length_and_drafting_fraction(row: dict) -> tuple[float, float]:

@@ -45,7 +45,7 @@ import torch
 import transformers
 
 from bench import report
-from bench.bound import forward_ms
+from bench.bound import forward_ms, head_propose_ms
 from bench.client import Job
 from bench.hf import generation_config, run_hf
 from bench.phase import (
@@ -71,6 +71,7 @@ from bench.server import SERVE_SCRIPT, TritonServer
 from bench.stats import latency_summary
 from bench.workload import held_out_texts, select_prompts
 from specdec.fast import FastCausalLM
+from specdec.heads import HEAD_METHODS
 from specdec.models import eos_token_ids, load_causal_lm, load_tokenizer
 from specdec.proposers import PROPOSERS
 from specdec_triton.plumbing import Parameters
@@ -143,7 +144,8 @@ def server_parameter(repository: Path, model: str, key: str, default: str) -> st
 
 def measure_step_times(args, target, draft, dtype: str, device: str, cuda_graphs: bool | None = None,
                        compiled: bool = True) -> dict:
-    """Median forward times (ms) on a cache of prompt + max_tokens / 2 tokens, in this process.
+    """Median forward times (ms) on a cache of prompt + max_tokens / 2 tokens, in this process, and each
+    served head's k-draft proposal.
 
     Timed on the engine each server model runs (``engine`` and ``cpu_compile`` in its
     config.pbtxt), so the analytic bound is that of the serving path; the ``hf`` engine
@@ -161,7 +163,13 @@ def measure_step_times(args, target, draft, dtype: str, device: str, cuda_graphs
                         if engine == "fast" else hf_model)
     shapes = {name: (models["draft" if name.startswith("draft") else "target"], n)
               for name, n in step_time_keys(args.ks)}  # fmt: skip
-    return forward_ms(shapes, context, repeats=args.timing_repeats, seed=args.seed)
+    times = forward_ms(shapes, context, repeats=args.timing_repeats, seed=args.seed)
+    head_compiles = compiled and device == "cpu" and server_compiles(args.repository, PROPOSER_MODEL)
+    for method in sorted({method_of(m) for m in args.methods} & set(HEAD_METHODS)):  # a head's own proposal
+        times.update(head_propose_ms(method, getattr(args, method), args.target, target.config.hidden_size, args.ks,
+                                     dtype, device, head_compiles, cuda_graphs, context, args.timing_repeats,
+                                     target_lm=models["target"]))  # fmt: skip
+    return times
 
 
 def server_compiles(repository, model_name: str) -> bool:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from bench.bound import efficiency, forward_ms, speedup_bound
+from bench.bound import efficiency, forward_ms, head_propose_ms, speedup_bound
 from specdec.fast import FastCausalLM
 
 
@@ -60,3 +60,22 @@ def test_forward_ms_times_the_fast_engine_and_frees_its_slots(tiny_llama, tmp_pa
     times = forward_ms({"target_1": (lm, 1), "target_3": (lm, 3)}, context_len=16, repeats=3, warmup=1)
     assert sorted(times) == ["target_1", "target_3"] and all(0 < t < 1000 for t in times.values())
     assert lm.num_active_sequences == 0
+
+
+def test_a_head_s_proposals_are_timed_after_a_target_forward_each_and_leave_nothing_held():
+    """The shipped heads, loaded as served: one time per k (an MLP speculator's up to n_predict)."""
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    target = FastCausalLM(models / "tiny-target", dtype="float32", max_num_seqs=1, max_model_len=64)
+    calls = []
+    forward = target.forward
+    target.forward = lambda batch: calls.append(len(batch)) or forward(batch)
+    times = head_propose_ms("eagle3", models / "tiny-eagle3", models / "tiny-target", 256, [2, 4], "float32", "cpu",
+                            False, None, context_len=16, repeats=3, target_lm=target)  # fmt: skip
+    assert sorted(times) == ["eagle3_propose_2", "eagle3_propose_4"] and all(0 < t < 1000 for t in times.values())
+    assert len(calls) == 1 + 2 * (5 + 3)  # the context once, then one before each of the warm-up and timed calls
+    assert target.num_active_sequences == 0
+    mlp = head_propose_ms("mlp_speculator", models / "tiny-mlp-speculator", models / "tiny-target", 256, [2, 4],
+                          "float32", "cpu", False, None, context_len=16, repeats=2)  # fmt: skip
+    assert sorted(mlp) == ["mlp_speculator_propose_2"]  # n_predict 3

@@ -74,7 +74,7 @@ def test_no_bound_where_the_proposer_s_draft_cost_was_not_timed():
     assert math.isnan(by["head"]["speedup_bound"]) and "efficiency" not in by["head"]
     assert math.isnan(by["head+suffix"]["speedup_bound"])
     timed = annotate([dict(by["base"]), {"config": "head", "proposer": "eagle3", **measured}],
-                     {**times, "eagle3_1": 0.5})  # fmt: skip
+                     {**times, "eagle3_propose_2": 1.0})  # fmt: skip
     assert timed[1]["speedup_bound"] == pytest.approx(2.8 * 10 / (12 + 2 * 0.5))
 
 
