@@ -115,8 +115,6 @@ class SuffixFirst:
         self.config = config
         self.suffix = SuffixProposer(config.suffix)
         self._views: dict[str, _ModelView] = {}
-        self.num_suffix_drafts = 0  # proposals taken from suffix decoding (a sequence's step each)
-        self.num_model_drafts = 0  # sequences' steps sent to the model
 
     def plan(self, requests: list[ProposeRequest]) -> Plan:
         """Suffix decoding's draft where it scores ``min_score`` (and the model lacks under ``MAX_BACKLOG_TOKENS``
@@ -131,8 +129,6 @@ class SuffixFirst:
                 from_suffix[request.seq_id] = replace(proposal, source=SUFFIX_SOURCE)
             else:
                 to_model.append(self._backlog(view, request))
-        self.num_suffix_drafts += len(from_suffix)
-        self.num_model_drafts += len(to_model)
         return Plan(from_suffix, to_model)
 
     def answered(self, requests: list[ProposeRequest], plan: Plan, answers: list[Proposal]) -> list[Proposal]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import pytest
 import torch
@@ -41,6 +42,19 @@ class RecordingModel:
 
     def release(self, seq_id, response=None):
         pass
+
+
+def counting_sources(proposer: SuffixFirstProposer) -> collections.Counter:
+    """The sources of every proposal ``proposer`` makes from now on, tallied as they are made."""
+    sources, propose = collections.Counter(), proposer.propose
+
+    def counted(requests):
+        proposals = propose(requests)
+        sources.update(p.source for p in proposals)
+        return proposals
+
+    proposer.propose = counted
+    return sources
 
 
 def test_a_strong_suffix_match_is_taken_and_the_model_is_not_called():
@@ -148,13 +162,13 @@ def test_greedy_output_equals_hf_generate_with_both_kinds_of_draft(pair, model):
     inner = (build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2) if model == "eagle3"
              else DraftModelProposer(CachedCausalLM(build_tiny_llama(seed=3, vocab_size=VOCAB, hidden_size=32))))
     proposer = SuffixFirstProposer(SuffixFirstConfig(min_score=1.0, model_num_speculative_tokens=3), inner)
+    sources = counting_sources(proposer)
     for k in (2, 5):
         for prompt in PROMPTS:
             params = GenerationParams(max_tokens=24, num_speculative_tokens=k)
             out = [t for step in generate(proposer, verifier, RejectionSampler(), prompt, params) for t in step.new_token_ids]
             assert out == hf_generate_greedy(target, prompt, 24), (k, prompt)
-    router = proposer.router
-    assert router.num_suffix_drafts > 0 and router.num_model_drafts > 0, "both kinds of draft must run"
+    assert sources[SUFFIX_SOURCE] > 0 and sources[MODEL_SOURCE] > 0, "both kinds of draft must run"
     assert proposer.num_active_sequences == 0 and inner.num_active_sequences == 0 and verifier.num_active_sequences == 0
 
 
@@ -167,11 +181,10 @@ def test_speculative_sampling_with_both_kinds_of_draft_matches_the_target_distri
     # suffix decoding's drafts here score about 0.3 or 0.5: 0.45 sends about a quarter of them to the model
     config = SuffixFirstConfig(SuffixConfig(max_spec_factor=4.0, min_token_prob=0.0), min_score=0.45)
     proposer = SuffixFirstProposer(config, DraftModelProposer(CachedCausalLM(draft)))
+    sources = counting_sources(proposer)
     sampler = CountingSampler(RejectionSampler("probabilistic"))
     counts = sample_first_tokens(target, None, sampler, NUM_SAMPLES, proposer=proposer, max_tokens=3)
-    router = proposer.router
-    assert router.num_suffix_drafts > 300 and router.num_model_drafts > 300, (router.num_suffix_drafts,
-                                                                              router.num_model_drafts)
+    assert sources[SUFFIX_SOURCE] > 300 and sources[MODEL_SOURCE] > 300, sources
     assert 0.05 < sampler.accepted / sampler.drafted < 0.95
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
 
@@ -189,6 +202,7 @@ def test_an_mlp_speculator_behind_suffix_decoding_drafts_its_n_predict_while_suf
     suffix = SuffixConfig(max_spec_factor=4.0, min_token_prob=0.0)
     config = SuffixFirstConfig(suffix, min_score=1.0, model_num_speculative_tokens=N_PREDICT)
     proposer, verifier = SuffixFirstProposer(config, inner), TargetVerifier(CachedCausalLM(target))
+    sources = counting_sources(proposer)
     planned, plan = [], proposer.router.plan
     proposer.router.plan = lambda requests: planned.append(plan(requests)) or planned[-1]
     for prompt in [*MLP_PROMPTS, [1, 2, 3, 4] * 5]:
@@ -196,4 +210,4 @@ def test_an_mlp_speculator_behind_suffix_decoding_drafts_its_n_predict_while_suf
         out = [t for step in generate(proposer, verifier, RejectionSampler(), prompt, params) for t in step.new_token_ids]
         assert out == hf_generate_greedy(target, prompt, 20), prompt
     assert max(len(p.token_ids) for step in planned for p in step.from_suffix.values()) > N_PREDICT
-    assert all(r.num_tokens <= N_PREDICT for step in planned for r in step.to_model) and proposer.router.num_model_drafts
+    assert all(r.num_tokens <= N_PREDICT for step in planned for r in step.to_model) and sources[MODEL_SOURCE]

@@ -124,17 +124,25 @@ def read_config(path: str | os.PathLike) -> LlamaArchConfig:
         ) from None
 
 
-def safetensors_files(path: str | os.PathLike) -> list[str]:
-    """The checkpoint's weight files: ``model.safetensors`` or the shards its index names."""
-    path = check_model_dir(path)
-    single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, SHARD_INDEX)
+def weight_files(path: str | os.PathLike, single: str = SINGLE_FILE, index: str = SHARD_INDEX) -> list[str] | None:
+    """The checkpoint's ``single`` weight file, or the shards its ``index`` names; None where it has neither."""
+    single, index = os.path.join(path, single), os.path.join(path, index)
     if os.path.isfile(single):
         return [single]
     if os.path.isfile(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(path, shard) for shard in shards]
-    raise FileNotFoundError(f"model path {path!r} has neither {SINGLE_FILE} nor {SHARD_INDEX}")
+    return None
+
+
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The checkpoint's weight files: ``model.safetensors`` or the shards its index names."""
+    path = check_model_dir(path)
+    files = weight_files(path)
+    if files is None:
+        raise FileNotFoundError(f"model path {path!r} has neither {SINGLE_FILE} nor {SHARD_INDEX}")
+    return files
 
 
 def weight_names(path: str | os.PathLike) -> set[str]:

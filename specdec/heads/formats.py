@@ -25,7 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.cached_lm import check_model_dir
-from specdec.fast.checkpoint import SHARD_INDEX, SINGLE_FILE, LlamaArchConfig, read_config, safetensors_files
+from specdec.fast.checkpoint import (
+    SHARD_INDEX, SINGLE_FILE, LlamaArchConfig, read_config, safetensors_files, weight_files,
+)  # fmt: skip
 from specdec.heads.eagle3 import EAGLE3, Eagle3Config, Eagle3Head, default_aux_layers
 
 SPECULATORS_VERSION = "0.1.0"
@@ -58,9 +60,13 @@ def head_kind(raw: dict) -> str | None:
 
 def read_head_weights(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the head: safetensors (one file or shards), else a ``pytorch_model.bin`` (or its shards)."""
-    if not any(os.path.isfile(os.path.join(path, name)) for name in (SINGLE_FILE, SHARD_INDEX)):
+    if weight_files(path) is None:
+        torch_files = weight_files(path, TORCH_SINGLE_FILE, TORCH_SHARD_INDEX)
+        if torch_files is None:
+            raise FileNotFoundError(f"draft head {path!r} has no weights: none of {SINGLE_FILE}, {SHARD_INDEX}, "
+                                    f"{TORCH_SINGLE_FILE}, {TORCH_SHARD_INDEX}")  # fmt: skip
         state = {}
-        for file in _torch_files(path):
+        for file in torch_files:
             try:
                 state.update(torch.load(file, map_location="cpu", weights_only=True))
             except Exception as err:  # weights_only refuses anything but tensors and plain containers
@@ -71,18 +77,6 @@ def read_head_weights(path: str) -> dict[str, torch.Tensor]:
         with safe_open(file, framework="pt") as f:
             state.update({name: f.get_tensor(name) for name in f.keys()})
     return state
-
-
-def _torch_files(path: str) -> list[str]:
-    """The ``pytorch_model.bin`` file or shards of a head that has no safetensors."""
-    single, index = os.path.join(path, TORCH_SINGLE_FILE), os.path.join(path, TORCH_SHARD_INDEX)
-    if os.path.isfile(single):
-        return [single]
-    if os.path.isfile(index):
-        with open(index) as f:
-            return [os.path.join(path, shard) for shard in sorted(set(json.load(f)["weight_map"].values()))]
-    raise FileNotFoundError(f"draft head {path!r} has no weights: none of {SINGLE_FILE}, {SHARD_INDEX}, "
-                            f"{TORCH_SINGLE_FILE}, {TORCH_SHARD_INDEX}")  # fmt: skip
 
 
 def eagle3_config(path: str | os.PathLike, target: LlamaArchConfig, target_path: str) -> Eagle3Config:
