@@ -8,10 +8,15 @@
 #      generate (benchmark_engine.py fails on any difference);
 #   3. speed on a 1.5 B random-weight target (Llama-3.2-1B's shape, untied 128k vocabulary, bfloat16,
 #      synthetic acceptance): k = 0 against
-#      a draft model, EAGLE-3 and the MLP speculator, with CUDA graphs, then the same without.
-# Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs. The served check
-# (scripts/gpu_serve_check.sh, after scripts/gpu_bundle.sh here) reuses its random checkpoints:
-#   COMMIT=$(git rev-parse --short HEAD) scripts/gpu_check.sh; bash scripts/gpu_serve_check.sh
+#      a draft model, EAGLE-3 and the MLP speculator at one and four streams, with CUDA graphs
+#      (and, with "eager" in STEPS, EAGLE-3 against k = 0 without them).
+# STEPS picks the steps (default "tests lossless checkpoints graphs"; "eager" adds the last), so a
+# lease of 15 minutes can run them around the served check (scripts/gpu_serve_check.sh, after
+# scripts/gpu_bundle.sh here), which makes or reuses the same random checkpoints:
+#   export COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/gpu
+#   STEPS="tests lossless" bash scripts/gpu_check.sh; bash scripts/gpu_serve_check.sh
+#   STEPS="checkpoints graphs" bash scripts/gpu_check.sh
+# Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
@@ -19,12 +24,14 @@ PY=${PYTHON:-python3}
 MODELS=${MODELS:-/tmp/specdec-random}
 COMMIT=${COMMIT:-unknown}
 RATE=${RATE:-0.7}
+STEPS=" ${STEPS:-tests lossless checkpoints graphs} "
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT" "$MODELS"
 status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/run.log, remember a failure
-  local name=$1 limit=$2
-  shift 2
+step() {  # step KEY NAME SECONDS CMD...: run KEY (if in STEPS) with a time limit, log to $OUT/run.log
+  local key=$1 name=$2 limit=$3
+  shift 3
+  [[ $STEPS == *" $key "* ]] || return 0
   echo "=== $name ($(date -u +%T))" | tee -a "$OUT/run.log"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/run.log"
   local rc=${PIPESTATUS[0]}
@@ -32,31 +39,35 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/run.log
   [ "$rc" -eq 0 ] || status=1
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/run.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$OUT/run.log"
 $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/run.log"
 
-step "gpu tests" 90 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
+step tests "gpu tests" 90 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
   tests/test_fast_cuda_graphs.py tests/test_rejection_kernel.py tests/test_fast_attention_kernel.py \
   tests/test_rejection_sampler.py tests/test_eagle3.py tests/test_mlp_speculator.py
 
-step "lossless on GPU (shipped models, float32)" 70 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
+step lossless "lossless on GPU (shipped models, float32)" 80 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
   --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4,eagle3+suffix:8 --model-k 4 --concurrency 1,4 \
   --num-prompts 8 --max-tokens 64 --rounds 1 --commit "$COMMIT" --out-dir "$OUT/tiny"
 
-step "random checkpoints" 90 bash -c "
-  $PY scripts/make_random_model.py --preset llama-1b --vocab-size 128256 --out $MODELS/llama-1b &&
-  $PY scripts/make_random_model.py --preset llama-125m --vocab-size 128256 --out $MODELS/llama-125m &&
-  $PY scripts/make_random_model.py --head eagle3 --target $MODELS/llama-1b --out $MODELS/llama-1b-eagle3 &&
-  $PY scripts/make_random_model.py --head mlp_speculator --n-predict 3 --target $MODELS/llama-1b --out $MODELS/llama-1b-mlp"
+step checkpoints "random checkpoints (those not made yet)" 90 bash -ec "
+  [ -f $MODELS/llama-1b/config.json ] ||
+    $PY scripts/make_random_model.py --preset llama-1b --vocab-size 128256 --out $MODELS/llama-1b
+  [ -f $MODELS/llama-125m/config.json ] ||
+    $PY scripts/make_random_model.py --preset llama-125m --vocab-size 128256 --out $MODELS/llama-125m
+  [ -f $MODELS/llama-1b-eagle3/config.json ] ||
+    $PY scripts/make_random_model.py --head eagle3 --target $MODELS/llama-1b --out $MODELS/llama-1b-eagle3
+  [ -f $MODELS/llama-1b-mlp/config.json ] ||
+    $PY scripts/make_random_model.py --head mlp_speculator --n-predict 3 --target $MODELS/llama-1b --out $MODELS/llama-1b-mlp"
 
 RANDOM_PAIR=(--device cuda --dtype bfloat16 --target "$MODELS/llama-1b" --draft "$MODELS/llama-125m"
   --eagle3 "$MODELS/llama-1b-eagle3" --mlp-speculator "$MODELS/llama-1b-mlp" --prompts random
   --synthetic-acceptance-rate "$RATE" --commit "$COMMIT")
-step "1B, CUDA graphs" 200 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs on \
-  --configs k0,draft_model:2,draft_model:4,eagle3:2,eagle3:4,mlp_speculator:3 --concurrency 1,4,16 \
+step graphs "1B, CUDA graphs" 180 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs on \
+  --configs k0,draft_model:4,eagle3:4,mlp_speculator:3 --concurrency 1,4 \
   --num-prompts 16 --max-tokens 64 --rounds ${ROUNDS:-2} --out-dir "$OUT/1b"
 
-step "1B, eager" 90 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
+step eager "1B, eager" 90 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
   --configs k0,eagle3:4 --concurrency 1 --num-prompts 8 --max-tokens 64 --rounds 1 \
   --out-dir "$OUT/1b-eager"
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.engine import GenerationParams, generate
 from specdec.fast import FastCausalLM, ForwardCall
 from specdec.fast.cuda_graphs import StaticShapeRunner, batch_buckets
 from specdec.proposers import DraftModelProposer
+from specdec.rejection_sampler import RejectionSampler
 from specdec.types import ProposeRequest, SamplingParams, VerifyRequest
 from specdec.verifier import TargetVerifier
 from test_fast_llama import random_ids, save_checkpoint
+from test_fast_verifier import hf_greedy
 
 ATOL = 1e-4
 
@@ -129,3 +132,17 @@ def test_cuda_graph_with_hidden_states_matches_eager(llama):
     for (g_logits, g_hidden), (w_logits, w_hidden) in zip(got, want):
         torch.testing.assert_close(g_logits, w_logits, atol=ATOL, rtol=0)
         torch.testing.assert_close(g_hidden, w_hidden, atol=ATOL, rtol=0)
+
+
+@cuda_test
+def test_cuda_graph_qwen3_pair_greedy_equals_hf_generate(tmp_path):
+    """Qwen3's per-head query and key norms inside captured graphs and the slot attention kernel."""
+    path, hf = save_checkpoint(tmp_path / "target", "qwen3-tied", seed=0)
+    draft_path, _ = save_checkpoint(tmp_path / "draft", "qwen3-tied", seed=1)
+    kwargs = dict(dtype="float32", device="cuda", max_num_seqs=1, max_model_len=64, cuda_graphs=True)
+    target, draft = FastCausalLM(path, **kwargs), FastCausalLM(draft_path, **kwargs)
+    assert target.graphs is not None and draft.graphs is not None
+    prompt = random_ids(6, 27)
+    params = GenerationParams(max_tokens=16, num_speculative_tokens=3)
+    steps = generate(DraftModelProposer(draft), TargetVerifier(target), RejectionSampler(), prompt, params)
+    assert [t for step in steps for t in step.new_token_ids] == hf_greedy(hf, prompt, 16)
