@@ -125,6 +125,7 @@ def parse_args() -> argparse.Namespace:
                    help="where the run's JSON goes, as <UTC date-time>-<short commit>.json")
     p.add_argument("--log-dir", type=Path, default=None, help="the servers' logs (default runs/<the JSON's name>/)")
     p.add_argument("--note", action="append", default=[], help="a line of context for the JSON (repeatable)")
+    p.add_argument("--commit", default=None, help="the checkout's commit, recorded as given (default: git's)")
     args = p.parse_args()
     if any(k < 1 for k in args.ks) or any(c < 1 for c in args.concurrency) or min(args.threads, args.rounds) < 1:
         p.error("--ks, --concurrency, --threads and --rounds values must be >= 1")
@@ -338,7 +339,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()  # one progress bar: the benchmark's
     torch.set_num_threads(args.threads)
     command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0])), *sys.argv[1:]])
-    commit, dirty = report.git_commit(REPO_ROOT)
+    commit, dirty = (args.commit, False) if args.commit else report.git_commit(REPO_ROOT)
     out_path = report.result_path(args.out_dir, commit)
     args.log_dir = args.log_dir or REPO_ROOT / "runs" / out_path.stem
     args.log_dir.mkdir(parents=True, exist_ok=True)

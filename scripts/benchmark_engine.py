@@ -104,7 +104,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-k", type=int, default=0, help="METHOD+suffix: the model's drafts per step (0: K)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
-    p.add_argument("--commit", default=None, help="recorded commit (default: git's; a copy without .git says unknown)")
+    p.add_argument("--commit", default=None, help="the checkout's commit, recorded as given (default: git's; a copy without .git says unknown)")
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -341,8 +341,7 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0])), *sys.argv[1:]])
-    commit, dirty = report.git_commit(REPO_ROOT)
-    commit = args.commit or commit
+    commit, dirty = (args.commit, False) if args.commit else report.git_commit(REPO_ROOT)
     out = args.out_dir / ("engine-" + report.result_path(args.out_dir, commit).name)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     run = Run(args)
