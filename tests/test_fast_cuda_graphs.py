@@ -146,3 +146,15 @@ def test_cuda_graph_qwen3_pair_greedy_equals_hf_generate(tmp_path):
     params = GenerationParams(max_tokens=16, num_speculative_tokens=3)
     steps = generate(DraftModelProposer(draft), TargetVerifier(target), RejectionSampler(), prompt, params)
     assert [t for step in steps for t in step.new_token_ids] == hf_greedy(hf, prompt, 16)
+
+
+@cuda_test
+def test_eager_attention_on_cuda_leaves_cudnn_out(llama):
+    """cuDNN's SDPA builds a plan per new shape, and eager passes change shape every step."""
+    path, _ = llama
+    lm = FastCausalLM(path, dtype="bfloat16", device="cuda", max_num_seqs=4, max_model_len=64, cuda_graphs=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_steps(lm)
+        torch.cuda.synchronize()
+    kernels = [event.key for event in prof.key_averages()]
+    assert kernels and not [k for k in kernels if "cudnn" in k.lower()], kernels

@@ -22,11 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.fast.checkpoint import LlamaArchConfig
-from specdec.fast.llama import MLP, Attention, BatchIndex, DecoderLayer, RMSNorm, kernel_attends, rope_inv_freq
+from specdec.fast.llama import MLP, Attention, BatchIndex, DecoderLayer, RMSNorm, attend, kernel_attends, rope_inv_freq
 
 EAGLE3 = "eagle3"
 
@@ -209,9 +208,8 @@ def _ttt_attention(
     keys.append(k * cos + _rotate_half(k) * sin)
     values.append(v)
     q = q * cos + _rotate_half(q) * sin
-    out = F.scaled_dot_product_attention(
-        q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads
-    )  # [B, H, T, D]
+    out = attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
+    # [B, H, T, D]
     return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
