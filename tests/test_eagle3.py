@@ -433,3 +433,31 @@ def test_one_verify_call_serves_sequences_that_ask_for_hidden_states_beside_ones
     with pytest.raises(ValueError, match="must ask for the same hidden_layers"):
         verifier.verify([VerifyRequest("e", 0, PROMPTS[0], 1, greedy, hidden_layers=layers),
                          VerifyRequest("f", 0, PROMPTS[1], 1, greedy, hidden_layers=(1,))])  # fmt: skip
+
+
+def test_a_prompt_beside_decoding_rows_runs_in_a_pass_of_its_own_with_the_same_drafts(pair, monkeypatch):
+    """A prompt's catch-up rows would pad every decoding row of its batch to its length; split as
+    the target's passes are, each sequence drafts what it drafts alone."""
+    _, target_dir, head_dir = pair
+    lm = FastCausalLM(target_dir, max_num_seqs=3)
+    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
+    prompts = {"long": [1 + i % (VOCAB - 1) for i in range(60)], "a": PROMPTS[0], "b": PROMPTS[2]}
+    calls = [ForwardCall(s, 0, t[:-1], 1) for s, t in prompts.items()]
+    hidden = dict(zip(prompts, lm.forward_with_hidden(calls, head.config.aux_layers)[1]))
+    sampling = SamplingParams(temperature=1.0)
+
+    def propose(seq_ids: list[str]) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+        proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=3)
+        shapes = []
+        forward = proposer._forward
+        monkeypatch.setattr(proposer, "_forward", lambda ids, *rest: shapes.append((len(ids), max(map(len, rest[1]))))
+                            or forward(ids, *rest))  # fmt: skip
+        requests = [ProposeRequest(s, 0, prompts[s], 3, sampling, list(prompts).index(s), hidden_states=hidden[s])
+                    for s in seq_ids]  # fmt: skip
+        return {s: p.token_ids.tolist() for s, p in zip(seq_ids, proposer.propose(requests))}, shapes
+
+    together, shapes = propose(["long", "a", "b"])
+    assert shapes[:2] == [(2, len(prompts["b"]) - 1), (1, len(prompts["long"]) - 1)]  # shortest first, then the prompt
+    for seq_id in prompts:
+        alone, _ = propose([seq_id])
+        assert together[seq_id] == alone[seq_id]

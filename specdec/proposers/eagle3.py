@@ -31,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
 from specdec.fast.kv_cache import StaticKVCache
+from specdec.fast.runner import padding_bounded_passes
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
@@ -210,6 +211,19 @@ class Eagle3Proposer:
         kv_len = max(start + n for start, n in zip(starts, lengths))
         return self._pass(input_ids, hidden, starts_t, num_new, slots_t, kv_len)
 
+    def _catch_up(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_forward`` of each row's rows the cache lacks, in the passes the target's would take
+        (``padding_bounded_passes``): a new prompt's rows beside decoding ones would pad them all to
+        its length. Each row's last logits [B, draft_vocab] and pre-norm [B, h], in the rows' order."""
+        groups = padding_bounded_passes([len(t) for t in token_lists])
+        if len(groups) == 1:
+            return self._forward(seq_ids, starts, token_lists, hidden_lists)
+        parts = [self._forward(*([column[i] for i in group] for column in (seq_ids, starts, token_lists, hidden_lists)))
+                 for group in groups]  # fmt: skip
+        rows = torch.tensor([i for group in groups for i in group], device=self.device)  # [B]: each output's row
+        logits, prenorm = (torch.cat(outputs) for outputs in zip(*parts))  # [B, draft_vocab], [B, h]: pass order
+        return logits.index_copy(0, rows, logits), prenorm.index_copy(0, rows, prenorm)  # out[rows[j]] = in[j]
+
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         if not requests:
             return [], []
@@ -221,7 +235,7 @@ class Eagle3Proposer:
             starts.append(start)
             tokens.append(seq.tokens[start + 1 : last_row + 2])
             hidden.append(self._fused[self.cache.slot(r.seq_id), start : last_row + 1])  # a view: [n, h]
-        logits, prenorm = self._forward([r.seq_id for r in requests], starts, tokens, hidden)
+        logits, prenorm = self._catch_up([r.seq_id for r in requests], starts, tokens, hidden)
         for seq in seqs:
             seq.rows = len(seq.tokens) - 1
         bans = self._ban_masks(requests)
