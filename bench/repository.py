@@ -128,17 +128,6 @@ def make_variant(source: Path, dest: Path, edits: dict[str, dict[str, str]]) -> 
     return dest
 
 
-def fixed_k_edits(source: Path, orchestrator: str = "speculative_decoding") -> dict[str, str]:
-    """The orchestrator's edits under which every request drafts the k it sends, whatever the batch size:
-    no batch-size table, no disabling by batch size, and (where ``source`` declares the key) the
-    table policy, not the measured one that may choose to draft nothing."""
-    edits = {"num_speculative_tokens_per_batch_size": "", "speculative_disable_by_batch_size": "0"}
-    config = Path(source) / orchestrator / "config.pbtxt"
-    if config.is_file() and "speculation_length_policy" in get_parameters(config.read_text()):
-        edits["speculation_length_policy"] = "table"
-    return edits
-
-
 def parameter_edits(settings: list[str]) -> dict[str, dict[str, str]]:
     """``["model.key=value", ...]`` (command-line settings) as ``make_variant`` edits."""
     edits: dict[str, dict[str, str]] = {}

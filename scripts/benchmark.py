@@ -59,8 +59,7 @@ from bench.phase import (
     warm_up,
 )
 from bench.repository import (
-    HERE_SUFFIX, checkpoint_edits, fixed_k_edits, get_parameters, make_variant, method_of, suffix_first,
-    variant_edits,
+    HERE_SUFFIX, checkpoint_edits, get_parameters, make_variant, method_of, suffix_first, variant_edits,
 )  # fmt: skip
 from bench.results import (
     DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
@@ -181,15 +180,15 @@ def shipped_configuration(repository: Path) -> dict:
 def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, dict[str, str]]:
     """The repository as shipped but for the method, the checkpoints and a k large enough for ``--ks``.
 
-    ``fixed``: every request drafts the k it sends, whatever the batch size (``fixed_k_edits``:
-    the shipped batch-size table and ``speculative_disable_by_batch_size`` cleared), so each ``k=K``
+    ``fixed``: every request drafts the k it sends, whatever the batch size (the shipped
+    batch-size table and ``speculative_disable_by_batch_size`` cleared), so each ``k=K``
     row measures that k; the ``default`` row has a server of its own, as shipped.
     """
     checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
     edits = checkpoint_edits(args.target, method, checkpoints.get(method))
     edits[ORCHESTRATOR] = {}
     if fixed:
-        edits[ORCHESTRATOR].update(fixed_k_edits(args.repository, ORCHESTRATOR))
+        edits[ORCHESTRATOR].update(num_speculative_tokens_per_batch_size="", speculative_disable_by_batch_size="0")
     if fixed and max(args.ks) > shipped_k:  # a request may ask for at most the configured k
         edits[ORCHESTRATOR]["num_speculative_tokens"] = str(max(args.ks))
     if method == "suffix":  # every phase sends the same prompts: a global tree would draft earlier phases' outputs

@@ -35,7 +35,7 @@ from bench import report
 from bench.client import Job
 from bench.phase import ORCHESTRATOR, Progress, measure_phase, phase_row, warm_up
 from bench.repeat import COLUMNS, RepeatPhase, summary_rows, templated_prompts
-from bench.repository import HERE_SUFFIX, checkpoint_edits, fixed_k_edits, make_variant, method_of, variant_edits
+from bench.repository import HERE_SUFFIX, checkpoint_edits, variant_edits, make_variant, method_of
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.workload import held_out_texts, select_prompts
 from specdec.heads import HEAD_METHODS
@@ -81,7 +81,8 @@ def server_repository(args, name: str, k: int, workdir: Path) -> Path:
     method = method_of(name)
     edits = variant_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft),
                           args.model_k, args.suffix_min_score)  # fmt: skip
-    edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), **fixed_k_edits(args.repository, ORCHESTRATOR)}
+    edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
+                           "speculative_disable_by_batch_size": "0"}  # fmt: skip
     return make_variant(args.repository, workdir / f"repo-{name}", edits)
 
 

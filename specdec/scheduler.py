@@ -6,8 +6,7 @@ while one loop runs every step for all of them:
 
 1. admit waiting sequences in arrival order while fewer than ``max_num_seqs`` run
    (the KV-cache slots the stages hold), and drop cancelled ones;
-2. choose the step's ``k`` from the batch size (a table, :class:`SpeculationLength`, or
-   :class:`~specdec.measured_length.MeasuredSpeculationLength`, told each step's outcome); a sequence
+2. choose the step's ``k`` from the batch size (:class:`SpeculationLength`); a sequence
    drafts fewer if its own ``num_speculative_tokens`` or its tokens left say so;
 3. **one** propose call for every sequence that drafts, **one** verify call for all;
 4. rejection sampling: against a greedy target the drafts are matched to the target's
@@ -37,7 +36,7 @@ import torch
 
 from specdec.engine import SequenceState, StepOutput
 from specdec.rejection_sampler import match_greedy
-from specdec.speculation_length import LengthPolicy
+from specdec.speculation_length import SpeculationLength
 from specdec.types import (
     Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, VerifyRequest, VerifyResult,
 )  # fmt: skip
@@ -83,8 +82,6 @@ class StepReport:
     k: int  # the most drafts the step allowed a sequence
     sequences: tuple[SequenceStep, ...]  # one per sequence verified, in batch order
     calls: dict[str, tuple[int, float]]  # "propose" / "verify" / "sample" -> (sequences, wall seconds), calls made
-    seconds: float = 0.0  # the step's wall time, from its propose call to its last sequence's commit
-    num_prefilling: int = 0  # sequences whose prompt this step verified (their first step)
 
     @property
     def num_sequences(self) -> int:
@@ -143,7 +140,7 @@ class StepScheduler:
     def __init__(
         self,
         stages: Stages,
-        speculation: LengthPolicy,  # a table (SpeculationLength) or MeasuredSpeculationLength
+        speculation: SpeculationLength,
         max_num_seqs: int | None,  # sequences the stages hold at once; None: no limit
         match_greedy_here: bool = True,  # False: every step goes to the sampler (e.g. its synthetic method)
         on_step: Callable[[StepReport], None] | None = None,
@@ -218,9 +215,7 @@ class StepScheduler:
             self._running.append(self._waiting.popleft())
 
     async def _step(self) -> None:
-        start = time.perf_counter()
         batch = list(self._running)
-        num_prefilling = sum(1 for s in batch if not s.state.output_ids)
         k = self.speculation.k_for(len(batch))
         calls: dict[str, tuple[int, float]] = {}  # what the report says of each call
         failed: dict[ScheduledSequence, Exception] = {}
@@ -244,9 +239,7 @@ class StepScheduler:
                 output, len(sequence.state.output_ids), stats.num_draft_tokens, stats.num_accepted_tokens))
             if output.finished:
                 finished.append(sequence)
-        report = StepReport(k, tuple(steps), calls, time.perf_counter() - start, num_prefilling)
-        if not num_prefilling:  # a prompt's verify costs what the prompt costs, whatever k the step chose
-            self.speculation.observe(sum(s.num_new_tokens for s in steps), report.seconds)
+        report = StepReport(k, tuple(steps), calls)
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("step: %d sequences (%d waiting), k=%d, drafted %d, accepted %d, emitted %d; calls %s",
                        report.num_sequences, len(self._waiting), k, sum(s.num_draft_tokens for s in steps),

@@ -27,7 +27,6 @@ end to end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 
 def expected_tokens(acceptance_rate: float, k: int) -> float:
@@ -98,13 +97,6 @@ def parse_per_batch_size(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(table)
 
 
-class LengthPolicy(Protocol):
-    """What the scheduler asks before each step and tells after it."""
-
-    def k_for(self, batch_size: int) -> int: ...  # the most drafts a step of this many sequences allows
-    def observe(self, num_new_tokens: int, seconds: float) -> None: ...  # that step's tokens and wall time
-
-
 @dataclass(frozen=True)
 class SpeculationLength:
     """The most drafts each step allows, from the number of sequences in the step."""
@@ -122,9 +114,6 @@ class SpeculationLength:
                 f"num_speculative_tokens_per_batch_size asks for k = {max(too_big)}, more than "
                 f"num_speculative_tokens = {self.num_speculative_tokens}"
             )
-
-    def observe(self, num_new_tokens: int, seconds: float) -> None:
-        """A table learns nothing from the steps it sized (``MeasuredSpeculationLength`` does)."""
 
     def k_for(self, batch_size: int) -> int:
         if self.disable_by_batch_size and batch_size > self.disable_by_batch_size:

@@ -18,8 +18,7 @@ from specdec.proposers import PROPOSERS
 from specdec.proposers.ngram import NgramConfig
 from specdec.proposers.suffix import SuffixConfig
 from specdec.rejection_sampler import METHODS
-from specdec.measured_length import MeasuredSpeculationLength
-from specdec.speculation_length import LengthPolicy, SpeculationLength, parse_per_batch_size
+from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirstConfig
 from specdec_triton.plumbing import ParameterError, Parameters
 from specdec_triton.speculative_config import PARAMETER
@@ -34,7 +33,6 @@ DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast e
 # (a failed release): its slot is reclaimed. Far above any step's duration.
 DEFAULT_SEQUENCE_IDLE_TIMEOUT_S = 120.0
 STAGE_CALLS = ("socket", "bls")  # speculative_decoding's stage_calls
-SPECULATION_LENGTH_POLICIES = ("table", "measured")  # speculative_decoding's speculation_length_policy
 
 
 @dataclass(frozen=True)
@@ -266,15 +264,6 @@ class OrchestratorConfig:
     max_sequences_per_client: int = 0  # requests one client may have in flight; 0: no limit
     # how a step calls the models holding sequences: socket (specdec_triton.socket_calls, ~0.4 ms a call) | bls
     stage_calls: str = "socket"
-    # table: each step drafts what `speculation` says; measured: that or none, whichever has made more
-    # tokens per second at the step's batch size (specdec.measured_length)
-    speculation_length_policy: str = "table"
-
-    def length_policy(self) -> LengthPolicy:
-        """A new policy for one scheduler (a measured one keeps what it has seen)."""
-        if self.speculation_length_policy == "measured":
-            return MeasuredSpeculationLength(self.speculation)
-        return self.speculation
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> OrchestratorConfig:
@@ -299,8 +288,6 @@ class OrchestratorConfig:
             client_id_parameter=params.get_str("client_id_parameter", None),
             max_sequences_per_client=params.get_int("max_sequences_per_client", 0, minimum=0),
             stage_calls=params.get_str("stage_calls", "socket", choices=STAGE_CALLS),
-            speculation_length_policy=params.get_str("speculation_length_policy", "table",
-                                                     choices=SPECULATION_LENGTH_POLICIES),  # fmt: skip
         )
         params.get_str(PARAMETER, "")  # vLLM's JSON: every model applied it to its own keys while loading
         params.check_all_read()

@@ -161,7 +161,7 @@ class Orchestrator:
         self.descriptions = descriptions
         self.scheduler = StepScheduler(
             self._step_stages(),
-            self.config.length_policy(),
+            self.config.speculation,
             descriptions.max_num_seqs,
             match_greedy_here=descriptions.sampler.method != "synthetic",
             on_step=self._record_step,

@@ -5,7 +5,7 @@ import pytest
 
 from pathlib import Path
 
-from bench.repository import fixed_k_edits, get_parameters, make_variant, parameter_edits, set_parameters
+from bench.repository import get_parameters, make_variant, parameter_edits, set_parameters
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,23 +93,10 @@ def test_the_served_benchmark_points_each_method_at_its_checkpoint_and_the_targe
     spec.loader.exec_module(script)
     target, draft, eagle3, mlp = (tmp_path / name for name in ("target", "draft", "eagle3", "mlp"))
     args = argparse.Namespace(target=target, draft=draft, eagle3=eagle3, mlp_speculator=mlp, ks=[2],
-                              synthetic_acceptance_rate=None, repository=REPO_ROOT / "model_repository")  # fmt: skip
+                              synthetic_acceptance_rate=None)  # fmt: skip
     for method, checkpoint in (("draft_model", draft), ("eagle3", eagle3), ("mlp_speculator", mlp), ("ngram", None)):
         proposer = script.server_edits(args, method, shipped_k=4, fixed=True)["draft_proposer"]
         assert proposer["method"] == method
         assert proposer["target_model"] == ""  # a head drafts for target_verifier's, which is the target
         assert script.server_edits(args, method, 4, True)["target_verifier"]["target_model"] == str(target.resolve())
         assert proposer.get("draft_model") == (str(checkpoint.resolve()) if checkpoint else None)
-        assert script.server_edits(args, method, 4, True)["speculative_decoding"]["speculation_length_policy"] == "table"
-
-
-def test_fixed_k_edits_clear_the_table_and_pin_the_table_policy_where_declared(tmp_path):
-    edits = fixed_k_edits(REPO_ROOT / "model_repository")
-    assert edits == {"num_speculative_tokens_per_batch_size": "", "speculative_disable_by_batch_size": "0",
-                     "speculation_length_policy": "table"}  # fmt: skip
-    variant = make_variant(REPO_ROOT / "model_repository", tmp_path / "fixed", {"speculative_decoding": edits})
-    assert get_parameters((variant / "speculative_decoding" / "config.pbtxt").read_text())["speculation_length_policy"] == "table"
-    older = tmp_path / "older" / "speculative_decoding"  # a repository made before the policy existed
-    older.mkdir(parents=True)
-    older.joinpath("config.pbtxt").write_text('parameters [ { key: "num_speculative_tokens" value: { string_value: "4" } } ]')
-    assert "speculation_length_policy" not in fixed_k_edits(tmp_path / "older")

@@ -358,39 +358,3 @@ def test_stages_that_sample_in_verify_need_no_sample_method():
     scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None)
     outcomes = run_all(scheduler, [make_state(stages, "s0", [1, 2], max_tokens=6, temperature=0.7)])
     assert [t for s in outcomes[0] for t in s.output.new_token_ids] == greedy_reference([1, 2], 6)
-
-
-class RecordingLength:
-    """The table's k, and what each step tells the policy."""
-
-    def __init__(self, k: int):
-        self.table, self.seen = SpeculationLength(k), []
-
-    def k_for(self, batch_size: int) -> int:
-        return self.table.k_for(batch_size)
-
-    def observe(self, num_new_tokens: int, seconds: float) -> None:
-        self.seen.append((num_new_tokens, seconds))
-
-
-def test_the_length_policy_is_told_each_decoding_steps_tokens_and_wall_time():
-    stages, reports = ScriptedStages(), []
-    speculation = RecordingLength(K)
-    scheduler = StepScheduler(stages, speculation, max_num_seqs=None, on_step=reports.append)
-    run_all(scheduler, [make_state(stages, f"s{i}", p, max_tokens=10) for i, p in enumerate(PROMPTS)])
-    assert speculation.seen == [(sum(s.num_new_tokens for s in r.sequences), r.seconds)
-                                for r in reports if not r.num_prefilling]  # fmt: skip
-    assert reports[0].num_prefilling == len(PROMPTS) and not any(r.num_prefilling for r in reports[1:])
-    assert all(r.seconds > 0 for r in reports)
-
-
-def test_a_measured_policy_leaves_the_output_the_targets_own():
-    from specdec.measured_length import MeasuredSpeculationLength
-
-    stages, reports = ScriptedStages(), []
-    scheduler = StepScheduler(stages, MeasuredSpeculationLength(SpeculationLength(K)), max_num_seqs=None,
-                              on_step=reports.append)  # fmt: skip
-    states = [make_state(stages, f"s{i}", p, max_tokens=12) for i, p in enumerate(PROMPTS)]
-    for state, steps in zip(states, run_all(scheduler, states)):
-        assert [t for step in steps for t in step.output.new_token_ids] == greedy_reference(state.prompt_ids, 12)
-    assert {r.k for r in reports} == {0, K}  # both tried

@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from specdec.measured_length import MeasuredSpeculationLength
 from specdec.speculation_length import SpeculationLength
 
 from specdec_triton.configs import (
@@ -149,18 +148,6 @@ def test_component_configs_parse_and_reject(tmp_path):
     assert OrchestratorConfig.from_parameters(params(stage_calls="bls")).stage_calls == "bls"
     with pytest.raises(ParameterError, match=r"'stage_calls' must be one of \('socket', 'bls'\)"):
         OrchestratorConfig.from_parameters(params(stage_calls="pipe"))
-
-
-def test_the_speculation_length_policy_is_the_table_or_measured_over_it():
-    table = OrchestratorConfig.from_parameters(params(num_speculative_tokens_per_batch_size="1:4,3:0"))
-    assert table.length_policy() is table.speculation
-    measured = OrchestratorConfig.from_parameters(params(num_speculative_tokens_per_batch_size="1:4,3:0",
-                                                         speculation_length_policy="measured"))  # fmt: skip
-    policy = measured.length_policy()
-    assert isinstance(policy, MeasuredSpeculationLength) and policy.table == measured.speculation
-    assert measured.length_policy() is not policy  # each scheduler learns its own
-    with pytest.raises(ParameterError, match=r"'speculation_length_policy' must be one of \('table', 'measured'\)"):
-        OrchestratorConfig.from_parameters(params(speculation_length_policy="adaptive"))
 
 
 def test_draft_proposer_config_per_method(tmp_path):
