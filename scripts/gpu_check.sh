@@ -10,12 +10,13 @@
 #      synthetic acceptance): k = 0 against
 #      a draft model, EAGLE-3 and the MLP speculator at one and four streams, with CUDA graphs
 #      (and, with "eager" in STEPS, EAGLE-3 against k = 0 without them).
-# STEPS picks the steps (default "tests lossless checkpoints graphs"; "eager" adds the last), so a
+#   4. where EAGLE-3's time goes at four streams: each propose and verify timed apart (profile_steps.py).
+# STEPS picks the steps (default "tests lossless checkpoints graphs profile"; "eager" adds the last), so a
 # lease of 15 minutes can run them around the served check (scripts/gpu_serve_check.sh, after
 # scripts/gpu_bundle.sh here), which makes or reuses the same random checkpoints:
 #   export COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/gpu
 #   STEPS="tests lossless" bash scripts/gpu_check.sh; bash scripts/gpu_serve_check.sh
-#   STEPS="checkpoints graphs" bash scripts/gpu_check.sh
+#   STEPS="checkpoints graphs profile" bash scripts/gpu_check.sh
 # Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ PY=${PYTHON:-python3}
 MODELS=${MODELS:-/tmp/specdec-random}
 COMMIT=${COMMIT:-unknown}
 RATE=${RATE:-0.7}
-STEPS=" ${STEPS:-tests lossless checkpoints graphs} "
+STEPS=" ${STEPS:-tests lossless checkpoints graphs profile} "
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT" "$MODELS"
 status=0
@@ -66,6 +67,10 @@ RANDOM_PAIR=(--device cuda --dtype bfloat16 --target "$MODELS/llama-1b" --draft 
 step graphs "1B, CUDA graphs" 180 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs on \
   --configs k0,draft_model:4,eagle3:4,mlp_speculator:3 --concurrency 1,4 \
   --num-prompts 16 --max-tokens 64 --rounds ${ROUNDS:-2} --out-dir "$OUT/1b"
+
+step profile "1B, each propose and verify of EAGLE-3 k 4 at four streams timed apart" 90 $PY scripts/profile_steps.py \
+  --target "$MODELS/llama-1b" --eagle3 "$MODELS/llama-1b-eagle3" --method eagle3 --k 4 --concurrency 4 \
+  --device cuda --dtype bfloat16 --synthetic-acceptance-rate "$RATE"
 
 step eager "1B, eager" 90 $PY scripts/benchmark_engine.py "${RANDOM_PAIR[@]}" --cuda-graphs off --no-hf \
   --configs k0,eagle3:4 --concurrency 1 --num-prompts 8 --max-tokens 64 --rounds 1 \
