@@ -13,10 +13,11 @@
 #   4. where EAGLE-3's time goes at four streams: each propose and verify timed apart (profile_steps.py).
 # STEPS picks the steps (default "tests lossless checkpoints graphs profile"; "eager" adds the last), so a
 # lease of 15 minutes can run them around the served check (scripts/gpu_serve_check.sh, after
-# scripts/gpu_bundle.sh here), which makes or reuses the same random checkpoints:
+# scripts/gpu_bundle.sh here), which makes or reuses the same random checkpoints; in two calls of
+# under 10 minutes each, the second right after the first (the machine and /tmp stay while warm):
 #   export COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/gpu
-#   STEPS="tests lossless" bash scripts/gpu_check.sh; bash scripts/gpu_serve_check.sh
-#   STEPS="checkpoints graphs profile" bash scripts/gpu_check.sh
+#   STEPS="tests lossless" bash scripts/gpu_check.sh; bash scripts/gpu_serve_check.sh   # ~6 min
+#   STEPS="checkpoints graphs profile" bash scripts/gpu_check.sh                        # ~3 min
 # Results go to $OUT (default runs/gpu): one JSON per benchmark, the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -10,7 +10,7 @@
 #    are hidden from the server's processes, or transformers fails to import GenerationMixin under 1.26.
 #    The client's packages go into python3 itself, which runs the benchmark with its own numpy;
 # 2. random-weight checkpoints of Llama-3.2-1B's shape (128k vocabulary), its draft and an EAGLE-3 head;
-# 3. the served benchmark: k = 0 against EAGLE-3 (METHODS, KS) on one server per method.
+# 3. the served benchmark: k = 0 against EAGLE-3 and the draft model (METHODS, KS) on one server per method.
 # Results go to OUT_DIR (default $OUT/gpu-served, or runs/gpu-served): the JSON, its log, the servers' logs.
 # COMMIT, where set, is the commit the JSON records (a copy of the checkout may carry no .git, or a stale one).
 set -uo pipefail
@@ -58,8 +58,8 @@ echo "=== checkpoints in $MODELS $(elapsed)"
   > "$OUT_DIR/logs/checkpoints.log" 2>&1 || { tail -5 "$OUT_DIR/logs/checkpoints.log"; exit 1; }
 
 echo "=== served benchmark $(elapsed)"
-timeout "${BENCH_SECONDS:-240}" python3 scripts/benchmark.py --target "$MODELS/llama-1b" --draft "$MODELS/llama-125m" \
-  --eagle3 "$MODELS/llama-1b-eagle3" --methods "${METHODS:-eagle3}" --ks "${KS:-3}" --concurrency "${CONCURRENCY:-1,4}" \
+timeout "${BENCH_SECONDS:-300}" python3 scripts/benchmark.py --target "$MODELS/llama-1b" --draft "$MODELS/llama-125m" \
+  --eagle3 "$MODELS/llama-1b-eagle3" --methods "${METHODS:-eagle3,draft_model}" --ks "${KS:-3}" --concurrency "${CONCURRENCY:-1,4}" \
   --num-prompts 8 --max-tokens 64 --rounds "${ROUNDS:-2}" --no-hf --synthetic-acceptance-rate 0.7 \
   ${COMMIT:+--commit "$COMMIT"} --note "tritonserver 2.51 from the nvidia-pytriton wheel in a numpy 1.26 venv (scripts/gpu_serve_check.sh)" \
   --out-dir "$OUT_DIR" --log-dir "$OUT_DIR/logs" 2>&1 | grep -v '%|' | tee "$OUT_DIR/benchmark.log"
