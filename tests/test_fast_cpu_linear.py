@@ -98,3 +98,20 @@ def test_packed_weights_leave_the_table_with_their_module():
     del packed
     gc.collect()
     assert key not in cpu_linear._PACKED
+
+
+def test_a_model_too_large_for_two_copies_in_cache_keeps_no_dense_copies(monkeypatch):
+    """Dense copies pay only while they and the packed weights share the cache."""
+    wide = PACK_MIN_ELEMENTS // 64
+
+    def model():
+        return nn.Sequential(nn.Linear(64, wide), nn.Linear(wide, 64))
+
+    small = model()
+    assert pack_linears(small) == 2 and all(m.dense_weight is not None for m in small)
+    monkeypatch.setattr("specdec.fast.cpu_linear.DENSE_COPIES_MAX_MODEL_BYTES", 2 * PACK_MIN_ELEMENTS * 4 - 1)
+    large = model()
+    x = torch.randn(1, 64)
+    expected = large(x)
+    assert pack_linears(large) == 2 and all(m.dense_weight is None for m in large)
+    torch.testing.assert_close(large(x), expected, atol=1e-5, rtol=1e-5)  # one row, through the packed path

@@ -11,8 +11,9 @@ inductor's CPU freezing pass does) streams the weights near memory bandwidth for
 A verify pass then costs about what a one-token step costs, which is the premise
 of speculative decoding (the same model: 33 ms for one token and for five, 09:42
 run). Small weights, which stay in cache and where a call's fixed cost
-dominates, also keep a dense copy for one-row passes (a draft model's steps), and
-the smallest (under ``PACK_MIN_ELEMENTS``) are not packed at all.
+dominates, also keep a dense copy for one-row passes (a draft model's steps) in a
+model small enough that both copies stay in cache (``DENSE_COPIES_MAX_MODEL_BYTES``),
+and the smallest (under ``PACK_MIN_ELEMENTS``) are not packed at all.
 
 The packed weight is an opaque oneDNN tensor; the numerics are those of an fp32
 (or bf16) GEMM, equal to ``F.linear`` up to summation order.
@@ -39,6 +40,12 @@ MIN_ROWS = 4  # passes of fewer rows are padded: oneDNN's 3-6 row kernels beat i
 PACKING_BATCH_HINT = 8  # the row count the blocked layout is tuned for (decode and verify sizes)
 PACK_MIN_ELEMENTS = 1 << 17  # smaller weights stay nn.Linear: a oneDNN call's fixed cost outweighs its gain
 DENSE_COPY_MAX_ELEMENTS = 1 << 20  # weights below this keep a dense copy for one-row passes (4 MiB in fp32)
+# Dense copies double what a model's packed linears occupy, and pay only while both copies stay
+# in the last-level cache: on the 2-core EPYC (32 MB L3) they made the shipped draft's one-token
+# step 12 % faster (2 MB of packed weights) and the EAGLE-3 head's proposal 6 % (10 MB), but the
+# shipped target's one-token step 15 % slower (22 MB: 2.3 against 2.0 ms). So a model whose
+# packed linears exceed this keeps none.
+DENSE_COPIES_MAX_MODEL_BYTES = 16 << 20
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -88,7 +95,9 @@ def _(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """``nn.Linear`` for inference on CPU; built from a loaded ``nn.Linear``, whose weight it replaces."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dense_copy: bool = True):
+        """``dense_copy``: keep a dense copy of a small weight for one-row passes (``pack_linears`` decides
+        per model)."""
         super().__init__()
         weight = linear.weight.detach()  # [out_features, in_features]
         if weight.device.type != "cpu" or not cpu_packing_available(weight.dtype):
@@ -99,7 +108,7 @@ class PackedLinear(nn.Module):
         # (the shipped draft's one-token steps got slower when packed); a copy of a small weight costs little
         self.weights = _PackedWeights(
             torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT),
-            weight if weight.numel() < DENSE_COPY_MAX_ELEMENTS else None,
+            weight if dense_copy and weight.numel() < DENSE_COPY_MAX_ELEMENTS else None,
             None if linear.bias is None else linear.bias.detach(),
         )  # fmt: skip
         self.register_buffer("key", torch.tensor([next(_NEXT_KEY)]), persistent=False)  # [1] int64
@@ -124,12 +133,20 @@ class PackedLinear(nn.Module):
 
 def pack_linears(module: nn.Module) -> int:
     """Replace each ``nn.Linear`` under ``module`` of at least ``PACK_MIN_ELEMENTS`` weights by a
-    ``PackedLinear``; returns how many were replaced."""
-    replaced = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.numel() >= PACK_MIN_ELEMENTS:
-            setattr(module, name, PackedLinear(child))
-            replaced += 1
-        elif not isinstance(child, nn.Linear):
-            replaced += pack_linears(child)
-    return replaced
+    ``PackedLinear``, with dense copies while they total at most ``DENSE_COPIES_MAX_MODEL_BYTES``;
+    returns how many were replaced."""
+    packable = list(_packable_linears(module))
+    total = sum(child.weight.numel() * child.weight.element_size() for _, _, child in packable)
+    for parent, name, child in packable:
+        setattr(parent, name, PackedLinear(child, dense_copy=total <= DENSE_COPIES_MAX_MODEL_BYTES))
+    return len(packable)
+
+
+def _packable_linears(module: nn.Module):
+    """(parent, attribute name, linear) of each linear ``pack_linears`` packs."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            if child.weight.numel() >= PACK_MIN_ELEMENTS:
+                yield module, name, child
+        else:
+            yield from _packable_linears(child)
