@@ -42,8 +42,8 @@ PACK_MIN_ELEMENTS = 1 << 17  # smaller weights stay nn.Linear: a oneDNN call's f
 DENSE_COPY_MAX_ELEMENTS = 1 << 20  # weights below this keep a dense copy for one-row passes (4 MiB in fp32)
 # Dense copies double what a model's packed linears occupy, and pay only while both copies stay
 # in the last-level cache: on the 2-core EPYC (32 MB L3) they made the shipped draft's one-token
-# step 12 % faster (2 MB of packed weights) and the EAGLE-3 head's proposal 6 % (10 MB), but the
-# shipped target's one-token step 15 % slower (22 MB: 2.3 against 2.0 ms). So a model whose
+# step 12 % faster (2 MB of packed weights) and the EAGLE-3 head's proposal 6 % (1 MB), but the
+# shipped target's one-token step 15 % slower (21 MB: 2.3 against 2.0 ms). So a model whose
 # packed linears exceed this keeps none.
 DENSE_COPIES_MAX_MODEL_BYTES = 16 << 20
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
