@@ -17,10 +17,26 @@ from dataclasses import dataclass, field
 
 from bench.stats import Acceptance, RequestTiming, latency_summary, source_figures
 from specdec.engine import GenerationParams, SequenceState
+from specdec.fast import FastCausalLM
+from specdec.heads import HEAD_METHODS, build_head_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepReport, StepScheduler
 from specdec.speculation_length import SpeculationLength
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
+
+
+def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cuda_graphs: bool | None):
+    """The proposer of ``method`` from the checkpoints ``args`` names (``draft``, ``eagle3``,
+    ``mlp_speculator``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is."""
+    if method == "draft_model":
+        return DraftModelProposer(FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len,
+                                               cuda_graphs=cuda_graphs))  # fmt: skip
+    if method in HEAD_METHODS:
+        path = args.eagle3 if method == "eagle3" else args.mlp_speculator
+        return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
+                                   cuda_graphs=cuda_graphs if args.device != "cpu" else None)  # fmt: skip
+    return NgramProposer() if method == "ngram" else SuffixProposer()
 
 
 class LocalStages:

@@ -44,15 +44,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench import report  # noqa: E402
 from bench.bound import forward_ms, speedup_bound  # noqa: E402
-from bench.engine import LocalStages, run_phase  # noqa: E402
+from bench.engine import LocalStages, build_proposer, run_phase  # noqa: E402
 from bench.repository import SUFFIX_FIRST, method_of, suffix_first  # noqa: E402
 from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
 from specdec.fast import FastCausalLM  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
-from specdec.heads import HEAD_METHODS, build_head_proposer  # noqa: E402
+from specdec.heads import HEAD_METHODS  # noqa: E402
 from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
-from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
 from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
@@ -127,17 +126,6 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
     chosen = select_prompts(held_out_texts(), lambda t: tokenizer(t)["input_ids"], args.num_prompts,
                             args.prompt_tokens, args.seed)  # fmt: skip
     return [p.token_ids for p in chosen]
-
-
-def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, graphs: bool):
-    if method == "draft_model":
-        lm = FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=graphs)
-        return DraftModelProposer(lm)
-    if method in HEAD_METHODS:
-        path = args.eagle3 if method == "eagle3" else args.mlp_speculator
-        return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
-                                   cuda_graphs=graphs if args.device != "cpu" else None)  # fmt: skip
-    return NgramProposer() if method == "ngram" else SuffixProposer()
 
 
 def step_times(lm: FastCausalLM, ks: list[int], context: int, repeats: int) -> dict[str, float]:

@@ -4,7 +4,7 @@
         --device cuda --dtype bfloat16 --synthetic-acceptance-rate 0.7 [--profile-eager-head]
 
 Runs ``--num-prompts`` random prompts through the step scheduler (as ``benchmark_engine.py``
-does, CUDA graphs wherever the device has them) with every ``propose`` and ``verify``
+does: CUDA graphs wherever the device has them, uncompiled on CPU) with every ``propose`` and ``verify``
 wrapped: each call's wall time (the device synchronised before and after), its rows and its
 widest row's new tokens. Calls with a row wider than ``--wide`` tokens (a prompt's prefill)
 are reported apart from the steps, so a phase's time splits into prefills, verify steps and
@@ -26,12 +26,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.bound import propose_ms, synchronize  # noqa: E402
-from bench.engine import LocalStages, run_phase  # noqa: E402
+from bench.engine import LocalStages, build_proposer, run_phase  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
 from specdec.fast import FastCausalLM  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
-from specdec.heads import HEAD_METHODS, build_head_proposer  # noqa: E402
-from specdec.proposers import DraftModelProposer  # noqa: E402
+from specdec.heads import HEAD_METHODS  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
 
@@ -88,18 +87,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build_proposer(args, max_num_seqs: int, max_model_len: int, graphs: bool | None):
-    if args.method == "draft_model":
-        return DraftModelProposer(FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len,
-                                               cuda_graphs=graphs))  # fmt: skip
-    path = args.eagle3 if args.method == "eagle3" else args.mlp_speculator
-    return build_head_proposer(args.method, path, args.target, args.dtype, args.device, max_num_seqs,
-                               cuda_graphs=graphs)  # fmt: skip
-
-
 def profile_eager_head(args, max_model_len: int) -> None:
     """``torch.profiler``'s top operators over a few steady-state proposals of the head without graphs."""
-    proposer = build_proposer(args, 1, max_model_len, graphs=False if args.device != "cpu" else None)
+    proposer = build_proposer(args.method, args, 1, max_model_len, cuda_graphs=False)
     width = len(proposer.hidden_state_layers) * read_config(args.target).hidden_size
     print(f"eager head, {args.k}-draft proposal: "
           f"{propose_ms(proposer, width, proposer.vocab_size, args.prompt_tokens, [args.k], 10)[args.k]:.2f} ms")
@@ -119,7 +109,7 @@ def main() -> None:
     prompts = [torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.num_prompts)]
     lm = FastCausalLM(args.target, args.dtype, args.device, args.concurrency, max_model_len)
     verifier = TargetVerifier(lm)
-    proposer = None if args.method == "k0" else build_proposer(args, args.concurrency, max_model_len, None)
+    proposer = None if args.method == "k0" else build_proposer(args.method, args, args.concurrency, max_model_len, None)
     k = 0 if proposer is None else args.k
     rule = ("synthetic", args.synthetic_acceptance_rate) if args.synthetic_acceptance_rate is not None else ("strict", 0.0)
     params = GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, num_speculative_tokens=k)

@@ -167,14 +167,14 @@ def write_kv_in_place(cache, layer: int, write_slot, write_pos, keys, values) ->
 # with every prompt and step: on an H200 an EAGLE-3 head's pass that mixed one prompt with
 # decoding rows took 80-780 ms against 4 ms with the memory-efficient kernel, and a head's
 # 4-draft proposal 164 ms.
-CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attend(q, keys, values, mask, **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention``, on CUDA without cuDNN's backend (``CUDA_SDPA_BACKENDS``)."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **kwargs)
-    with sdpa_kernel(list(CUDA_SDPA_BACKENDS)):
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **kwargs)
 
 
