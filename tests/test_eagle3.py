@@ -20,6 +20,7 @@ from specdec.fast.checkpoint import read_config
 from specdec.fast.runner import FastCausalLM
 from specdec.fast.cuda_graphs import StaticShapeRunner
 from specdec.heads import build_head_proposer, describe_head
+from specdec.heads.compiled_steps import STEPS_PER_CALL
 from specdec.heads.cuda_graphs import StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for, train_forward
 from specdec.heads.formats import load_eagle3, save_eagle3
@@ -279,6 +280,41 @@ def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(heads, monkeyp
     assert drafts(False, 3, banned)[1] != free[1]
     for k in (1, 3, 5):
         assert drafts(True, k, banned) == drafts(False, k, banned)
+
+
+def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeypatch):
+    """With ``cpu_compile``, greedy steps run ``STEPS_PER_CALL`` to a compiled call and the rest a pass a
+    call: the drafts are the per-step loop's for every k, bans binding part of a call's steps included.
+    One head (the shipped depth): each head's graphs take tens of seconds to compile."""
+    _, target_dir, head_dir = two_layer_pair
+    lm = FastCausalLM(target_dir, max_num_seqs=4)
+    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
+    prompts = {"a": PROMPTS[3], "b": PROMPTS[2]}
+    calls = [ForwardCall(s, 0, t[:-1], 1) for s, t in prompts.items()]
+    hidden = dict(zip(prompts, lm.forward_with_hidden(calls, head.config.aux_layers)[1]))
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=True)
+    chunks = []
+    original = proposer._greedy_steps.run
+    monkeypatch.setattr(proposer._greedy_steps, "run", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
+
+    def drafts(on_device: bool, k: int, seq_ids: tuple[str, ...], banned: tuple[int, ...]) -> list[list[int]]:
+        monkeypatch.setattr(proposer, "_uniform_greedy", lambda requests: on_device)
+        requests = [ProposeRequest(s, 0, prompts[s], k, SamplingParams(), 0, hidden_states=hidden[s],
+                                   num_banned_tokens=3 if s == "b" else 0, banned_token_ids=banned if s == "b" else ())
+                    for s in seq_ids]  # fmt: skip
+        out = [p.token_ids.tolist() for p in proposer.propose(requests)]
+        for s in seq_ids:
+            proposer.release(s)
+        return out
+
+    free = drafts(False, 4, ("b",), ())
+    banned = (free[0][1], free[0][2])  # b's second and third drafts: banned inside the compiled call
+    assert drafts(False, 4, ("b",), banned) != free
+    for seq_ids in (("b",), ("a", "b")):  # one row and several: graphs of their own
+        for k in (1, 2, 4, 5, 7, 8):
+            chunks.clear()
+            assert drafts(True, k, seq_ids, banned) == drafts(False, k, seq_ids, banned), (seq_ids, k)
+            assert chunks == [len(seq_ids)] * ((k - 1) // STEPS_PER_CALL), (seq_ids, k)
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf", "fast-compiled"])

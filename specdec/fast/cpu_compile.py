@@ -79,16 +79,22 @@ def compile_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     call raises its own thread's recompile limit first, or a head's graphs compiled there
     would stop the forward at torch's default of eight per code object.
     """
+    return compile_dynamic(model.forward)
+
+
+def compile_dynamic(function: Callable) -> Callable:
+    """``function`` compiled for every shape (``dynamic=True``) as one graph, no breaks: ``compile_forward``'s
+    compile, for a function that runs a model's forward among other ops (``specdec.heads.compiled_steps``)."""
     check_compiler()
     use_utf8_text_files()
-    compiled = torch.compile(model.forward, dynamic=True, fullgraph=True)
+    compiled = torch.compile(function, dynamic=True, fullgraph=True)
 
-    def forward(*args, **kwargs) -> torch.Tensor:
+    def call(*args, **kwargs):
         if torch._dynamo.config.recompile_limit < GRAPHS_PER_FORWARD:
             torch._dynamo.config.recompile_limit = GRAPHS_PER_FORWARD  # this thread's override
         return compiled(*args, **kwargs)
 
-    return forward
+    return call
 
 
 def warm_up_plan(free_slots: int, max_model_len: int) -> tuple[list[str], list[tuple[int, int]]]:

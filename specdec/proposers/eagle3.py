@@ -32,6 +32,7 @@ from torch.nn.utils.rnn import pad_sequence
 from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.runner import padding_bounded_passes
+from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
@@ -72,6 +73,7 @@ class Eagle3Proposer:
         self._draft_targets = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [draft_vocab]
         self._draft_targets_host = self._draft_targets.cpu()  # for the ban masks, built on the host
         self._head_forward = head  # the module, or its compiled forward
+        self._greedy_steps: CompiledGreedySteps | None = None  # on CPU with cpu_compile: drafting steps unrolled
         self.graphs: StaticHeadRunner | None = None
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
@@ -82,6 +84,7 @@ class Eagle3Proposer:
             if self.device.type != "cpu":
                 raise ValueError(f"cpu_compile is for CPU devices, got {str(self.device)!r}")
             self._head_forward = compile_forward(head)
+            self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
             self._warm_up()
 
     def _warm_up(self) -> None:
@@ -102,6 +105,12 @@ class Eagle3Proposer:
                           [rows_of(WARM_UP_PREFIX)] * len(seq_ids))  # fmt: skip
             for rows, tokens in shapes:
                 self._forward(seq_ids[:rows], [WARM_UP_PREFIX] * rows, [[0] * tokens] * rows, [rows_of(tokens)] * rows)
+            for rows in sorted({rows for rows, _ in shapes}):  # one row and several: torch specialises size 1
+                zeros = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows]: ids, bans left
+                slots = torch.tensor([self.cache.slot(s) for s in seq_ids[:rows]], device=self.device)  # [rows]
+                banned = torch.zeros(rows, self.head.config.draft_vocab_size, dtype=torch.bool, device=self.device)
+                self._greedy_steps.run(zeros, rows_of(rows), zeros + WARM_UP_PREFIX, slots, self.cache.kv,
+                                       WARM_UP_PREFIX + 1, banned, zeros)  # fmt: skip
         finally:
             for seq_id in seq_ids:
                 self.cache.release(seq_id)
@@ -269,18 +278,29 @@ class Eagle3Proposer:
         build the next pass, so a GPU idles between the head's small passes. Here each step's argmax
         (banned ids masked while ``min_tokens`` bans them) stays a device tensor that feeds
         the next pass, and the k drafts come back in one copy at the end: the passes queue
-        back to back. The drafts are the per-step loop's, token for token.
+        back to back. On a CPU with ``cpu_compile`` the steps go ``STEPS_PER_CALL`` to one compiled
+        call (``specdec.heads.compiled_steps``). The drafts are the per-step loop's, token for token.
         """
         b, k = len(requests), requests[0].num_tokens
         bases = [len(seq.tokens) - 2 for seq in seqs]  # the position of each row's step 1 is base + 1
         host = torch.tensor(bases + [self.cache.slot(r.seq_id) for r in requests] + [1] * b, dtype=torch.long)
         base, slots, ones = host.to(self.device, non_blocking=True).view(3, b)  # [B] each; ones: one token a row
-        drafts = []  # k x [B] target ids
-        for step in range(k):
-            if step:  # the last draft and the head's own pre-norm output of the row before
-                logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots,
-                                             max(bases) + step + 1)  # fmt: skip
+        drafts = [self._greedy_ids(logits, 0, bans)]  # k x [B] target ids
+        if self._greedy_steps is not None:
+            banned, num_banned = bans if bans is not None else (torch.zeros_like(logits, dtype=torch.bool),
+                                                                torch.zeros_like(base))  # fmt: skip
+        step = 1
+        while step < k:  # the last draft and the head's own pre-norm output of the row before
+            if self._greedy_steps is not None and k - step >= STEPS_PER_CALL:  # several steps a compiled call
+                ids, prenorm = self._greedy_steps.run(drafts[-1], prenorm, base + step, slots, self.cache.kv,
+                                                      max(bases) + step + 1, banned, num_banned - step)  # fmt: skip
+                drafts += ids.unbind(1)
+                step += STEPS_PER_CALL
+                continue
+            logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots,
+                                         max(bases) + step + 1)  # fmt: skip
             drafts.append(self._greedy_ids(logits, step, bans))  # [B]
+            step += 1
         return torch.stack(drafts, 1).tolist()  # [B, k]: the one copy to the host
 
     def _pass(self, input_ids, hidden, starts, num_new, slots, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
