@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch._dynamo.utils import counters
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.cached_lm import ForwardCall
@@ -307,6 +308,7 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
             proposer.release(s)
         return out
 
+    compiles = counters["aot_autograd"]["total"]
     free = drafts(False, 4, ("b",), ())
     banned = (free[0][1], free[0][2])  # b's second and third drafts: banned inside the compiled call
     assert drafts(False, 4, ("b",), banned) != free
@@ -315,6 +317,7 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
             chunks.clear()
             assert drafts(True, k, seq_ids, banned) == drafts(False, k, seq_ids, banned), (seq_ids, k)
             assert chunks == [len(seq_ids)] * ((k - 1) // STEPS_PER_CALL), (seq_ids, k)
+    assert counters["aot_autograd"]["total"] == compiles, "every graph is compiled at load, none by a request"
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf", "fast-compiled"])

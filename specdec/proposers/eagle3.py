@@ -37,7 +37,7 @@ from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.sampling import make_generator, process_logits, sample_from_probs
-from specdec.types import Proposal, ProposeRequest
+from specdec.types import Proposal, ProposeRequest, SamplingParams
 
 
 @dataclass
@@ -87,33 +87,39 @@ class Eagle3Proposer:
             self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
             self._warm_up()
 
+    # (new tokens, k, sampled) of each warm-up request after the prefill: a step that accepted nothing,
+    # then one that accepted drafts, at every k the loops run differently (no step, a pass, steps compiled
+    # together, and those followed by a pass), and a sampled one (the per-step loop)
+    _WARM_UP_STEPS = ((1, 1, False), (2, 2, False), (1, STEPS_PER_CALL + 1, False), (3, STEPS_PER_CALL + 2, False),
+                      (2, 2, True))  # fmt: skip
+
     def _warm_up(self) -> None:
-        """Compile every graph a request needs now: a prefill, then decode and verify passes through
-        ``_forward``, on slots given back after (as ``cpu_compile.warm_up`` does for a ``FastCausalLM``)."""
-        seq_ids, shapes = warm_up_plan(self.cache.num_free, self.max_model_len)
-        if not seq_ids:
+        """Compile every graph a request needs now, through ``propose`` itself, on sequences released after.
+
+        A graph's guards check how its inputs were made as well as their shapes (a view's
+        storage offset, a stride, sizes 0 and 1 specialised), so passes fed made-up tensors
+        left graphs for the first requests to compile: a stall of seconds at serving time. One
+        sequence, then several at once, each sent a prefill and then ``_WARM_UP_STEPS``.
+        """
+        seq_ids, _ = warm_up_plan(self.cache.num_free, self.max_model_len)
+        needed = WARM_UP_PREFIX + sum(n for n, _, _ in self._WARM_UP_STEPS) + STEPS_PER_CALL + 2
+        if not seq_ids or needed > self.max_model_len:
             return  # a head this short compiles on its first passes instead
-        width, dtype = self.head.config.hidden_size, self.head.dtype
-
-        def rows_of(n: int) -> torch.Tensor:  # [n, h]
-            return torch.zeros(n, width, dtype=dtype, device=self.device)
-
-        for seq_id in seq_ids:
-            self.cache.allocate(seq_id)
-        try:
-            self._forward(seq_ids, [0] * len(seq_ids), [[0] * WARM_UP_PREFIX] * len(seq_ids),
-                          [rows_of(WARM_UP_PREFIX)] * len(seq_ids))  # fmt: skip
-            for rows, tokens in shapes:
-                self._forward(seq_ids[:rows], [WARM_UP_PREFIX] * rows, [[0] * tokens] * rows, [rows_of(tokens)] * rows)
-            for rows in sorted({rows for rows, _ in shapes}):  # one row and several: torch specialises size 1
-                zeros = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows]: ids, bans left
-                slots = torch.tensor([self.cache.slot(s) for s in seq_ids[:rows]], device=self.device)  # [rows]
-                banned = torch.zeros(rows, self.head.config.draft_vocab_size, dtype=torch.bool, device=self.device)
-                self._greedy_steps.run(zeros, rows_of(rows), zeros + WARM_UP_PREFIX, slots, self.cache.kv,
-                                       WARM_UP_PREFIX + 1, banned, zeros)  # fmt: skip
-        finally:
-            for seq_id in seq_ids:
-                self.cache.release(seq_id)
+        width = self.head.config.feature_size
+        for rows in sorted({1, len(seq_ids)}):  # one row and several: torch specialises size 1
+            batch = seq_ids[:rows]
+            try:
+                self.propose([ProposeRequest(s, 0, [0] * WARM_UP_PREFIX, 1, SamplingParams(), 0,
+                                             hidden_states=torch.zeros(WARM_UP_PREFIX - 1, width)) for s in batch])
+                length = WARM_UP_PREFIX
+                for new, k, sampled in self._WARM_UP_STEPS:
+                    sampling = SamplingParams(temperature=1.0) if sampled else SamplingParams()
+                    self.propose([ProposeRequest(s, length, [0] * new, k, sampling, 0, hidden_position=length - 1,
+                                                 hidden_states=torch.zeros(new, width)) for s in batch])  # fmt: skip
+                    length += new
+            finally:
+                for seq_id in batch:
+                    self.release(seq_id)
 
     @property
     def num_active_sequences(self) -> int:
@@ -294,7 +300,8 @@ class Eagle3Proposer:
             if self._greedy_steps is not None and k - step >= STEPS_PER_CALL:  # several steps a compiled call
                 ids, prenorm = self._greedy_steps.run(drafts[-1], prenorm, base + step, slots, self.cache.kv,
                                                       max(bases) + step + 1, banned, num_banned - step)  # fmt: skip
-                drafts += ids.unbind(1)
+                # [B] each with a stride of 1, even for one row (a graph's guards check it; .contiguous() keeps 3)
+                drafts += ids.t().clone(memory_format=torch.contiguous_format).unbind(0)
                 step += STEPS_PER_CALL
                 continue
             logits, prenorm = self._pass(drafts[-1][:, None], prenorm[:, None], base + step, ones, slots,
