@@ -290,7 +290,7 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
     _, target_dir, head_dir = two_layer_pair
     lm = FastCausalLM(target_dir, max_num_seqs=4)
     head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    prompts = {"a": PROMPTS[3], "b": PROMPTS[2]}
+    prompts = {"a": PROMPTS[3], "b": PROMPTS[2], "c": PROMPTS[0]}
     calls = [ForwardCall(s, 0, t[:-1], 1) for s, t in prompts.items()]
     hidden = dict(zip(prompts, lm.forward_with_hidden(calls, head.config.aux_layers)[1]))
     proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=True)
@@ -312,7 +312,7 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
     free = drafts(False, 4, ("b",), ())
     banned = (free[0][1], free[0][2])  # b's second and third drafts: banned inside the compiled call
     assert drafts(False, 4, ("b",), banned) != free
-    for seq_ids in (("b",), ("a", "b")):  # one row and several: graphs of their own
+    for seq_ids in (("b",), ("a", "b"), ("a", "b", "c")):  # one row and several (more than warmed up)
         for k in (1, 2, 4, 5, 7, 8):
             chunks.clear()
             assert drafts(True, k, seq_ids, banned) == drafts(False, k, seq_ids, banned), (seq_ids, k)

@@ -27,7 +27,6 @@ import shutil
 from collections.abc import Callable
 
 import torch
-import torch.fx.experimental._config as shape_config
 from torch import nn
 
 from specdec.cached_lm import CachedLM, ForwardCall
@@ -93,7 +92,6 @@ def compile_dynamic(function: Callable) -> Callable:
     def call(*args, **kwargs):
         if torch._dynamo.config.recompile_limit < GRAPHS_PER_FORWARD:
             torch._dynamo.config.recompile_limit = GRAPHS_PER_FORWARD  # this thread's override
-        shape_config.use_duck_shape = False
         return compiled(*args, **kwargs)
 
     return call

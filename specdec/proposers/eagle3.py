@@ -83,6 +83,9 @@ class Eagle3Proposer:
         if cpu_compile:
             if self.device.type != "cpu":
                 raise ValueError(f"cpu_compile is for CPU devices, got {str(self.device)!r}")
+            # the cache's sizes never change: as symbols, one equal to a warm-up pass's row count (a head of
+            # two layers, two sequences) would be taken for the same symbol and a third sequence recompile
+            torch._dynamo.mark_static(self.cache.kv)
             self._head_forward = compile_forward(head)
             self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
             self._warm_up()
