@@ -253,15 +253,20 @@ def test_greedy_drafts_with_banned_ids_are_the_target_vocabulary_argmax(pair):
     assert first_draft(banned) == int(greedy_tokens(row, 1, banned)) not in banned
 
 
+def three_prompts_and_features(target_dir, head_dir) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """Three prompts by seq_id, and the target's features of each (its tokens but the last) the head reads."""
+    lm = FastCausalLM(target_dir, max_num_seqs=4)
+    layers = load_eagle3(head_dir, target_dir, torch.float32, "cpu").config.aux_layers
+    prompts = {"a": PROMPTS[3], "b": PROMPTS[2], "c": PROMPTS[0]}
+    calls = [ForwardCall(s, 0, t[:-1], 1) for s, t in prompts.items()]
+    return prompts, dict(zip(prompts, lm.forward_with_hidden(calls, layers)[1]))
+
+
 def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(heads, monkeypatch):
     """Uniform greedy batches feed each draft to the next pass on the device; the drafts are the
     per-step loop's, bans (for the first two drafts of one sequence) included."""
     _, target_dir, head_dir = heads
-    lm = FastCausalLM(target_dir, max_num_seqs=4)
-    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    prompts = {"a": PROMPTS[3], "b": PROMPTS[2], "c": PROMPTS[0]}
-    calls = [ForwardCall(s, 0, t[:-1], 1) for s, t in prompts.items()]
-    hidden = dict(zip(prompts, lm.forward_with_hidden(calls, head.config.aux_layers)[1]))
+    prompts, hidden = three_prompts_and_features(target_dir, head_dir)
 
     def drafts(on_device: bool, k: int, banned: tuple[int, ...]) -> list[list[int]]:
         proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4)
@@ -288,11 +293,7 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
     call: the drafts are the per-step loop's for every k, bans binding part of a call's steps included.
     One head (the shipped depth): each head's graphs take tens of seconds to compile."""
     _, target_dir, head_dir = two_layer_pair
-    lm = FastCausalLM(target_dir, max_num_seqs=4)
-    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    prompts = {"a": PROMPTS[3], "b": PROMPTS[2], "c": PROMPTS[0]}
-    calls = [ForwardCall(s, 0, t[:-1], 1) for s, t in prompts.items()]
-    hidden = dict(zip(prompts, lm.forward_with_hidden(calls, head.config.aux_layers)[1]))
+    prompts, hidden = three_prompts_and_features(target_dir, head_dir)
     proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=True)
     chunks = []
     original = proposer._greedy_steps.run
