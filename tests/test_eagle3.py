@@ -318,6 +318,11 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
             chunks.clear()
             assert drafts(True, k, seq_ids, banned) == drafts(False, k, seq_ids, banned), (seq_ids, k)
             assert chunks == [len(seq_ids)] * ((k - 1) // STEPS_PER_CALL), (seq_ids, k)
+    for seq_ids in (("b",), ("a", "b", "c")):  # sampled: the per-step loop, with its q
+        proposer.propose([ProposeRequest(s, 0, prompts[s], 3, SamplingParams(temperature=1.0), 1,
+                                         hidden_states=hidden[s]) for s in seq_ids])  # fmt: skip
+        for s in seq_ids:
+            proposer.release(s)
     assert counters["aot_autograd"]["total"] == compiles, "every graph is compiled at load, none by a request"
 
 

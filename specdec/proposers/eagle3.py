@@ -90,11 +90,10 @@ class Eagle3Proposer:
             self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
             self._warm_up()
 
-    # (new tokens, k, sampled) of each warm-up request after the prefill: a step that accepted nothing,
-    # then one that accepted drafts, at every k the loops run differently (no step, a pass, steps compiled
-    # together, and those followed by a pass), and a sampled one (the per-step loop)
-    _WARM_UP_STEPS = ((1, 1, False), (2, 2, False), (1, STEPS_PER_CALL + 1, False), (3, STEPS_PER_CALL + 2, False),
-                      (2, 2, True))  # fmt: skip
+    # (new tokens, k) of each greedy warm-up request after the prefill: a step that accepted nothing, then
+    # one that accepted drafts, at every k the loop runs differently (no step, a pass, steps compiled
+    # together, and those followed by a pass); a sampled request's per-step loop makes the same passes
+    _WARM_UP_STEPS = ((1, 1), (2, 2), (1, STEPS_PER_CALL + 1), (3, STEPS_PER_CALL + 2))
 
     def _warm_up(self) -> None:
         """Compile every graph a request needs now, through ``propose`` itself, on sequences released after.
@@ -105,7 +104,7 @@ class Eagle3Proposer:
         sequence, then several at once, each sent a prefill and then ``_WARM_UP_STEPS``.
         """
         seq_ids, _ = warm_up_plan(self.cache.num_free, self.max_model_len)
-        needed = WARM_UP_PREFIX + sum(n for n, _, _ in self._WARM_UP_STEPS) + STEPS_PER_CALL + 2
+        needed = WARM_UP_PREFIX + sum(n for n, _ in self._WARM_UP_STEPS) + STEPS_PER_CALL + 2
         if not seq_ids or needed > self.max_model_len:
             return  # a head this short compiles on its first passes instead
         width = self.head.config.feature_size
@@ -115,10 +114,10 @@ class Eagle3Proposer:
                 self.propose([ProposeRequest(s, 0, [0] * WARM_UP_PREFIX, 1, SamplingParams(), 0,
                                              hidden_states=torch.zeros(WARM_UP_PREFIX - 1, width)) for s in batch])
                 length = WARM_UP_PREFIX
-                for new, k, sampled in self._WARM_UP_STEPS:
-                    sampling = SamplingParams(temperature=1.0) if sampled else SamplingParams()
-                    self.propose([ProposeRequest(s, length, [0] * new, k, sampling, 0, hidden_position=length - 1,
-                                                 hidden_states=torch.zeros(new, width)) for s in batch])  # fmt: skip
+                for new, k in self._WARM_UP_STEPS:
+                    self.propose([ProposeRequest(s, length, [0] * new, k, SamplingParams(), 0,
+                                                 hidden_position=length - 1, hidden_states=torch.zeros(new, width))
+                                  for s in batch])  # fmt: skip
                     length += new
             finally:
                 for seq_id in batch:
