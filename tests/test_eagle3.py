@@ -291,7 +291,7 @@ def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(heads, monkeyp
 def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeypatch):
     """With ``cpu_compile``, greedy steps run ``STEPS_PER_CALL`` to a compiled call and the rest a pass a
     call: the drafts are the per-step loop's for every k, bans binding part of a call's steps included.
-    One head (the shipped depth): each head's graphs take tens of seconds to compile."""
+    One head (the shipped depth): each head's graphs take seconds to compile, more on a cold cache."""
     _, target_dir, head_dir = two_layer_pair
     prompts, hidden = three_prompts_and_features(target_dir, head_dir)
     proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=True)

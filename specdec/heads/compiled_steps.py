@@ -8,8 +8,8 @@ proposer's Python between calls, which for a small head's one-row pass cost more
 pass computes. Here ``STEPS_PER_CALL`` steps run unrolled in one graph and pay that once.
 
 The unroll is a fixed count, not the request's k: a graph per k would have to be compiled
-at load for every k a request may ask (an unrolled graph takes inductor tens of seconds), or
-stall the first request that asks a new one. A proposal whose steps are no multiple of it
+at load for every k a request may ask (each unrolled graph takes inductor seconds, more on a
+cold cache), or stall the first request that asks a new one. A proposal whose steps are no multiple of it
 takes the rest a pass a call, as without this, so the cache is written at exactly the
 positions the per-step loop writes. On a GPU the head's passes replay CUDA graphs and this
 is not used.

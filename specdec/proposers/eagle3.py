@@ -104,7 +104,7 @@ class Eagle3Proposer:
         sequence, then several at once, each sent a prefill and then ``_WARM_UP_STEPS``.
         """
         seq_ids, _ = warm_up_plan(self.cache.num_free, self.max_model_len)
-        needed = WARM_UP_PREFIX + sum(n for n, _ in self._WARM_UP_STEPS) + STEPS_PER_CALL + 2
+        needed = WARM_UP_PREFIX + sum(n for n, _ in self._WARM_UP_STEPS) + max(k for _, k in self._WARM_UP_STEPS)
         if not seq_ids or needed > self.max_model_len:
             return  # a head this short compiles on its first passes instead
         width = self.head.config.feature_size
