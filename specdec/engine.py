@@ -104,12 +104,15 @@ class SequenceState:
     """Per-request decoding state; turns sampler results into emitted tokens."""
 
     def __init__(
-        self, seq_id: str, prompt_ids: list[int], params: GenerationParams, hidden_layers: tuple[int, ...] = ()
+        self, seq_id: str, prompt_ids: list[int], params: GenerationParams, hidden_layers: tuple[int, ...] = (),
+        hidden_rows_stay: bool = False,
     ):
         """``hidden_layers``: the target hidden states a head proposer reads (``VerifyRequest.hidden_layers``).
 
         A request with ``num_speculative_tokens`` 0 never drafts, so it asks for none: the
-        target's verify passes then cost what they cost without a head.
+        target's verify passes then cost what they cost without a head. ``hidden_rows_stay``:
+        the head runs beside the target, which keeps the rows (``specdec.draft_beside_target``);
+        the state then only counts them, and propose requests carry their position alone.
         """
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
@@ -128,6 +131,8 @@ class SequenceState:
         self.hidden_layers = tuple(hidden_layers) if params.num_speculative_tokens > 0 else ()
         self._hidden: list[torch.Tensor] = []  # verified rows not yet sent to the proposer, each [n, features]
         self._num_hidden_sent = 0  # positions whose hidden states the proposer has been sent
+        self._hidden_rows_stay = hidden_rows_stay
+        self._num_hidden_kept = 0  # rows kept, where they stay with the verifier
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
@@ -164,7 +169,9 @@ class SequenceState:
         position = self._num_sent_to_proposer
         self._num_sent_to_proposer = len(self.prompt_ids) + len(self.output_ids)
         hidden_position, hidden = self._num_hidden_sent, None
-        if self._hidden:
+        if self._hidden_rows_stay:
+            self._num_hidden_sent = self._num_hidden_kept
+        elif self._hidden:
             hidden = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]  # [n, features]
             self._hidden, self._num_hidden_sent = [], hidden_position + hidden.shape[0]
         return ProposeRequest(
@@ -230,7 +237,9 @@ class SequenceState:
                 f"seq {self.seq_id!r}: sampler returned {len(tokens)} tokens with num_accepted="
                 f"{result.num_accepted} for {num_drafts} drafts"
             )
-        if self.hidden_layers:
+        if self.hidden_layers and self._hidden_rows_stay:
+            self._num_hidden_kept += self._num_fed(num_drafts) - (num_drafts - result.num_accepted)
+        elif self.hidden_layers:
             self._keep_hidden(verified.hidden_states if verified is not None else None, num_drafts, result.num_accepted)
         if self._step > 0:
             self._record(num_drafts, result.num_accepted)
@@ -267,12 +276,16 @@ class SequenceState:
                 f"seq {self.seq_id!r}: the verify result carries no hidden states, but the proposer reads "
                 f"layers {self.hidden_layers}"
             )
-        fed = len(self.prompt_ids) if self._step == 0 else 1 + num_drafts  # the prompt, or [last, d1 .. dk']
+        fed = self._num_fed(num_drafts)
         if hidden_states.shape[0] != fed:
             raise ValueError(
                 f"seq {self.seq_id!r}: {hidden_states.shape[0]} hidden-state rows for {fed} tokens verified"
             )
         self._hidden.append(hidden_states[: fed - (num_drafts - num_accepted)])  # [kept, features]
+
+    def _num_fed(self, num_drafts: int) -> int:
+        """Tokens this step's verify fed: the prompt, or [last, d1 .. dk']."""
+        return len(self.prompt_ids) if self._step == 0 else 1 + num_drafts
 
     def _record(self, num_drafts: int, num_accepted: int) -> None:
         self.stats.num_steps += 1

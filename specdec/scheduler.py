@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.draft_beside_target import NO_PROPOSAL, ProposeVerify
 from specdec.engine import SequenceState, StepOutput
 from specdec.rejection_sampler import match_greedy
 from specdec.speculation_length import SpeculationLength
@@ -42,6 +43,7 @@ from specdec.types import (
 )  # fmt: skip
 
 
+_EMPTY = NO_PROPOSAL  # a sequence that drafts nothing this step
 _log = logging.getLogger(__name__)  # DEBUG: one line per step with its shape
 
 
@@ -50,7 +52,10 @@ class Stages(Protocol):
 
     Stages with ``samples_in_verify = True`` rejection-sample every verify request that
     carries ``sample_here`` and return the verdict as ``VerifyResult.sampled``; they need
-    no ``sample``, which is called only on stages without the attribute.
+    no ``sample``, which is called only on stages without the attribute. Stages with
+    ``proposes_in_verify = True`` (a proposer beside the target: ``specdec.draft_beside_target``)
+    get each step as one ``propose_and_verify`` call, which returns every sequence's
+    proposal with its verify result; their ``propose`` and ``verify`` are not called.
     """
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
@@ -151,6 +156,7 @@ class StepScheduler:
         self.match_greedy_here = match_greedy_here
         self.on_step = on_step
         self.samples_in_verify = bool(getattr(stages, "samples_in_verify", False))
+        self.proposes_in_verify = bool(getattr(stages, "proposes_in_verify", False))
         self._waiting: collections.deque[ScheduledSequence] = collections.deque()
         self._running: list[ScheduledSequence] = []
         self._ending: list[ScheduledSequence] = []  # out of the step, their release in flight
@@ -219,10 +225,14 @@ class StepScheduler:
         k = self.speculation.k_for(len(batch))
         calls: dict[str, tuple[int, float]] = {}  # what the report says of each call
         failed: dict[ScheduledSequence, Exception] = {}
-        proposals = await self._propose(batch, k, calls, failed)
-        alive = [s for s in batch if s not in failed]
-        verify_requests = [self._verify_request(s, proposals[s]) for s in alive]
-        verified = dict(zip(alive, await self._call("verify", self.stages.verify, verify_requests, calls)))
+        if self.proposes_in_verify:
+            proposals, verified = await self._propose_and_verify(batch, k, calls)
+            alive = batch
+        else:
+            proposals = await self._propose(batch, k, calls, failed)
+            alive = [s for s in batch if s not in failed]
+            verify_requests = [self._verify_request(s, proposals[s]) for s in alive]
+            verified = dict(zip(alive, await self._call("verify", self.stages.verify, verify_requests, calls)))
         results = await self._sample(alive, proposals, verified, calls, failed)
         steps, finished = [], []
         for sequence in (s for s in batch if s not in failed):
@@ -253,8 +263,7 @@ class StepScheduler:
 
     async def _propose(self, batch, k: int, calls: dict, failed: dict) -> dict[ScheduledSequence, Proposal]:
         """One propose call for the sequences that draft; an empty proposal for the others."""
-        empty = Proposal(token_ids=torch.empty(0, dtype=torch.long))
-        proposals = {s: empty for s in batch}
+        proposals = {s: _EMPTY for s in batch}
         requests = {s: s.state.propose_request(k) for s in batch} if k else {}
         drafting = [s for s, request in requests.items() if request is not None]
         outcomes = await self._call("propose", self.stages.propose, [requests[s] for s in drafting], calls)
@@ -264,6 +273,22 @@ class StepScheduler:
             else:
                 proposals[sequence] = outcome
         return proposals
+
+    async def _propose_and_verify(self, batch, k: int, calls: dict) -> tuple[dict, dict]:
+        """The step as one call: each verify request is built for the drafts asked, and cut there to those made.
+
+        A sequence whose call failed gets its error as its verify outcome, which ``_sample`` fails it with.
+        """
+        steps = []
+        for sequence in batch:
+            request = sequence.state.propose_request(k) if k else None
+            asked = _EMPTY if request is None else Proposal(torch.zeros(request.num_tokens, dtype=torch.long))
+            steps.append(ProposeVerify(request, self._verify_request(sequence, asked)))
+        outcomes = await self._call("propose_verify", self.stages.propose_and_verify, steps, calls)
+        proposals, verified = {}, {}
+        for sequence, outcome in zip(batch, outcomes):
+            proposals[sequence], verified[sequence] = (_EMPTY, outcome) if isinstance(outcome, Exception) else outcome
+        return proposals, verified
 
     def _needs_sampler(self, request: VerifyRequest) -> bool:
         return not (request.sampling.greedy and self.match_greedy_here)

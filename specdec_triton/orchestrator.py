@@ -232,7 +232,9 @@ class Orchestrator:
                 message += f" (the request sent no max_tokens: the model's default_max_tokens, {params.max_tokens})"
             raise RequestError(message) from None
         hidden_layers = self.descriptions.draft.hidden_state_layers  # a draft head's: the verifier returns them
-        return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params, hidden_layers)
+        # a head beside the target reads them there (specdec.draft_beside_target): they do not come back
+        return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params, hidden_layers,
+                             hidden_rows_stay=self.scheduler.proposes_in_verify)
 
     async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool],
                        client: str | None = None) -> None:  # fmt: skip

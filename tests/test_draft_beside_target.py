@@ -1,0 +1,191 @@
+"""A draft model or head beside the target (specdec.draft_beside_target): one call per step, same output.
+
+The scheduler drives real models here (a random Llama target, an EAGLE-3 head and a
+draft model built in the test) through ``DraftBesideTarget``, as target_verifier runs it
+when draft_proposer sets ``run_with_target``; greedy output must equal HF ``generate``
+of the target alone, and seeded sampled output must equal the output of the same
+models called as two stages.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from test_eagle3 import PROMPTS, random_head
+from tiny_llama import build_tiny_llama, hf_generate_greedy
+from specdec.draft_beside_target import DraftBesideTarget, HiddenRows, ProposeVerify, fit_to_drafts
+from specdec.engine import GenerationParams, SequenceState
+from specdec.heads import build_head_proposer, describe_head
+from specdec.heads.formats import save_eagle3
+from specdec.models import CachedCausalLM
+from specdec.proposers import DraftModelProposer
+from specdec.rejection_sampler import RejectionSampler
+from specdec.scheduler import StepScheduler
+from specdec.speculation_length import SpeculationLength
+from specdec.types import Proposal, SampleHere, SamplingParams, VerifyRequest
+from specdec.verifier import TargetVerifier
+
+VOCAB, DRAFT_VOCAB, K = 32, 24, 4
+NUM_NEW_TOKENS = 20
+
+
+def test_hidden_rows_are_kept_by_position_and_cut_back_where_a_verify_starts():
+    rows = HiddenRows()
+    rows.write("s", 0, torch.arange(5.0).reshape(5, 1))  # the prompt: positions 0..4
+    assert rows.take("s", 0, 5).flatten().tolist() == [0, 1, 2, 3, 4]
+    rows.write("s", 4, torch.tensor([[40.0], [50.0], [60.0]]))  # [last, d1, d2] from position 4
+    assert rows.take("s", 5, 6).flatten().tolist() == [50]  # d1 accepted, d2 rejected: the next token is at 6
+    assert rows.take("s", 5, 6).flatten().tolist() == [50]  # a call sent again gets the same rows
+    rows.write("s", 6, torch.tensor([[70.0]]))  # d2's row is replaced
+    assert rows.take("s", 6, 7).flatten().tolist() == [70]
+    with pytest.raises(ValueError, match=r"positions 3 \.\. 6, and this process holds positions 6 \.\. 6"):
+        rows.take("s", 3, 7)  # rows the head read already are gone
+    assert rows.take("s", 7, 7) is None
+    with pytest.raises(ValueError, match="from position 9, but rows are held only up to 7"):
+        rows.write("s", 9, torch.zeros(1, 1))
+    rows.release("s")
+    assert len(rows) == 0
+    with pytest.raises(ValueError, match="holds none"):
+        rows.take("s", 0, 1)
+
+
+def test_a_verify_request_built_for_k_drafts_is_cut_to_the_drafts_made():
+    request = VerifyRequest("s", 10, [5, 0, 0, 0], 4, SamplingParams(temperature=0.7), num_banned_rows=4,
+                            banned_token_ids=(0,), sample_here=SampleHere(seed=3))  # fmt: skip
+    fitted = fit_to_drafts(request, Proposal(torch.tensor([8, 9]), probs_held=True))
+    assert fitted.token_ids == [5, 8, 9] and fitted.num_logits == 3 and fitted.num_banned_rows == 3
+    assert fitted.sample_here == SampleHere(seed=3, draft_probs_held=True) and fitted.position == 10
+    assert fit_to_drafts(request, Proposal(torch.empty(0, dtype=torch.long))).token_ids == [5]
+    with pytest.raises(ValueError, match="proposal has 4 tokens, more than the 3 requested"):
+        fit_to_drafts(request, Proposal(torch.tensor([1, 2, 3, 4])))
+
+
+class BesideStages:
+    """The scheduler's stages over ``DraftBesideTarget``: the served target_verifier's calls, in-process.
+
+    Sampled sequences come back with ``q`` and ``p`` and go to a local sampler (served, the
+    hold and judge hops send them to rejection_sampler instead).
+    """
+
+    proposes_in_verify = True
+
+    def __init__(self, beside: DraftBesideTarget):
+        self.beside, self.sampler, self.calls = beside, RejectionSampler(), []
+
+    async def propose_and_verify(self, steps: list[ProposeVerify]):
+        await asyncio.sleep(0)
+        self.calls.append(len(steps))
+        return self.beside.step(steps)
+
+    async def sample(self, calls):
+        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, c.method, c.position) for c in calls]
+
+    async def release(self, ended):
+        for seq_id, response in ended.items():
+            self.beside.release(seq_id, response)
+
+
+class SeparateStages:
+    """The same models called as two stages, the hidden states through the caller."""
+
+    def __init__(self, proposer, verifier):
+        self.proposer, self.verifier, self.sampler = proposer, verifier, RejectionSampler()
+
+    async def propose(self, requests):
+        return self.proposer.propose(requests)
+
+    async def verify(self, requests):
+        return self.verifier.verify(requests)
+
+    async def sample(self, calls):
+        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, c.method, c.position) for c in calls]
+
+    async def release(self, ended):
+        for seq_id, response in ended.items():
+            self.proposer.release(seq_id, response)
+            self.verifier.release(seq_id)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A 6-layer target, a two-layer EAGLE-3 head for it and a one-layer draft model."""
+    root = tmp_path_factory.mktemp("beside")
+    target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, initializer_range=0.3)
+    target.save_pretrained(root / "target")
+    save_eagle3(random_head(root / "target", 5, DRAFT_VOCAB, num_layers=2), root / "head", verifier=str(root / "target"))
+    draft = build_tiny_llama(seed=1, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, initializer_range=0.3)
+    return target, draft, root
+
+
+def build(models, method):
+    """(proposer, verifier, hidden layers the proposer reads), fresh caches each call."""
+    target, draft, root = models
+    verifier = TargetVerifier(CachedCausalLM(target))
+    if method == "draft_model":
+        return DraftModelProposer(CachedCausalLM(draft)), verifier, ()
+    proposer = build_head_proposer("eagle3", root / "head", root / "target", max_num_seqs=8)
+    return proposer, verifier, describe_head(proposer, str(root / "head")).hidden_state_layers
+
+
+def decode(stages, layers, params_of, rows_stay: bool) -> list[tuple[list[int], int]]:
+    """Every prompt as one sequence, all in the same steps; each one's output tokens and drafts accepted."""
+    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None)
+    states = [SequenceState(f"s{i}", prompt, params_of(i), layers, hidden_rows_stay=rows_stay)
+              for i, prompt in enumerate(PROMPTS)]  # fmt: skip
+
+    async def collect(sequence):
+        return [step async for step in sequence.steps()]
+
+    async def main():
+        return await asyncio.gather(*(collect(scheduler.submit(state)) for state in states))
+
+    asyncio.run(main())
+    return [(list(state.output_ids), state.stats.num_accepted_tokens) for state in states]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("k", [1, 3, K])
+def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(models, method, k):
+    def params(i):
+        return GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=k)
+
+    proposer, verifier, layers = build(models, method)
+    separate = decode(SeparateStages(proposer, verifier), layers, params, rows_stay=False)
+    proposer, verifier, layers = build(models, method)
+    stages = BesideStages(DraftBesideTarget(verifier, proposer, layers))
+    outputs = decode(stages, layers, params, rows_stay=True)
+    for prompt, (output, _) in zip(PROMPTS, outputs):
+        assert output == hf_generate_greedy(models[0], prompt, NUM_NEW_TOKENS), (method, k, prompt)
+    # the same drafts as with the hidden states through the caller: every sequence accepted as many
+    assert outputs == separate and sum(accepted for _, accepted in outputs) > 0
+    assert len(stages.calls) < NUM_NEW_TOKENS + 1  # one call a step
+    assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
+    assert len(stages.beside.rows) == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_sampled_output_equals_the_two_stage_output_seed_for_seed(models, method):
+    def params(i):
+        sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)
+        return GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=K, sampling=sampling)
+
+    proposer, verifier, layers = build(models, method)
+    separate = decode(SeparateStages(proposer, verifier), layers, params, rows_stay=False)
+    proposer, verifier, layers = build(models, method)
+    beside = decode(BesideStages(DraftBesideTarget(verifier, proposer, layers)), layers, params, rows_stay=True)
+    assert beside == separate
+    assert len({tuple(o) for o, _ in beside}) == len(PROMPTS)
+
+
+def test_a_propose_request_carrying_hidden_states_is_refused(models):
+    proposer, verifier, layers = build(models, "eagle3")
+    beside = DraftBesideTarget(verifier, proposer, layers)
+    state = SequenceState("s", [1, 2, 3], GenerationParams(max_tokens=8, num_speculative_tokens=2), layers)
+    request = state.verify_request(None)
+    result = verifier.verify([request])[0]
+    state.commit(None, RejectionSampler()(torch.empty(0, dtype=torch.long), None, result, 0), result)
+    propose = state.propose_request()  # rows travel: the state sends them
+    with pytest.raises(ValueError, match="the target beside the head keeps them"):
+        beside.step([ProposeVerify(propose, state.verify_request(Proposal(torch.zeros(2, dtype=torch.long))))])
