@@ -59,7 +59,7 @@ from bench.phase import (
     warm_up,
 )
 from bench.repository import (
-    HERE_SUFFIX, checkpoint_edits, get_parameters, make_variant, method_of, suffix_first, variant_edits,
+    BESIDE_SUFFIX, HERE_SUFFIX, checkpoint_edits, get_parameters, make_variant, method_of, suffix_first, variant_edits,
 )  # fmt: skip
 from bench.results import (
     DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
@@ -92,7 +92,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--methods", default="suffix,draft_model,ngram",
                    help="draft_proposer methods, comma-separated; METHOD+here: that method with run_in_orchestrator "
                         "set on target_verifier and draft_proposer (both models in the orchestrator's process), on a "
-                        "server of its own with its own k = 0; METHOD+suffix (draft_model or a head, before any "
+                        "server of its own with its own k = 0; METHOD+beside (a model method): run_with_target, the "
+                        "draft in target_verifier's process, one call a step; METHOD+suffix (draft_model or a head, before any "
                         "+here): suffix decoding in front of the model (enable_suffix_decoding)")
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
     p.add_argument("--model-k", type=int, default=0,
@@ -127,10 +128,11 @@ def parse_args() -> argparse.Namespace:
         p.error("--ks, --concurrency, --threads and --rounds values must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if method_of(m) not in PROPOSERS
-               or suffix_first(m) and method_of(m) in ("ngram", "suffix")]  # fmt: skip
+               or (suffix_first(m) or m.endswith(BESIDE_SUFFIX)) and method_of(m) in ("ngram", "suffix")
+               or suffix_first(m) and m.endswith(BESIDE_SUFFIX)]  # fmt: skip
     if unknown or not args.methods:
         p.error(f"--methods must name some of {sorted(PROPOSERS)} (each optionally +here; a model method "
-                f"optionally +suffix before it), got {args.methods}")
+                f"optionally +suffix before it, or +beside), got {args.methods}")
     return args
 
 
@@ -317,6 +319,9 @@ def main() -> None:
     if any(m.endswith(HERE_SUFFIX) for m in args.methods):
         notes.append("METHOD+here servers: run_in_orchestrator on target_verifier and draft_proposer, each against its "
                      "own k = 0 (the target in the orchestrator's process too)")
+    if any(m.endswith(BESIDE_SUFFIX) for m in args.methods):
+        notes.append("METHOD+beside servers: run_with_target on draft_proposer (the draft in target_verifier's "
+                     "process, one call a step), each against its own k = 0")
     if any(method_of(m) == "suffix" or suffix_first(m) for m in args.methods):
         notes.append("suffix servers keep no global tree (suffix_decoding_max_cached_requests 0), the default "
                      "server's included: the phases repeat the same prompts, so a tree would draft their earlier "

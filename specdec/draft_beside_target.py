@@ -44,6 +44,10 @@ class ProposeVerify:
     propose: ProposeRequest | None
     verify: VerifyRequest
 
+    @property
+    def seq_id(self) -> str:
+        return self.verify.seq_id
+
 
 def fit_to_drafts(request: VerifyRequest, proposal: Proposal) -> VerifyRequest:
     """``request``, built for the drafts asked, with the drafts the proposer made (there may be fewer)."""

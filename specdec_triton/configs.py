@@ -75,6 +75,9 @@ class DraftProposerConfig:
     target_model: str | None = None
     # draft_model and heads: the orchestrator loads the proposer in its own process (specdec_triton.models_here)
     run_in_orchestrator: bool = False
+    # draft_model and heads: target_verifier loads the proposer beside the target, and one call
+    # proposes and verifies a step (specdec.draft_beside_target)
+    run_with_target: bool = False
     # draft_model and heads: tokens a sequence may hold (the cache's length); None: the checkpoint's
     # max_position_embeddings (a head: its target's). Unset, target_verifier's in the same repository
     max_model_len: int | None = None
@@ -102,9 +105,11 @@ class DraftProposerConfig:
             sequence_idle_timeout_s=_idle_timeout(params),
             target_model=_head_target(params, method),
             run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
+            run_with_target=params.get_bool("run_with_target", False),
             max_model_len=_draft_max_model_len(params, method),
         )
         params.check_all_read()
+        _check_where_it_runs(config)
         try:
             NgramConfig.from_optional(config.prompt_lookup_min, config.prompt_lookup_max)
         except ValueError as err:
@@ -128,10 +133,29 @@ class DraftProposerConfig:
         if self.suffix_first is None:
             unread += [f"{name} is set but only enable_suffix_decoding reads it; it is false"
                        for name in _SUFFIX_FIRST_SETTINGS if name in self.given]  # fmt: skip
-        if self.run_in_orchestrator and self.method in _METHOD_SETTINGS:
-            unread.append(f"run_in_orchestrator changes nothing for method {self.method!r}: it runs in "
-                          "speculative_decoding's process always")  # fmt: skip
+        for setting in ("run_in_orchestrator", "run_with_target"):
+            if getattr(self, setting) and self.method in _METHOD_SETTINGS:
+                unread.append(f"{setting} changes nothing for method {self.method!r}: it runs in "
+                              "speculative_decoding's process always")  # fmt: skip
         return unread
+
+    @property
+    def beside_target(self) -> bool:
+        """target_verifier loads this proposer (``run_with_target``; a model-free method runs in the orchestrator)."""
+        return self.run_with_target and self.method not in _METHOD_SETTINGS
+
+
+def _check_where_it_runs(config: DraftProposerConfig) -> None:
+    if not config.beside_target:
+        return
+    if config.run_in_orchestrator:
+        raise ParameterError("draft_proposer: run_with_target and run_in_orchestrator are both true; set one "
+                             "(with target_verifier's run_in_orchestrator, run_with_target alone puts the draft "
+                             "in speculative_decoding's process beside the target)")  # fmt: skip
+    if config.suffix_first is not None:
+        raise ParameterError("draft_proposer: enable_suffix_decoding cannot be combined with run_with_target yet "
+                             "(suffix decoding's steps skip the model, which then runs beside the target); set "
+                             "one of them false")  # fmt: skip
 
 
 def _suffix_config(params: Parameters) -> SuffixConfig:

@@ -23,7 +23,8 @@ _COUNTERS = {
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the rejection sampler",
     "spec_decode_num_output_tokens": "Tokens emitted to clients",
 }
-STAGES = ("propose", "verify", "sample")  # the calls a step makes, each for all its sequences
+STAGES = ("propose", "verify", "sample", "propose_verify")  # the calls a step makes, each for all its sequences
+# (propose_verify: both in one, where the draft runs beside the target)
 _STAGE_COUNTERS = {
     "spec_decode_stage_calls": "Calls the orchestrator made to a composing model, by stage",
     "spec_decode_stage_sequences": "Sequences those calls carried, by stage",

@@ -11,10 +11,11 @@ import asyncio
 
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyRequest, VerifyResult
-from specdec_triton import hidden_wire, sample_hop, wire
+from specdec.draft_beside_target import ProposeVerify
+from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.bls import bls, ensure_bls_threads
-from specdec_triton.plumbing import ModelLogger, bytes_array
+from specdec_triton.plumbing import ModelLogger, ServingError, bytes_array
 from specdec_triton.socket_calls import SocketCallClient
 
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
@@ -27,12 +28,16 @@ class ModelStages:
     samples_in_verify = True
 
     def __init__(self, logger: ModelLogger, secret: str, target_here: ModelDescription | None = None,
-                 draft_here: ModelDescription | None = None, stage_calls: str = "socket"):  # fmt: skip
+                 draft_here: ModelDescription | None = None, stage_calls: str = "socket",
+                 draft_beside_target: bool = False):  # fmt: skip
         """``target_here`` / ``draft_here``: the description of a model the orchestrator holds itself
         (``specdec_triton.in_process``): that model is then neither asked nor released.
-        ``stage_calls``: ``socket`` to call the stateful models on the sockets they describe."""
+        ``stage_calls``: ``socket`` to call the stateful models on the sockets they describe.
+        ``draft_beside_target``: draft_proposer sets ``run_with_target``: target_verifier holds the
+        draft, describes it and takes each step as one call on its socket (``specdec_triton.beside_wire``)."""
         self.logger = logger
         self.stage_calls = stage_calls
+        self.proposes_in_verify = draft_beside_target
         self._sockets: dict[str, SocketCallClient] = {}  # model -> its connection, made at describe
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
         self._target_here = target_here
@@ -40,6 +45,7 @@ class ModelStages:
         self._stateful = self._models_holding(draft=draft_here is None)  # the models that hold sequences: released
 
     def _models_holding(self, draft: bool) -> tuple[str, ...]:
+        draft = draft and not self.proposes_in_verify  # beside the target: target_verifier's releases free it
         return (wire.DRAFT_PROPOSER,) * draft + (wire.TARGET_VERIFIER,) * (self._target_here is None)
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized:
@@ -56,12 +62,15 @@ class ModelStages:
     async def describe(self) -> Descriptions:
         """Each composing model's description, asked of all four at once; then the sockets to call on."""
         probe = wire.describe_inputs()
+        beside = self.proposes_in_verify  # the draft is described by target_verifier, on its socket
         tokenizer, (draft, draft_socket), (target, target_socket), sampler = await asyncio.gather(
             bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
-            self._describe_draft(probe),
+            self._no_description() if beside else self._describe_draft(probe),
             self._describe_target(probe),
             bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
+        if beside:
+            draft = await self._describe_draft_beside(target_socket)
         descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
         # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing;
         # a model holds its sequences, with suffix decoding in front of it (settings described) or not
@@ -81,6 +90,21 @@ class ModelStages:
         out = await bls(wire.DRAFT_PROPOSER, probe, names, batched=True)
         description = wire.with_described_settings(hidden_wire.with_described_layers(wire.description_of(out), out), out)
         return description, wire.socket_of(out)
+
+    @staticmethod
+    async def _no_description() -> tuple[None, None]:
+        return None, None
+
+    async def _describe_draft_beside(self, target_socket: str | None) -> ModelDescription:
+        if self.stage_calls != "socket" or target_socket is None:
+            why = (f"stage_calls is {self.stage_calls!r}" if self.stage_calls != "socket"
+                   else "target_verifier describes no socket (its log says why)")  # fmt: skip
+            raise ServingError(f"draft_proposer sets run_with_target, whose steps go to target_verifier's socket, and "
+                               f"{why}: set stage_calls: socket, or run_with_target: false")  # fmt: skip
+        await self._connect({wire.TARGET_VERIFIER: target_socket})
+        out = await self._sockets[wire.TARGET_VERIFIER].call(beside_wire.describe_draft_inputs(), (
+            wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS))
+        return wire.with_described_settings(hidden_wire.with_described_layers(wire.description_of(out), out), out)
 
     async def _describe_target(self, probe) -> tuple[ModelDescription, str | None]:
         if self._target_here is not None:
@@ -122,6 +146,12 @@ class ModelStages:
                   **self._secret}  # fmt: skip
         out = await self._call(wire.DRAFT_PROPOSER, inputs, names)
         return sample_hop.mark_held(wire.proposals_of(out), out)
+
+    async def propose_and_verify(self, steps: list[ProposeVerify]) -> list[tuple[Proposal, VerifyResult]]:
+        """A step as one call to target_verifier, which holds the draft beside the target."""
+        out = await self._call(wire.TARGET_VERIFIER, {**beside_wire.step_inputs(steps), **self._secret},
+                               beside_wire.step_output_names(steps))  # fmt: skip
+        return beside_wire.step_results_of(steps, out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         # the argmax alone comes back: a sampled sequence carries sample_here, so its p stays behind

@@ -120,12 +120,30 @@ def read_target_config(repository_dir: str | os.PathLike) -> SettingsHere | None
 
 
 def read_draft_config(repository_dir: str | os.PathLike) -> SettingsHere | None:
-    """draft_proposer's settings when it sets ``run_in_orchestrator`` for a draft model or head, else None."""
-    found = _settings_here(repository_dir, wire.DRAFT_PROPOSER)
+    """draft_proposer's settings when it sets ``run_in_orchestrator`` for a draft model or head, or
+    ``run_with_target`` while the target runs here; else None."""
+    found = model_settings(repository_dir, wire.DRAFT_PROPOSER)
     if found is None:
         return None
+    params, model_config = found
+    if params.get_bool(SETTING, False):
+        device = _device(model_config.instance_group)
+    elif params.get_bool("run_with_target", False) and (target := read_target_config(repository_dir)) is not None:
+        device = target.device  # beside the target, on its device
+    else:
+        return None  # the model checks the rest of its configuration itself
+    config = DraftProposerConfig.from_parameters(params)
+    return None if config.method in MODEL_FREE else SettingsHere(config, device)
+
+
+def read_draft_beside_target(repository_dir: str | os.PathLike) -> DraftProposerConfig | None:
+    """draft_proposer's settings when target_verifier's process is to load its draft model or head
+    (``run_with_target``, the target not in the orchestrator's process), else None."""
+    found = model_settings(repository_dir, wire.DRAFT_PROPOSER)
+    if found is None or not found[0].get_bool("run_with_target", False) or read_target_config(repository_dir):
+        return None
     config = DraftProposerConfig.from_parameters(found[0])
-    return None if config.method in MODEL_FREE else SettingsHere(config, found[1])
+    return config if config.beside_target else None
 
 
 def _device(instance_groups) -> str:

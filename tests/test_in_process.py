@@ -18,7 +18,9 @@ from specdec_triton import sample_hop, wire
 from specdec_triton.internal import boot_secret
 from specdec_triton.plumbing import ParameterError
 from specdec_triton.configs import DraftProposerConfig
-from specdec_triton.models_here import load_draft_here, load_target_here, read_draft_config, read_target_config
+from specdec_triton.models_here import (
+    load_draft_here, load_target_here, read_draft_beside_target, read_draft_config, read_target_config,
+)  # fmt: skip
 from specdec_triton.in_process import StagesInProcess
 from test_model_inputs import fake_pb_utils, load_model  # noqa: F401  (fake_pb_utils: the autouse fixture)
 from test_triton_orchestrator import PROMPTS, make_orchestrator, request, run, text_of
@@ -226,17 +228,29 @@ backend: "python"
 parameters [
   {{ key: "method" value: {{ string_value: "{method}" }} }},
   {{ key: "draft_model" value: {{ string_value: "{draft}" }} }},
-  {{ key: "run_in_orchestrator" value: {{ string_value: "{here}" }} }}
+  {{ key: "run_in_orchestrator" value: {{ string_value: "{here}" }} }},
+  {{ key: "run_with_target" value: {{ string_value: "{beside}" }} }}
 ]
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 """
 
 
-def write_draft(tmp_path, draft, method="draft_model", here="true"):
+def write_draft(tmp_path, draft, method="draft_model", here="true", beside="false"):
     model_dir = tmp_path / "draft_proposer"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(DRAFT_CONFIG.format(method=method, draft=draft, here=here))
+    (model_dir / "config.pbtxt").write_text(DRAFT_CONFIG.format(method=method, draft=draft, here=here, beside=beside))
     return tmp_path
+
+
+def test_a_draft_with_the_target_goes_where_the_target_runs(tmp_path, target_dir):
+    """run_with_target: target_verifier's process loads the draft, or the orchestrator's when the target runs there."""
+    write_draft(tmp_path, target_dir, here="false", beside="true")
+    write_repository(tmp_path, target_dir, here="false")
+    assert read_draft_beside_target(tmp_path).draft_model == str(target_dir) and read_draft_config(tmp_path) is None
+    write_repository(tmp_path, target_dir, here="true")
+    assert read_draft_beside_target(tmp_path) is None and read_draft_config(tmp_path).config.beside_target
+    write_draft(tmp_path, target_dir, method="ngram", here="false", beside="true")  # runs in the orchestrator anyway
+    assert read_draft_beside_target(tmp_path) is None and read_draft_config(tmp_path) is None
 
 
 def test_the_draft_loads_here_only_for_a_model_method_that_asks(tmp_path, target_dir):

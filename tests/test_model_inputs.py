@@ -166,7 +166,7 @@ def case_id(value) -> str:
 
 @pytest.mark.parametrize("name, overrides", STATEFUL_CASES + VERIFY_CASES, ids=case_id)
 def test_target_verifier_refuses_bad_input_naming_it(target_verifier, name, overrides):
-    assert_invalid(answered(target_verifier._verify, sequence(**overrides)), name)
+    assert_invalid(answered(target_verifier._serve, sequence(**overrides)), name)
     assert target_verifier.verifier.num_active_sequences == 0
 
 
@@ -177,16 +177,24 @@ def test_draft_proposer_refuses_bad_input_naming_it(draft_proposer, name, overri
 
 
 def test_a_good_request_still_works_and_releases(target_verifier):
-    assert answered(target_verifier._verify, sequence(num_logits=i32(2))) is None
+    assert answered(target_verifier._serve, sequence(num_logits=i32(2))) is None
     assert target_verifier.verifier.num_active_sequences == 1
-    assert answered(target_verifier._verify, sequence(release=np.array([True]))) is None
+    assert answered(target_verifier._serve, sequence(release=np.array([True]))) is None
+    assert target_verifier.verifier.num_active_sequences == 0
+
+
+def test_a_step_call_to_a_target_without_a_draft_beside_is_refused_naming_the_setting(target_verifier):
+    for inputs in ({**sequence(num_logits=i32(1)), "proposes": np.array([False])},
+                   {"describe": np.array([True]), "describe_draft": np.array([True])}):  # fmt: skip
+        response = answered(target_verifier._serve, inputs)
+        assert response is not None and "did not set run_with_target" in response.error.message
     assert target_verifier.verifier.num_active_sequences == 0
 
 
 def test_a_full_cache_is_refused_naming_the_limit(target_verifier):
     """Three fresh sequences for two slots: the caller is told, and nothing is taken."""
     inputs = sequence(seq_id=ids("a", "b", "c"), position=i64(0, 0, 0), num_token_ids=i32(1, 1, 1))
-    response = answered(target_verifier._verify, inputs)
+    response = answered(target_verifier._serve, inputs)
     assert response is not None and "max_num_seqs" in response.error.message
     assert target_verifier.verifier.num_active_sequences == 0
 

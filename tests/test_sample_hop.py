@@ -121,7 +121,7 @@ def _propose(draft, request: ProposeRequest, hold: bool):
 def _verify(target, request: VerifyRequest):
     inputs = {**wire.verify_inputs([request]), **sample_hop.verify_sample_inputs([request]),
               **wire.secret_input(boot_secret())}  # fmt: skip
-    (out,) = target._verify([inputs])
+    (out,) = target._serve([inputs])
     results = wire.verify_results_of(out, [request.num_logits])
     return out, sample_hop.attach_sampled([request], results, out)[0]
 
@@ -175,7 +175,7 @@ def test_sampling_through_the_hop_equals_sampling_by_hand(served, log_probs):
         tokens += expected.output_token_ids.tolist()  # rejected drafts leave the caches at the next call
     release = {**wire.release_inputs([hop, direct]), **wire.secret_input(boot_secret())}
     draft._propose([release])
-    target._verify([release])
+    target._serve([release])
     assert any("hold_draft_probs" in names for names in sent) and any("draft_probs_held" in n for n in sent)
 
 

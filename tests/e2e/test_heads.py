@@ -5,9 +5,10 @@ with random weights for the shipped target (EAGLE-3 in the speculators format, a
 speculator in its published layout), or a shipped head (``tiny-eagle3``,
 ``tiny-mlp-speculator``), so the target's hidden states travel target_verifier ->
 orchestrator -> draft_proposer on every step. For the shipped EAGLE-3 head
-``run_in_orchestrator`` is set on target_verifier and draft_proposer: target and head run
-in the orchestrator's process and the hidden states never leave it. A trained head is only
-accepted if they arrive whole.
+``run_in_orchestrator`` is set on target_verifier and draft_proposer (target and head run
+in the orchestrator's process), or ``run_with_target`` on draft_proposer (the head runs in
+target_verifier's process, and a step is one call there): either way the hidden states
+never leave the target's process. A trained head is only accepted if they arrive whole.
 """
 from __future__ import annotations
 
@@ -80,6 +81,14 @@ def shipped_eagle3_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def shipped_eagle3_beside_server(tmp_path_factory):
+    """The shipped head in target_verifier's process (draft_proposer's run_with_target): one call a step."""
+    server = _serve(tmp_path_factory, "eagle3", None, {"run_with_target": "true"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def shipped_mlp_server(tmp_path_factory):
     """k = 3, its n_predict (the shipped orchestrator drafts up to 8)."""
     server = _serve(tmp_path_factory, "mlp_speculator", None,
@@ -136,6 +145,24 @@ def test_sampled_requests_with_the_head_here_hold_q_in_the_sampler(shipped_eagle
     first = generate_http(shipped_eagle3_server.http_url, "ensemble", PROMPTS[1], params)
     again = generate_http(shipped_eagle3_server.http_url, "ensemble", PROMPTS[1], {**params, "stream": True})
     assert first.text == again.text and first.total_accepted_draft_tokens > 0
+
+
+def test_the_shipped_eagle3_head_beside_the_target_is_accepted_and_exact(shipped_eagle3_beside_server, reference):
+    assert _accepted_and_exact(shipped_eagle3_beside_server, reference, stream=True) > 0
+    log = shipped_eagle3_beside_server.log_path.read_text()
+    assert "run_with_target: draft_proposer's eagle3" in log and "runs here" in log
+
+
+def test_sampled_text_with_the_head_beside_the_target_is_the_text_with_both_here(
+    shipped_eagle3_beside_server, shipped_eagle3_server
+):
+    """Seed for seed: q held in the sampler from target_verifier's process, p judged there, as with both here."""
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": 11, "stream": False,
+              "exclude_input_in_output": True}  # fmt: skip
+    for prompt in PROMPTS:
+        beside = generate_http(shipped_eagle3_beside_server.http_url, "ensemble", prompt, params)
+        here = generate_http(shipped_eagle3_server.http_url, "ensemble", prompt, params)
+        assert beside.text == here.text and beside.total_accepted_draft_tokens == here.total_accepted_draft_tokens
 
 
 def test_eagle3_sampled_requests_are_served(eagle3_server):

@@ -31,7 +31,7 @@ from specdec_triton.plumbing import (
 )  # fmt: skip
 from specdec_triton.recovery import RecoveryActions, Supervisor
 from specdec_triton.in_process import StagesInProcess
-from specdec_triton.models_here import load_draft_here, load_target_here
+from specdec_triton.models_here import load_draft_here, load_target_here, read_draft_beside_target
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 
@@ -69,8 +69,10 @@ class TritonPythonModel:
         secret = boot_secret()
         target = load_target_here(repository_dir, log=self.logger.info)
         draft = load_draft_here(repository_dir, log=self.logger.info)
+        beside = read_draft_beside_target(repository_dir) is not None  # target_verifier holds the draft
         self.model_stages = stages = ModelStages(self.logger, secret, target_here=target and target.description,
-                                                 draft_here=draft and draft.description, stage_calls=stage_calls)
+                                                 draft_here=draft and draft.description, stage_calls=stage_calls,
+                                                 draft_beside_target=beside)  # fmt: skip
         if target is None and draft is None:
             return stages
         send = sample_hop.sampler_sender(secret)

@@ -10,13 +10,23 @@ loaded by speculative_decoding in its own process instead (:mod:`specdec_triton.
 and this model holds nothing and answers every request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`. A sampled sequence's ``p`` goes from here
 to rejection_sampler, and its verdict comes back instead (:mod:`specdec_triton.sample_hop`).
+When draft_proposer sets ``run_with_target``, this process loads the draft model or head
+too, and each step comes as one call on the socket that proposes and verifies it
+(:mod:`specdec.draft_beside_target`, :mod:`specdec_triton.beside_wire`); a release frees
+the sequence in both models.
 """
+
+import functools
+import os
 
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
+from specdec.draft_beside_target import DraftBesideTarget
 from specdec.verifier import TargetVerifier
-from specdec_triton import hidden_wire, sample_hop, wire
+from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
 from specdec_triton.configs import TargetVerifierConfig
+from specdec_triton.internal import boot_secret
+from specdec_triton.models_here import build_proposer, read_draft_beside_target
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
@@ -49,21 +59,47 @@ class TritonPythonModel:
             log=self.logger.info, cpu_compile=config.cpu_compile,
         )
         self.verifier, description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
-        self.host = SequenceHost(args["model_name"], self.verifier, description, config.sequence_idle_timeout_s,
-                                 self.logger, args["model_config"])  # fmt: skip
-        self.send_to_sampler = sample_hop.sampler_sender(self.host.secret)
-        self.host.serve_socket(self._verify)  # the orchestrator's step calls (specdec_triton.socket_calls)
+        self.send_to_sampler = sample_hop.sampler_sender(boot_secret())
+        self.beside = self._draft_beside(os.path.dirname(os.path.normpath(args["model_repository"])), device)
+        self.host = SequenceHost(args["model_name"], self.beside or self.verifier, description,
+                                 config.sequence_idle_timeout_s, self.logger, args["model_config"])  # fmt: skip
+        self.host.serve_socket(self._serve)  # the orchestrator's step calls (specdec_triton.socket_calls)
         self.logger.info(f"{config} on {device}: {description}")
+
+    def _draft_beside(self, repository_dir, device):
+        """The draft model or head draft_proposer configures, when it sets run_with_target: loaded here."""
+        draft = read_draft_beside_target(repository_dir)
+        if draft is None:
+            return None
+        loaded = build_proposer(draft, device, log=self.logger.info)
+        description = loaded.description
+        self.draft_describe_outputs = {**wire.description_outputs(description), **wire.socket_outputs(None),
+                                       **hidden_wire.description_hidden_outputs(description),
+                                       **wire.settings_outputs(description)}  # fmt: skip
+        self.logger.info(f"run_with_target: draft_proposer's {description.method} {description.model} runs here")
+        return DraftBesideTarget(
+            self.verifier, loaded.proposer, description.hidden_state_layers,
+            judge=functools.partial(sample_hop.sample_in_sampler, send=self.send_to_sampler),
+            hold=functools.partial(sample_hop.hold_in_sampler, send=self.send_to_sampler),
+        )
 
     def execute(self, requests):
         if self.runs_elsewhere:
             return answer_batch(requests, (), _refuse)
         names = wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS
-        responses = answer_batch(requests, names, self._verify)
+        responses = answer_batch(requests, names, self._serve)
         self.host.show_active()
         return responses
 
-    def _verify(self, batch):
+    def _serve(self, batch):
+        """A step with the draft beside (socket calls only), the draft's description, or verify requests."""
+        if any(beside_wire.is_step(x) or beside_wire.is_describe_draft(x) for x in batch):
+            if self.beside is None:
+                raise ServingError("target_verifier holds no draft: draft_proposer did not set run_with_target when "
+                                   "target_verifier loaded (reload target_verifier after changing it)")  # fmt: skip
+            if len(batch) == 1 and beside_wire.is_describe_draft(batch[0]):
+                return [self.draft_describe_outputs]
+            return self.host.handle(batch, beside_wire.steps_of, self.beside.step, beside_wire.step_outputs)
         return self.host.handle(batch, _requests_of, self._verify_and_sample, _outputs)
 
     def _verify_and_sample(self, requests):
