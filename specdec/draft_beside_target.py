@@ -16,8 +16,9 @@ rows it would have sent (``SequenceState(hidden_rows_stay=True)``), so ``hidden_
 means what it means when the rows travel.
 
 Sampled sequences keep the rejection sampler as the one owner of the sampling rule:
-``hold`` hands each drawn ``q`` to it and ``judge`` has the sampled sequences judged there,
-as the two separate models do (``specdec_triton.sample_hop``).
+``judge`` has them judged there, each with its ``q`` and ``p``, in one request
+(``specdec_triton.sample_hop``); two separate models need two, as the draft's ``q`` is
+held in the sampler until the target's ``p`` arrives.
 """
 from __future__ import annotations
 
@@ -28,10 +29,9 @@ import torch
 
 from specdec.types import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 
-# (requests of one verify call, the target's results) -> the results with the sampled sequences judged
-Judge = Callable[[list[VerifyRequest], list[VerifyResult]], list[VerifyResult]]
-# (requests of one propose call, the proposals) -> the proposals with every q drawn sent to the sampler
-Hold = Callable[[list[ProposeRequest], list[Proposal]], list[Proposal]]
+# (requests of one verify call, the target's results, draft_probs=each one's q or None) -> the results
+# with the sampled sequences (``sample_here``) judged
+Judge = Callable[..., list[VerifyResult]]
 
 NO_PROPOSAL = Proposal(token_ids=torch.empty(0, dtype=torch.long))
 
@@ -112,14 +112,13 @@ class DraftBesideTarget:
     Also the one holder of both models' sequences there: a release frees a sequence in both.
     """
 
-    def __init__(self, verifier, proposer, hidden_layers: tuple[int, ...] = (), judge: Judge | None = None,
-                 hold: Hold | None = None):  # fmt: skip
-        """``hidden_layers``: the target hidden states the proposer reads (a head's); () for a draft model."""
+    def __init__(self, verifier, proposer, hidden_layers: tuple[int, ...] = (), judge: Judge | None = None):
+        """``hidden_layers``: the target hidden states the proposer reads (a head's); () for a draft model.
+        ``judge``: None returns ``q`` and ``p`` to the caller, which samples."""
         self.verifier = verifier
         self.proposer = proposer
         self.hidden_layers = tuple(hidden_layers)
         self.judge = judge
-        self.hold = hold
         self.rows = HiddenRows()
 
     def step(self, steps: list[ProposeVerify]) -> list[tuple[Proposal, VerifyResult]]:
@@ -129,15 +128,15 @@ class DraftBesideTarget:
         made = [NO_PROPOSAL if s.propose is None else next(proposals) for s in steps]
         requests = [fit_to_drafts(s.verify, proposal) for s, proposal in zip(steps, made)]
         results = self.verifier.verify(requests)
-        if self.judge is not None:
-            results = self.judge(requests, results)
+        if self.judge is not None:  # q was used here: it does not travel back
+            results = self.judge(requests, results, draft_probs=[p.probs for p in made])
+            made = [replace(p, probs=None) if p.probs is not None else p for p in made]
         return list(zip(made, [self._keep_rows(r, result) for r, result in zip(requests, results)]))
 
     def _propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         if self.hidden_layers:
             requests = [self._with_rows(r) for r in requests]
-        proposals = self.proposer.propose(requests)
-        return self.hold(requests, proposals) if self.hold is not None else proposals
+        return self.proposer.propose(requests)
 
     def _with_rows(self, request: ProposeRequest) -> ProposeRequest:
         """The request with the rows its proposer has not read: up to the last token the target verified."""

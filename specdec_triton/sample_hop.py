@@ -143,12 +143,17 @@ def with_sample_here(requests: list[VerifyRequest], inputs: Mapping[str, np.ndar
             for r, s, seed, h, position in zip(requests, here, seeds, held, positions)]  # fmt: skip
 
 
-def sample_in_sampler(requests: Sequence[VerifyRequest], results: list[VerifyResult], send: Send) -> list[VerifyResult]:
-    """The sampled-here sequences judged by rejection_sampler in one request; their p does not travel further."""
+def sample_in_sampler(requests: Sequence[VerifyRequest], results: list[VerifyResult], send: Send,
+                      draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[VerifyResult]:  # fmt: skip
+    """The sampled-here sequences judged by rejection_sampler in one request; their p does not travel further.
+
+    ``draft_probs``: each sequence's ``q``, where the draft ran in this process (it then goes in the
+    same request, instead of being held in the sampler first); None: held, or one-hot.
+    """
     chosen = [i for i, r in enumerate(requests) if r.sample_here is not None]
     if not chosen:
         return results
-    calls = [_sample_call(requests[i], results[i]) for i in chosen]
+    calls = [_sample_call(requests[i], results[i], draft_probs[i] if draft_probs else None) for i in chosen]
     outputs = send({
         **wire.sample_inputs(calls),
         "seq_id": bytes_array([requests[i].seq_id for i in chosen]),
@@ -166,13 +171,13 @@ def sample_in_sampler(requests: Sequence[VerifyRequest], results: list[VerifyRes
     return out
 
 
-def _sample_call(request: VerifyRequest, result: VerifyResult) -> SampleCall:
+def _sample_call(request: VerifyRequest, result: VerifyResult, draft_probs: torch.Tensor | None = None) -> SampleCall:
     num_drafts = request.num_logits - 1
     if num_drafts < 0 or num_drafts > len(request.token_ids):
         raise RequestError(f"seq {request.seq_id!r}: input 'num_logits' ({request.num_logits}) leaves no drafts "
                            f"among its {len(request.token_ids)} token_ids to sample")  # fmt: skip
     drafts = request.token_ids[len(request.token_ids) - num_drafts :]
-    return SampleCall(torch.tensor(drafts, dtype=torch.long), None, VerifyResult(result.argmax, result.probs),
+    return SampleCall(torch.tensor(drafts, dtype=torch.long), draft_probs, VerifyResult(result.argmax, result.probs),
                       request.sample_here.seed, position=request.sample_here.position)  # fmt: skip
 
 

@@ -9,11 +9,13 @@ models called as two stages.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 import torch
 
 from test_eagle3 import PROMPTS, random_head
+from test_model_inputs import fake_pb_utils, load_model  # noqa: F401  (fake_pb_utils: the autouse fixture)
 from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.draft_beside_target import DraftBesideTarget, HiddenRows, ProposeVerify, fit_to_drafts
 from specdec.engine import GenerationParams, SequenceState
@@ -26,6 +28,8 @@ from specdec.scheduler import StepScheduler
 from specdec.speculation_length import SpeculationLength
 from specdec.types import Proposal, SampleHere, SamplingParams, VerifyRequest
 from specdec.verifier import TargetVerifier
+from specdec_triton import sample_hop, wire
+from specdec_triton.internal import boot_secret
 
 VOCAB, DRAFT_VOCAB, K = 32, 24, 4
 NUM_NEW_TOKENS = 20
@@ -65,14 +69,15 @@ def test_a_verify_request_built_for_k_drafts_is_cut_to_the_drafts_made():
 class BesideStages:
     """The scheduler's stages over ``DraftBesideTarget``: the served target_verifier's calls, in-process.
 
-    Sampled sequences come back with ``q`` and ``p`` and go to a local sampler (served, the
-    hold and judge hops send them to rejection_sampler instead).
+    Without a judge, sampled sequences come back with ``q`` and ``p`` and go to a local
+    sampler; with one (served: rejection_sampler's model), they are judged inside the call.
     """
 
     proposes_in_verify = True
 
     def __init__(self, beside: DraftBesideTarget):
         self.beside, self.sampler, self.calls = beside, RejectionSampler(), []
+        self.samples_in_verify = beside.judge is not None
 
     async def propose_and_verify(self, steps: list[ProposeVerify]):
         await asyncio.sleep(0)
@@ -177,6 +182,33 @@ def test_sampled_output_equals_the_two_stage_output_seed_for_seed(models, method
     beside = decode(BesideStages(DraftBesideTarget(verifier, proposer, layers)), layers, params, rows_stay=True)
     assert beside == separate
     assert len({tuple(o) for o, _ in beside}) == len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def sampler_model():
+    """rejection_sampler's model.py, loaded here: sampled sequences are judged as target_verifier has them judged."""
+    return load_model("rejection_sampler")
+
+
+def test_sampled_sequences_are_judged_with_q_and_p_in_one_sampler_request(models, sampler_model):
+    sent = []
+
+    def send(inputs):
+        sent.append(("hold" if sample_hop.is_hold(inputs) else "judge", "draft_probs" in inputs))
+        return sampler_model._sample({**inputs, **wire.secret_input(boot_secret())})
+
+    def params(i):
+        sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=200 + i)
+        return GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=K, sampling=sampling)
+
+    proposer, verifier, layers = build(models, "eagle3")
+    separate = decode(SeparateStages(proposer, verifier), layers, params, rows_stay=False)
+    proposer, verifier, layers = build(models, "eagle3")
+    judge = functools.partial(sample_hop.sample_in_sampler, send=send)
+    assert decode(BesideStages(DraftBesideTarget(verifier, proposer, layers, judge)), layers, params, True) == separate
+    # one request a step, q in it (a prefill or a last step drafts nothing); none held first
+    assert {kind for kind, _ in sent} == {"judge"} and any(with_q for _, with_q in sent)
+    assert len(sampler_model.held) == 0
 
 
 def test_a_propose_request_carrying_hidden_states_is_refused(models):

@@ -77,11 +77,8 @@ class TritonPythonModel:
                                        **hidden_wire.description_hidden_outputs(description),
                                        **wire.settings_outputs(description)}  # fmt: skip
         self.logger.info(f"run_with_target: draft_proposer's {description.method} {description.model} runs here")
-        return DraftBesideTarget(
-            self.verifier, loaded.proposer, description.hidden_state_layers,
-            judge=functools.partial(sample_hop.sample_in_sampler, send=self.send_to_sampler),
-            hold=functools.partial(sample_hop.hold_in_sampler, send=self.send_to_sampler),
-        )
+        judge = functools.partial(sample_hop.sample_in_sampler, send=self.send_to_sampler)  # q and p in one request
+        return DraftBesideTarget(self.verifier, loaded.proposer, description.hidden_state_layers, judge=judge)
 
     def execute(self, requests):
         if self.runs_elsewhere:
