@@ -16,6 +16,7 @@ from specdec.types import (
     Proposal,
     ProposeRequest,
     SampleCall,
+    SampleHere,
     SampleResult,
     SamplingParams,
     VerifyRequest,
@@ -355,3 +356,31 @@ def test_a_verify_request_asks_for_the_head_layers_of_any_sequence_and_every_seq
     assert hidden_wire.verify_hidden_inputs([silent]) == {}
     with pytest.raises(ValueError, match="must ask for the same hidden_layers"):
         hidden_wire.verify_hidden_inputs([asking, replace(silent, hidden_layers=(3,))])
+
+
+def test_a_step_beside_the_target_round_trips_as_one_call():
+    """beside_wire: verify requests with their propose requests, and proposals with their results, under one frame."""
+    from specdec.draft_beside_target import ProposeVerify
+    from specdec_triton import beside_wire
+
+    steps = [
+        ProposeVerify(ProposeRequest("a", 5, [7], 2, SAMPLING, seed=3, hidden_position=4),
+                      VerifyRequest("a", 5, [7, 0, 0], 3, SAMPLING, hidden_layers=(1, 3), sample_here=SampleHere(9))),
+        ProposeVerify(None, VerifyRequest("b", 0, [1, 2, 3], 1, GREEDY, hidden_layers=(1, 3))),  # a prefill
+        ProposeVerify(ProposeRequest("c", 2, [4, 5], 1, GREEDY, seed=0, hidden_position=2),
+                      VerifyRequest("c", 3, [5, 0], 2, GREEDY, hidden_layers=(1, 3))),
+    ]  # fmt: skip
+    inputs = beside_wire.step_inputs(steps)
+    assert beside_wire.is_step(inputs) and beside_wire.steps_of(inputs) == steps
+    results = [(Proposal(torch.tensor([8])), VerifyResult(torch.tensor([8, 9]), sampled=SampleResult(torch.tensor([8, 9]), 1))),
+               (Proposal(torch.empty(0, dtype=torch.long)), VerifyResult(torch.tensor([6]))),
+               (Proposal(torch.tensor([6])), VerifyResult(torch.tensor([6, 2])))]  # fmt: skip
+    outputs = beside_wire.step_outputs(results)
+    asked = {name: outputs[name] for name in beside_wire.step_output_names(steps)}
+    back = beside_wire.step_results_of(steps, asked)
+    assert [(p.token_ids.tolist(), r.argmax.tolist()) for p, r in back] == [([8], [8, 9]), ([], [6]), ([6], [6, 2])]
+    assert back[0][1].sampled.output_token_ids.tolist() == [8, 9] and back[1][1].sampled is None
+    with pytest.raises(RuntimeError, match="returned 1 drafts for seq 'b', which asked for fewer"):
+        beside_wire.step_results_of(steps, beside_wire.step_outputs([results[0], results[0], results[2]]))
+    with pytest.raises(RequestError, match="input 'proposes' marks 3 sequences that draft, and 2 propose requests"):
+        beside_wire.steps_of({**inputs, "proposes": np.array([True, True, True])})
