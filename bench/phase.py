@@ -152,7 +152,8 @@ def phase_row(measured: PhaseMeasurement) -> dict:
         steps = (stats[TARGET_MODEL].inference_count if TARGET_MODEL in stats else 0) - len(results)
     row = {**summary, **step_overhead_ms(elapsed, stats, steps, COMPUTE_MODELS), "decode_steps": steps - len(results),
            "tokens_per_step": tokens_per_step(summary["output_tokens"], len(results), steps - len(results))}
-    verify_calls = metric_total(metrics, STAGE_CALLS_METRIC, stage="verify")
+    # a step verifies in a verify call, or in a propose_verify call where the draft runs beside the target
+    verify_calls = sum(metric_total(metrics, STAGE_CALLS_METRIC, stage=s) for s in ("verify", "propose_verify"))
     if verify_calls:  # one call in flight at a time, so one forward per call: the sequences each forward served
         row["target_sequences_per_execution"] = steps / verify_calls
     elif TARGET_MODEL in stats and stats[TARGET_MODEL].execution_count:  # a repository without the counter

@@ -44,3 +44,12 @@ def test_a_source_that_drafted_nothing_has_no_acceptance_figure():
     assert (row["proposals_from_suffix"], row["proposals_from_model"], row["suffix_share"]) == (4, 0, 1.0)
     assert row["accepted_per_step_suffix"] == 2.25 and math.isnan(row["accepted_per_step_model"])
     assert math.isnan(source_figures({"suffix": (0, 0, 0), "model": (0, 0, 0)})["suffix_share"])
+
+
+@pytest.mark.parametrize("stage", ["verify", "propose_verify"])
+def test_the_sequences_per_forward_count_the_calls_that_verify(stage):
+    """A step verifies in its verify call, or in one propose_verify call where the draft runs beside the target."""
+    row = phase_row(_measurement('spec_decode_num_steps{model="speculative_decoding"} 12\n'
+                                 f'spec_decode_stage_calls{{model="speculative_decoding",stage="{stage}"}} 4\n'
+                                 'spec_decode_stage_calls{model="speculative_decoding",stage="propose"} 3\n'))
+    assert row["target_sequences_per_execution"] == 3.0
