@@ -169,4 +169,5 @@ class DraftBesideTarget:
 
     @property
     def num_active_sequences(self) -> int:
-        return self.verifier.num_active_sequences
+        """Sequences held here: whichever of the two models (or the rows) holds the most, so a leak in any shows."""
+        return max(self.verifier.num_active_sequences, self.proposer.num_active_sequences, len(self.rows))

@@ -167,7 +167,7 @@ def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(mo
     assert outputs == separate and sum(accepted for _, accepted in outputs) > 0
     assert len(stages.calls) < NUM_NEW_TOKENS + 1  # one call a step
     assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
-    assert len(stages.beside.rows) == 0
+    assert len(stages.beside.rows) == 0 and stages.beside.num_active_sequences == 0
 
 
 @pytest.mark.parametrize("method", ["eagle3", "draft_model"])

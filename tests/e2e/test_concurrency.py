@@ -23,8 +23,10 @@ STATEFUL_MODELS = ("speculative_decoding", "target_verifier", "draft_proposer")
 
 
 def active_sequences(server) -> dict[str, float]:
+    """Each stateful model's gauge; draft_proposer has none where another process loads the draft."""
     samples = server.metrics()
-    return {model: samples[(ACTIVE, (("model", model),))] for model in STATEFUL_MODELS}
+    return {model: samples[(ACTIVE, (("model", model),))] for model in STATEFUL_MODELS
+            if model != "draft_proposer" or (ACTIVE, (("model", model),)) in samples}  # fmt: skip
 
 
 def output_tokens(server) -> float:

@@ -120,6 +120,33 @@ def test_a_killed_stub_fails_its_requests_at_once_and_is_reloaded(fault_server, 
     assert stop_seconds(server) < STOP_WITHIN_S
 
 
+@pytest.fixture
+def beside_server(tmp_path):
+    """The shipped EAGLE-3 head in target_verifier's process (draft_proposer's run_with_target)."""
+    models = models_dir()
+    if not (models / "tiny-eagle3").is_dir():
+        pytest.skip(f"no tiny-eagle3 under {models}")
+    repository = repository_copy(tmp_path, models, "eagle3",
+                                 parameters={"draft_model": str(models / "tiny-eagle3"), "run_with_target": "true"})
+    server = server_on_free_ports(tmp_path, repository)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_killed_target_with_the_head_beside_it_fails_its_requests_and_both_come_back(beside_server, reference):
+    server = beside_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
+    ends = streams_killed_midway(server, "target_verifier")
+    for seconds, error in ends:
+        assert seconds is not None and seconds < ERROR_WITHIN_S and "target_verifier stopped" in error, ends
+    seconds, _ = serves_again(server, reference, RECOVERY_TIMEOUT_S)
+    print(f"head beside the target: serving again {seconds:.1f} s after the kill")
+    again = generate_grpc(server.grpc_url, "ensemble", PROMPTS[1], {"max_tokens": 24, "exclude_input_in_output": True})
+    assert again.total_accepted_draft_tokens > 0  # the head came back with the target, and drafts
+    wait_until_idle(server, timeout_s=10)
+
+
 def stop_seconds(server) -> float:
     """SIGTERM to tritonserver; seconds until it exited."""
     proc, start = server.process, time.monotonic()
