@@ -66,34 +66,8 @@ def test_a_verify_request_built_for_k_drafts_is_cut_to_the_drafts_made():
         fit_to_drafts(request, Proposal(torch.tensor([1, 2, 3, 4])))
 
 
-class BesideStages:
-    """The scheduler's stages over ``DraftBesideTarget``: the served target_verifier's calls, in-process.
-
-    Without a judge, sampled sequences come back with ``q`` and ``p`` and go to a local
-    sampler; with one (served: rejection_sampler's model), they are judged inside the call.
-    """
-
-    proposes_in_verify = True
-
-    def __init__(self, beside: DraftBesideTarget):
-        self.beside, self.sampler, self.calls = beside, RejectionSampler(), []
-        self.samples_in_verify = beside.judge is not None
-
-    async def propose_and_verify(self, steps: list[ProposeVerify]):
-        await asyncio.sleep(0)
-        self.calls.append(len(steps))
-        return self.beside.step(steps)
-
-    async def sample(self, calls):
-        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, c.method, c.position) for c in calls]
-
-    async def release(self, ended):
-        for seq_id, response in ended.items():
-            self.beside.release(seq_id, response)
-
-
 class SeparateStages:
-    """The same models called as two stages, the hidden states through the caller."""
+    """The models called as two stages, the hidden states through the caller; a local sampler."""
 
     def __init__(self, proposer, verifier):
         self.proposer, self.verifier, self.sampler = proposer, verifier, RejectionSampler()
@@ -111,6 +85,30 @@ class SeparateStages:
         for seq_id, response in ended.items():
             self.proposer.release(seq_id, response)
             self.verifier.release(seq_id)
+
+
+class BesideStages(SeparateStages):
+    """The scheduler's stages over ``DraftBesideTarget``: the served target_verifier's calls, in-process.
+
+    Without a judge, sampled sequences come back with ``q`` and ``p`` and go to the local
+    sampler; with one (served: rejection_sampler's model), they are judged inside the call.
+    """
+
+    proposes_in_verify = True
+
+    def __init__(self, beside: DraftBesideTarget):
+        super().__init__(beside.proposer, beside.verifier)
+        self.beside, self.calls = beside, []
+        self.samples_in_verify = beside.judge is not None
+
+    async def propose_and_verify(self, steps: list[ProposeVerify]):
+        await asyncio.sleep(0)
+        self.calls.append(len(steps))
+        return self.beside.step(steps)
+
+    async def release(self, ended):
+        for seq_id, response in ended.items():
+            self.beside.release(seq_id, response)
 
 
 @pytest.fixture(scope="module")
