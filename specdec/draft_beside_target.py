@@ -38,8 +38,9 @@ NO_PROPOSAL = Proposal(token_ids=torch.empty(0, dtype=torch.long))
 
 @dataclass(frozen=True)
 class ProposeVerify:
-    """One sequence's step: what to ask the proposer (None: no drafts this step), and the verify
-    request built for ``propose.num_tokens`` drafts (their ids are placeholders)."""
+    """One sequence's step: what to ask the proposer, and the verify request built for
+    ``propose.num_tokens`` drafts (their ids are placeholders). Without a propose request the
+    verify request is sent as it is: no drafts, or drafts from elsewhere (suffix decoding's)."""
 
     propose: ProposeRequest | None
     verify: VerifyRequest
@@ -126,7 +127,7 @@ class DraftBesideTarget:
         asked = [s.propose for s in steps if s.propose is not None]
         proposals = iter(self._propose(asked) if asked else [])
         made = [NO_PROPOSAL if s.propose is None else next(proposals) for s in steps]
-        requests = [fit_to_drafts(s.verify, proposal) for s, proposal in zip(steps, made)]
+        requests = [s.verify if s.propose is None else fit_to_drafts(s.verify, p) for s, p in zip(steps, made)]
         results = self.verifier.verify(requests)
         if self.judge is not None:  # q was used here: it does not travel back
             results = self.judge(requests, results, draft_probs=[p.probs for p in made])

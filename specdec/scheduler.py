@@ -86,7 +86,8 @@ class StepReport:
 
     k: int  # the most drafts the step allowed a sequence
     sequences: tuple[SequenceStep, ...]  # one per sequence verified, in batch order
-    calls: dict[str, tuple[int, float]]  # "propose" / "verify" / "sample" -> (sequences, wall seconds), calls made
+    # "propose" / "verify" / "sample" / "propose_verify" -> (sequences, wall seconds), calls made
+    calls: dict[str, tuple[int, float]]
 
     @property
     def num_sequences(self) -> int:

@@ -29,11 +29,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
+from specdec.draft_beside_target import ProposeVerify, fit_to_drafts
 from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.suffix import SuffixConfig, SuffixProposer
 from specdec.scheduler import Stages
-from specdec.types import ModelDescription, Proposal, ProposeRequest
+from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyResult
 
 # A sequence's backlog goes to the model once it is this long, suffix decoding's draft or not: it bounds
 # the catch-up pass, and a model that never hears of a sequence would reclaim it as idle
@@ -80,14 +81,15 @@ class SuffixFirstConfig:
         return cls(SuffixConfig(**given), float(own["min_score"]), int(own["model_num_speculative_tokens"]))
 
 
-def suffix_first_for(description: ModelDescription) -> SuffixFirst | None:
+def suffix_first_for(description: ModelDescription, rows_stay: bool = False) -> SuffixFirst | None:
     """The router a model proposer's description asks for (its ``settings``); None when it asks for none.
 
     A model-free method's settings are its own (``specdec.proposers.model_free``): not these.
+    ``rows_stay``: the model runs beside the target, which keeps a head's hidden states.
     """
     if description.method in MODEL_FREE_METHODS or not description.settings:
         return None
-    return SuffixFirst(SuffixFirstConfig.from_settings(description.settings))
+    return SuffixFirst(SuffixFirstConfig.from_settings(description.settings), rows_stay)
 
 
 @dataclass
@@ -111,8 +113,12 @@ class Plan:
 class SuffixFirst:
     """Routes each sequence's step to suffix decoding or the model; owns the model's view of the sequences."""
 
-    def __init__(self, config: SuffixFirstConfig):
+    def __init__(self, config: SuffixFirstConfig, rows_stay: bool = False):
+        """``rows_stay``: the model runs beside the target (``specdec.draft_beside_target``), which keeps a
+        head's hidden states; requests then carry none, and the model reads every row up to the last
+        token verified whenever it is called."""
         self.config = config
+        self.rows_stay = rows_stay
         self.suffix = SuffixProposer(config.suffix)
         self._views: dict[str, _ModelView] = {}
 
@@ -139,7 +145,9 @@ class SuffixFirst:
         for request in plan.to_model:
             view = self._views[request.seq_id]
             view.num_tokens = request.position + len(request.token_ids)
-            if request.hidden_states is not None:
+            if self.rows_stay:  # the last token is not verified yet
+                view.num_features = view.num_tokens - 1
+            elif request.hidden_states is not None:
                 view.num_features = request.hidden_position + request.hidden_states.shape[0]
             view.pending = []
         from_model = {r.seq_id: replace(answer, source=MODEL_SOURCE) for r, answer in zip(plan.to_model, answers)}
@@ -215,6 +223,27 @@ class SuffixFirstStages(ProposeInProcess):
     def router(self) -> SuffixFirst:
         return self.proposer
 
+    @property
+    def proposes_in_verify(self) -> bool:
+        """The wrapped stages' model runs beside the target: a step is one ``propose_and_verify`` call."""
+        return bool(getattr(self.stages, "proposes_in_verify", False))
+
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         plan = self.router.plan(requests)
         return self.router.answered(requests, plan, await self.stages.propose(plan.to_model) if plan.to_model else [])
+
+    async def propose_and_verify(self, steps: list[ProposeVerify]) -> list[tuple[Proposal, VerifyResult]]:
+        """The step in one call beside the target: a sequence suffix decoding drafts for is sent with its
+        drafts in its verify request, the others with their model request (the backlog)."""
+        asked = [s.propose for s in steps if s.propose is not None]
+        plan = self.router.plan(asked) if asked else Plan({}, [])
+        to_model = {request.seq_id: request for request in plan.to_model}
+        sent = [step if step.propose is None
+                else ProposeVerify(None, fit_to_drafts(step.verify, plan.from_suffix[step.seq_id]))
+                if step.seq_id in plan.from_suffix else ProposeVerify(to_model[step.seq_id], step.verify)
+                for step in steps]  # fmt: skip
+        results = await self.stages.propose_and_verify(sent)
+        answers = [proposal for step, (proposal, _) in zip(sent, results) if step.propose is not None]
+        proposals = iter(self.router.answered(asked, plan, answers))
+        return [(next(proposals) if step.propose is not None else proposal, result)
+                for step, (proposal, result) in zip(steps, results)]  # fmt: skip

@@ -75,7 +75,9 @@ def step_results_of(steps: Sequence[ProposeVerify], outputs: Mapping[str, np.nda
         if len(proposal.token_ids) > (step.propose.num_tokens if step.propose else 0):
             raise RuntimeError(f"target_verifier returned {len(proposal.token_ids)} drafts for seq "
                                f"{step.verify.seq_id!r}, which asked for fewer")  # fmt: skip
-    verify = [replace(s.verify, num_logits=len(p.token_ids) + 1) for s, p in zip(steps, proposals)]
+    # a verify request sent without a propose request went as it was (its drafts, if any, from elsewhere)
+    verify = [s.verify if s.propose is None else replace(s.verify, num_logits=len(p.token_ids) + 1)
+              for s, p in zip(steps, proposals)]  # fmt: skip
     results = wire.verify_results_of(outputs, [r.num_logits for r in verify])
     return list(zip(proposals, sample_hop.attach_sampled(verify, results, outputs)))
 

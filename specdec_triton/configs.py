@@ -152,10 +152,6 @@ def _check_where_it_runs(config: DraftProposerConfig) -> None:
         raise ParameterError("draft_proposer: run_with_target and run_in_orchestrator are both true; set one "
                              "(with target_verifier's run_in_orchestrator, run_with_target alone puts the draft "
                              "in speculative_decoding's process beside the target)")  # fmt: skip
-    if config.suffix_first is not None:
-        raise ParameterError("draft_proposer: enable_suffix_decoding cannot be combined with run_with_target yet "
-                             "(suffix decoding's steps skip the model, which then runs beside the target); set "
-                             "one of them false")  # fmt: skip
 
 
 def _suffix_config(params: Parameters) -> SuffixConfig:

@@ -184,7 +184,9 @@ class Orchestrator:
         """
         if self._proposer_here is not None and self._proposer_described == draft:
             return self._proposer_here
-        proposer = model_free_proposer(draft) or suffix_first_for(draft)
+        # beside the target, a head's hidden states stay there (specdec.draft_beside_target)
+        rows_stay = bool(getattr(self.stages, "proposes_in_verify", False))
+        proposer = model_free_proposer(draft) or suffix_first_for(draft, rows_stay)
         self._proposer_described = draft
         return proposer
 

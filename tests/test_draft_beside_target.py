@@ -9,6 +9,7 @@ models called as two stages.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 
 import pytest
@@ -26,6 +27,7 @@ from specdec.proposers import DraftModelProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepScheduler
 from specdec.speculation_length import SpeculationLength
+from specdec.suffix_first import MODEL_SOURCE, SUFFIX_SOURCE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages
 from specdec.types import Proposal, SampleHere, SamplingParams, VerifyRequest
 from specdec.verifier import TargetVerifier
 from specdec_triton import sample_hop, wire
@@ -132,9 +134,9 @@ def build(models, method):
     return proposer, verifier, describe_head(proposer, str(root / "head")).hidden_state_layers
 
 
-def decode(stages, layers, params_of, rows_stay: bool) -> list[tuple[list[int], int]]:
+def decode(stages, layers, params_of, rows_stay: bool, on_step=None) -> list[tuple[list[int], int]]:
     """Every prompt as one sequence, all in the same steps; each one's output tokens and drafts accepted."""
-    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None)
+    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None, on_step=on_step)
     states = [SequenceState(f"s{i}", prompt, params_of(i), layers, hidden_rows_stay=rows_stay)
               for i, prompt in enumerate(PROMPTS)]  # fmt: skip
 
@@ -207,6 +209,47 @@ def test_sampled_sequences_are_judged_with_q_and_p_in_one_sampler_request(models
     # one request a step, q in it (a prefill or a last step drafts nothing); none held first
     assert {kind for kind, _ in sent} == {"judge"} and any(with_q for _, with_q in sent)
     assert len(sampler_model.held) == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_suffix_decoding_in_front_of_the_proposer_beside_the_target(models, method):
+    """Steps suffix decoding drafts send their drafts in the verify request; the model catches up when called."""
+    config = SuffixFirstConfig(min_score=1.0)
+
+    def params(i):
+        return GenerationParams(max_tokens=2 * NUM_NEW_TOKENS, num_speculative_tokens=K)
+
+    def run(beside: bool):
+        sources = collections.Counter()
+
+        def count(report):
+            sources.update(step.source for step in report.sequences if step.num_draft_tokens)
+
+        proposer, verifier, layers = build(models, method)
+        read = collections.defaultdict(list)  # seq_id -> (hidden_position, rows) of each model request
+        propose = proposer.propose
+
+        def recording(requests):
+            for r in requests:
+                read[r.seq_id].append((r.hidden_position, 0 if r.hidden_states is None else r.hidden_states.shape[0]))
+            return propose(requests)
+
+        proposer.propose = recording
+        inner = BesideStages(DraftBesideTarget(verifier, proposer, layers)) if beside else SeparateStages(proposer, verifier)
+        outputs = decode(SuffixFirstStages(inner, SuffixFirst(config, rows_stay=beside)), layers, params, beside, count)
+        assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
+        if layers:  # the head reads each row once: every request starts where the one before stopped
+            for calls in read.values():
+                assert all(p + n == next_p for (p, n), (next_p, _) in zip(calls, calls[1:])), calls
+        return outputs, sources
+
+    separate, separate_sources = run(beside=False)
+    beside, sources = run(beside=True)
+    for prompt, (output, _) in zip(PROMPTS, beside):
+        assert output == hf_generate_greedy(models[0], prompt, 2 * NUM_NEW_TOKENS), (method, prompt)
+    # the same drafts from either source as with the hidden states through the caller
+    assert beside == separate and sources == separate_sources
+    assert sources[SUFFIX_SOURCE] > 0 and sources[MODEL_SOURCE] > 0, sources
 
 
 def test_a_propose_request_carrying_hidden_states_is_refused(models):

@@ -380,6 +380,11 @@ def test_a_step_beside_the_target_round_trips_as_one_call():
     back = beside_wire.step_results_of(steps, asked)
     assert [(p.token_ids.tolist(), r.argmax.tolist()) for p, r in back] == [([8], [8, 9]), ([], [6]), ([6], [6, 2])]
     assert back[0][1].sampled.output_token_ids.tolist() == [8, 9] and back[1][1].sampled is None
+    # a verify request with drafts from elsewhere (suffix decoding's) and no propose request goes as it is
+    suffix = [ProposeVerify(None, VerifyRequest("d", 8, [3, 4, 5], 3, GREEDY))]
+    out = beside_wire.step_outputs([(Proposal(torch.empty(0, dtype=torch.long)), VerifyResult(torch.tensor([4, 5, 1])))])
+    (proposal, result), = beside_wire.step_results_of(suffix, out)
+    assert proposal.token_ids.tolist() == [] and result.argmax.tolist() == [4, 5, 1]
     with pytest.raises(RuntimeError, match="returned 1 drafts for seq 'b', which asked for fewer"):
         beside_wire.step_results_of(steps, beside_wire.step_outputs([results[0], results[0], results[2]]))
     with pytest.raises(RequestError, match="input 'proposes' marks 3 sequences that draft, and 2 propose requests"):

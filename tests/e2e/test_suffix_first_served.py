@@ -3,7 +3,9 @@
 The server is configured as a vLLM / Arctic Inference user would: ``--speculative-config``
 with ``method: eagle3`` and ``enable_suffix_decoding: true``, the head served composing
 (draft_proposer in its own process), so a step that suffix decoding drafts for makes no
-call to it and the next one sends it every token and hidden state it missed.
+call to it and the next one sends it every token and hidden state it missed; or beside the
+target (``run_with_target``), where such a step sends its drafts in the verify request and
+the head reads the rows it missed where the target keeps them.
 """
 from __future__ import annotations
 
@@ -25,14 +27,16 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["composing", "beside"])
+def server(tmp_path_factory, request):
+    """The head composing, or beside the target (run_with_target: a step is one call to target_verifier)."""
     models = models_dir()
     if not (models / "tiny-eagle3").is_dir():
         pytest.skip(f"no tiny-eagle3 under {models}")
     workdir = tmp_path_factory.mktemp("server_suffix_first")
-    repository = repository_copy(workdir, models, "", parameters={"draft_model": str(models / "tiny-eagle3"),
-                                                                  "model_num_speculative_tokens": "3"})  # fmt: skip
+    parameters = {"draft_model": str(models / "tiny-eagle3"), "model_num_speculative_tokens": "3",
+                  "run_with_target": "true" if request.param == "beside" else "false"}  # fmt: skip
+    repository = repository_copy(workdir, models, "", parameters=parameters)
     server = server_on_free_ports(workdir, repository, serve_args=(f"--speculative-config={json.dumps(SPECULATIVE_CONFIG)}",))
     server.start()
     yield server
