@@ -42,7 +42,8 @@ def suffix_first(name: str) -> bool:
 def variant_edits(name: str, edits: dict[str, dict[str, str]], model_k: int = 0,
                   min_score: float | None = None) -> dict[str, dict[str, str]]:  # fmt: skip
     """``edits`` with what the configuration's name asks for: ``+here``, ``run_in_orchestrator`` on
-    target_verifier and draft_proposer; ``+beside``, ``run_with_target`` on draft_proposer; ``+suffix`` (before ``+here``), ``enable_suffix_decoding`` with
+    target_verifier and draft_proposer; ``+beside``, ``run_with_target`` on draft_proposer;
+    ``+suffix`` (before ``+here`` or ``+beside``), ``enable_suffix_decoding`` with
     ``model_num_speculative_tokens`` ``model_k`` (0: the step's k) and ``suffix_decoding_min_score``
     ``min_score`` (None: the model's default)."""
     if name.endswith(HERE_SUFFIX):

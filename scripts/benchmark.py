@@ -128,8 +128,7 @@ def parse_args() -> argparse.Namespace:
         p.error("--ks, --concurrency, --threads and --rounds values must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if method_of(m) not in PROPOSERS
-               or (suffix_first(m) or m.endswith(BESIDE_SUFFIX)) and method_of(m) in ("ngram", "suffix")
-               or suffix_first(m) and m.endswith(BESIDE_SUFFIX)]  # fmt: skip
+               or (suffix_first(m) or m.endswith(BESIDE_SUFFIX)) and method_of(m) in ("ngram", "suffix")]  # fmt: skip
     if unknown or not args.methods:
         p.error(f"--methods must name some of {sorted(PROPOSERS)} (each optionally +here; a model method "
                 f"optionally +suffix before it, or +beside), got {args.methods}")

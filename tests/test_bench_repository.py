@@ -82,6 +82,10 @@ def test_the_repeat_benchmark_serves_a_here_config_with_both_models_in_the_orche
     assert (suffix_first["method"], suffix_first["enable_suffix_decoding"]) == ("eagle3", "true")
     assert suffix_first["model_num_speculative_tokens"] == "3" and suffix_first["run_in_orchestrator"] == "false"
     assert get_parameters((plain / "draft_proposer" / "config.pbtxt").read_text())["enable_suffix_decoding"] == "false"
+    beside = get_parameters((script.server_repository(args, "eagle3+suffix+beside", 8, tmp_path) / "draft_proposer"
+                             / "config.pbtxt").read_text())  # fmt: skip
+    assert (beside["run_with_target"], beside["enable_suffix_decoding"], beside["method"]) == ("true", "true", "eagle3")
+    assert get_parameters((plain / "draft_proposer" / "config.pbtxt").read_text())["run_with_target"] == "false"
 
 
 def test_the_served_benchmark_points_each_method_at_its_checkpoint_and_the_target(tmp_path):
