@@ -43,7 +43,6 @@ from specdec.types import (
 )  # fmt: skip
 
 
-_EMPTY = NO_PROPOSAL  # a sequence that drafts nothing this step
 _log = logging.getLogger(__name__)  # DEBUG: one line per step with its shape
 
 
@@ -264,7 +263,7 @@ class StepScheduler:
 
     async def _propose(self, batch, k: int, calls: dict, failed: dict) -> dict[ScheduledSequence, Proposal]:
         """One propose call for the sequences that draft; an empty proposal for the others."""
-        proposals = {s: _EMPTY for s in batch}
+        proposals = {s: NO_PROPOSAL for s in batch}
         requests = {s: s.state.propose_request(k) for s in batch} if k else {}
         drafting = [s for s, request in requests.items() if request is not None]
         outcomes = await self._call("propose", self.stages.propose, [requests[s] for s in drafting], calls)
@@ -283,12 +282,12 @@ class StepScheduler:
         steps = []
         for sequence in batch:
             request = sequence.state.propose_request(k) if k else None
-            asked = _EMPTY if request is None else Proposal(torch.zeros(request.num_tokens, dtype=torch.long))
+            asked = NO_PROPOSAL if request is None else Proposal(torch.zeros(request.num_tokens, dtype=torch.long))
             steps.append(ProposeVerify(request, self._verify_request(sequence, asked)))
         outcomes = await self._call("propose_verify", self.stages.propose_and_verify, steps, calls)
         proposals, verified = {}, {}
         for sequence, outcome in zip(batch, outcomes):
-            proposals[sequence], verified[sequence] = (_EMPTY, outcome) if isinstance(outcome, Exception) else outcome
+            proposals[sequence], verified[sequence] = (NO_PROPOSAL, outcome) if isinstance(outcome, Exception) else outcome
         return proposals, verified
 
     def _needs_sampler(self, request: VerifyRequest) -> bool:
