@@ -10,7 +10,8 @@
 #    are hidden from the server's processes, or transformers fails to import GenerationMixin under 1.26.
 #    The client's packages go into python3 itself, which runs the benchmark with its own numpy;
 # 2. random-weight checkpoints of Llama-3.2-1B's shape (128k vocabulary), its draft and an EAGLE-3 head;
-# 3. the served benchmark: k = 0 against EAGLE-3 and the draft model (METHODS, KS) on one server per method.
+# 3. the served benchmark: k = 0 against EAGLE-3 and the draft model (METHODS, KS) on one server per method
+#    (METHODS=eagle3+beside,eagle3,draft_model BENCH_SECONDS=420 adds the head in target_verifier's process).
 # Results go to OUT_DIR (default $OUT/gpu-served, or runs/gpu-served): the JSON, its log, the servers' logs.
 # COMMIT, where set, is the commit the JSON records (a copy of the checkout may carry no .git, or a stale one).
 set -uo pipefail

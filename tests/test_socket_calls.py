@@ -325,3 +325,43 @@ def test_a_model_that_unloads_tells_the_waiting_call_why_and_refuses_later_ones(
         client.close()
 
     asyncio.run(main())
+
+
+def test_a_draft_beside_the_target_is_described_on_target_verifiers_socket_and_needs_it(monkeypatch):
+    """run_with_target: the draft's description comes from target_verifier's socket; without socket calls, a clear error."""
+    from specdec.types import ModelDescription
+    from specdec_triton import beside_wire, hidden_wire, model_stages
+
+    head = ModelDescription("/m/head", 64, 128, 4, "eagle3", hidden_state_layers=(1, 3, 5))
+    target = ModelDescription("/m/target", 64, 128, 4, "target")
+
+    def answer(inputs, output_names):
+        assert beside_wire.is_describe_draft(inputs)
+        return {**wire.description_outputs(head), **hidden_wire.description_hidden_outputs(head),
+                **wire.settings_outputs(head)}  # fmt: skip
+
+    server = _serve(answer)
+
+    async def bls(model, inputs, names, batched=False):
+        assert model != wire.DRAFT_PROPOSER, "draft_proposer holds nothing beside the target: it is not asked"
+        described = target if model == wire.TARGET_VERIFIER else ModelDescription(f"/m/{model}", 64, None, None, "x")
+        return {**wire.description_outputs(described), **wire.socket_outputs(server.address)}
+
+    monkeypatch.setattr(model_stages, "bls", bls)
+    monkeypatch.setattr(model_stages, "ensure_bls_threads", lambda n: None)
+    try:
+        async def main():
+            stages = ModelStages(ModelLogger("speculative_decoding"), "secret", draft_beside_target=True)
+            descriptions = await stages.describe()
+            assert descriptions.draft == head and descriptions.target == target and stages.proposes_in_verify
+            assert stages._stateful == (wire.TARGET_VERIFIER,)  # its releases free the draft too
+            stages.close()
+            by_bls = ModelStages(ModelLogger("speculative_decoding"), "secret", stage_calls="bls",
+                                 draft_beside_target=True)  # fmt: skip
+            with pytest.raises(ServingError, match="run_with_target, whose steps go to target_verifier's socket, "
+                                                   "and stage_calls is 'bls'"):  # fmt: skip
+                await by_bls.describe()
+
+        asyncio.run(main())
+    finally:
+        server.close()
