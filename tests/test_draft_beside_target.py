@@ -1,7 +1,7 @@
 """A draft model or head beside the target (specdec.draft_beside_target): one call per step, same output.
 
-The scheduler drives real models here (a random Llama target, an EAGLE-3 head and a
-draft model built in the test) through ``DraftBesideTarget``, as target_verifier runs it
+The scheduler drives real models here (a random Llama target, an EAGLE-3 head, an MLP
+speculator and a draft model built in the test) through ``DraftBesideTarget``, as target_verifier runs it
 when draft_proposer sets ``run_with_target``; greedy output must equal HF ``generate``
 of the target alone, and seeded sampled output must equal the output of the same
 models called as two stages.
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from test_eagle3 import PROMPTS, random_head
+from test_mlp_speculator import write_speculator
 from test_model_inputs import fake_pb_utils, load_model  # noqa: F401  (fake_pb_utils: the autouse fixture)
 from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.draft_beside_target import DraftBesideTarget, HiddenRows, ProposeVerify, fit_to_drafts
@@ -115,11 +116,12 @@ class BesideStages(SeparateStages):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A 6-layer target, a two-layer EAGLE-3 head for it and a one-layer draft model."""
+    """A 6-layer target, a two-layer EAGLE-3 head and a 4-stage MLP speculator for it, a one-layer draft model."""
     root = tmp_path_factory.mktemp("beside")
     target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, initializer_range=0.3)
     target.save_pretrained(root / "target")
     save_eagle3(random_head(root / "target", 5, DRAFT_VOCAB, num_layers=2), root / "head", verifier=str(root / "target"))
+    write_speculator(root / "mlp", VOCAB, 32, n_predict=K, tie=False)
     draft = build_tiny_llama(seed=1, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, initializer_range=0.3)
     return target, draft, root
 
@@ -130,8 +132,9 @@ def build(models, method):
     verifier = TargetVerifier(CachedCausalLM(target))
     if method == "draft_model":
         return DraftModelProposer(CachedCausalLM(draft)), verifier, ()
-    proposer = build_head_proposer("eagle3", root / "head", root / "target", max_num_seqs=8)
-    return proposer, verifier, describe_head(proposer, str(root / "head")).hidden_state_layers
+    head = root / ("head" if method == "eagle3" else "mlp")
+    proposer = build_head_proposer(method, head, root / "target", max_num_seqs=8)
+    return proposer, verifier, describe_head(proposer, str(head)).hidden_state_layers
 
 
 def decode(stages, layers, params_of, rows_stay: bool, on_step=None) -> list[tuple[list[int], int]]:
@@ -150,7 +153,7 @@ def decode(stages, layers, params_of, rows_stay: bool, on_step=None) -> list[tup
     return [(list(state.output_ids), state.stats.num_accepted_tokens) for state in states]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator"])
 @pytest.mark.parametrize("k", [1, 3, K])
 def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(models, method, k):
     def params(i):
@@ -170,7 +173,7 @@ def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(mo
     assert len(stages.beside.rows) == 0 and stages.beside.num_active_sequences == 0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator"])
 def test_sampled_output_equals_the_two_stage_output_seed_for_seed(models, method):
     def params(i):
         sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)
