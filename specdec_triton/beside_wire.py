@@ -62,13 +62,12 @@ def step_output_names(steps: Sequence[ProposeVerify]) -> tuple[str, ...]:
     verify = [s.verify for s in steps]
     names = wire.GREEDY_VERIFY_OUTPUTS + (wire.LOG_PROB_OUTPUTS if any(r.log_probs for r in verify) else ())
     names += sample_hop.VERIFY_SAMPLE_OUTPUTS if any(r.sample_here for r in verify) else ()
-    return names + tuple(PREFIX + n for n in wire.GREEDY_PROPOSE_OUTPUTS + sample_hop.PROPOSE_HOLD_OUTPUTS)
+    return names + tuple(PREFIX + n for n in wire.GREEDY_PROPOSE_OUTPUTS)  # q never comes back: it was used there
 
 
 def step_results_of(steps: Sequence[ProposeVerify], outputs: Mapping[str, np.ndarray]) -> list[tuple[Proposal, VerifyResult]]:
     """Each sequence's proposal and verify result; the verify rows follow the drafts each one got."""
-    proposed = _unprefixed(outputs)
-    proposals = sample_hop.mark_held(wire.proposals_of(proposed), proposed)
+    proposals = wire.proposals_of(_unprefixed(outputs))
     if len(proposals) != len(steps):
         raise RuntimeError(f"target_verifier returned {len(proposals)} proposals for {len(steps)} sequences")
     for step, proposal in zip(steps, proposals):
@@ -118,7 +117,5 @@ def step_outputs(results: Sequence[tuple[Proposal, VerifyResult]]) -> dict[str, 
     """Every sequence's proposal (no drafts for one that drafts nothing) and verify result."""
     proposals = [p for p, _ in results]
     verified = [r for _, r in results]
-    return {
-        **wire.verify_outputs(verified), **sample_hop.sampled_outputs(verified),
-        **_prefixed({**wire.proposal_outputs(proposals), **sample_hop.held_outputs(proposals)}),
-    }  # fmt: skip
+    return {**wire.verify_outputs(verified), **sample_hop.sampled_outputs(verified),
+            **_prefixed(wire.proposal_outputs(proposals))}  # fmt: skip
