@@ -36,6 +36,18 @@ Judge = Callable[..., list[VerifyResult]]
 NO_PROPOSAL = Proposal(token_ids=torch.empty(0, dtype=torch.long))
 
 
+def free_every(frees: list[Callable[[], None]]) -> None:
+    """Runs every release even if one fails, so no model keeps a sequence another let go; raises the first failure."""
+    failures = []
+    for free in frees:
+        try:
+            free()
+        except Exception as err:  # noqa: PERF203
+            failures.append(err)
+    if failures:
+        raise failures[0]
+
+
 @dataclass(frozen=True)
 class ProposeVerify:
     """One sequence's step: what to ask the proposer, and the verify request built for
@@ -157,16 +169,9 @@ class DraftBesideTarget:
         return replace(result, hidden_states=None)
 
     def release(self, seq_id: str, response: list[int] | None = None) -> None:
-        """Frees the sequence in the proposer, the verifier and the rows; each is tried, the first failure raised."""
-        failures = []
-        for free in (lambda: self.proposer.release(seq_id, response), lambda: self.verifier.release(seq_id),
-                     lambda: self.rows.release(seq_id)):  # fmt: skip
-            try:
-                free()
-            except Exception as err:  # noqa: PERF203
-                failures.append(err)
-        if failures:
-            raise failures[0]
+        """Frees the sequence in the proposer, the verifier and the rows."""
+        free_every([lambda: self.proposer.release(seq_id, response), lambda: self.verifier.release(seq_id),
+                    lambda: self.rows.release(seq_id)])  # fmt: skip
 
     @property
     def num_active_sequences(self) -> int:

@@ -19,6 +19,9 @@ import torch
 
 from specdec.types import ModelDescription, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.verifier import asked_hidden_layers
+from specdec_triton.describe_wire import (
+    DESCRIBE_OUTPUTS, DESCRIBE_SETTINGS_OUTPUTS, description_of, settings_outputs, with_described_settings,
+)  # fmt: skip
 from specdec_triton.packing import each, i32, i64
 from specdec_triton.plumbing import RequestError
 
@@ -108,3 +111,17 @@ def description_hidden_outputs(desc: ModelDescription) -> dict[str, np.ndarray]:
 def with_described_layers(desc: ModelDescription, outputs: Mapping[str, np.ndarray]) -> ModelDescription:
     ids = tuple(i64(outputs["describe_hidden_state_layer_ids"]).reshape(-1).tolist())
     return replace(desc, hidden_state_layers=ids)
+
+
+# What a draft describes beyond any model's description: the hidden states a head reads, and the
+# settings of suffix decoding in front of it (or a model-free method's own). draft_proposer answers
+# them, or target_verifier where the draft runs beside the target.
+DRAFT_DESCRIBE_OUTPUTS = DESCRIBE_OUTPUTS + DESCRIBE_HIDDEN_OUTPUTS + DESCRIBE_SETTINGS_OUTPUTS
+
+
+def draft_description_extras(desc: ModelDescription) -> dict[str, np.ndarray]:
+    return {**description_hidden_outputs(desc), **settings_outputs(desc)}
+
+
+def draft_description_of(outputs: Mapping[str, np.ndarray]) -> ModelDescription:
+    return with_described_settings(with_described_layers(description_of(outputs), outputs), outputs)

@@ -24,6 +24,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from specdec.draft_beside_target import free_every
 from specdec.types import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.verifier import TargetVerifier
 
@@ -91,11 +92,4 @@ class StagesInProcess:
         releases = [lambda s=seq_id: self.verifier.release(s) for seq_id in ended] if self.verifier is not None else []
         if self.proposer is not None:  # the response: a proposer may learn from it
             releases += [lambda s=seq_id, r=response: self.proposer.release(s, r) for seq_id, response in ended.items()]
-        failures = []
-        for release in releases:
-            try:
-                release()
-            except Exception as err:  # noqa: PERF203
-                failures.append(err)
-        if failures:
-            raise failures[0]
+        free_every(releases)

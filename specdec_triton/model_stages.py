@@ -19,12 +19,6 @@ from specdec_triton.plumbing import ModelLogger, ServingError, bytes_array
 from specdec_triton.socket_calls import SocketCallClient
 
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
-# what a draft describes: the model, the hidden states a head reads, suffix decoding's settings in front of it
-_DRAFT_DESCRIBE_OUTPUTS = wire.DESCRIBE_OUTPUTS + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS
-
-
-def _draft_description(out) -> ModelDescription:
-    return wire.with_described_settings(hidden_wire.with_described_layers(wire.description_of(out), out), out)
 
 
 class ModelStages:
@@ -91,8 +85,9 @@ class ModelStages:
     async def _describe_draft(self, probe) -> tuple[ModelDescription, str | None]:
         if self._draft_here is not None:
             return self._draft_here, None
-        out = await bls(wire.DRAFT_PROPOSER, probe, _DRAFT_DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS, batched=True)
-        return _draft_description(out), wire.socket_of(out)
+        names = hidden_wire.DRAFT_DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS
+        out = await bls(wire.DRAFT_PROPOSER, probe, names, batched=True)
+        return hidden_wire.draft_description_of(out), wire.socket_of(out)
 
     @staticmethod
     async def _no_description() -> tuple[None, None]:
@@ -105,8 +100,9 @@ class ModelStages:
             raise ServingError(f"draft_proposer sets run_with_target, whose steps go to target_verifier's socket, and "
                                f"{why}: set stage_calls: socket, or run_with_target: false")  # fmt: skip
         await self._connect({wire.TARGET_VERIFIER: target_socket})
-        out = await self._sockets[wire.TARGET_VERIFIER].call(beside_wire.describe_draft_inputs(), _DRAFT_DESCRIBE_OUTPUTS)
-        return _draft_description(out)
+        out = await self._sockets[wire.TARGET_VERIFIER].call(beside_wire.describe_draft_inputs(),
+                                                             hidden_wire.DRAFT_DESCRIBE_OUTPUTS)  # fmt: skip
+        return hidden_wire.draft_description_of(out)
 
     async def _describe_target(self, probe) -> tuple[ModelDescription, str | None]:
         if self._target_here is not None:

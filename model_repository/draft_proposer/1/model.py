@@ -56,8 +56,7 @@ class TritonPythonModel:
         self.proposer, description = loaded.proposer, loaded.description
         self.host = SequenceHost(args["model_name"], self.proposer, description, config.sequence_idle_timeout_s,
                                  self.logger, args["model_config"], keeps_responses=True,
-                                 describe_extra={**hidden_wire.description_hidden_outputs(description),
-                                                 **wire.settings_outputs(description)})  # fmt: skip
+                                 describe_extra=hidden_wire.draft_description_extras(description))
         self.send_to_sampler = sample_hop.sampler_sender(self.host.secret)
         self.host.serve_socket(self._propose)  # the orchestrator's step calls (specdec_triton.socket_calls)
         self.logger.info(f"{config} on {device}: {description}")

@@ -73,9 +73,8 @@ class TritonPythonModel:
             return None
         loaded = build_proposer(draft, device, log=self.logger.info)
         description = loaded.description
-        self.draft_describe_outputs = {**wire.description_outputs(description), **wire.socket_outputs(None),
-                                       **hidden_wire.description_hidden_outputs(description),
-                                       **wire.settings_outputs(description)}  # fmt: skip
+        self.draft_describe_outputs = {**wire.description_outputs(description),
+                                       **hidden_wire.draft_description_extras(description)}  # fmt: skip
         self.logger.info(f"run_with_target: draft_proposer's {description.method} {description.model} runs here")
         judge = functools.partial(sample_hop.sample_in_sampler, send=self.send_to_sampler)  # q and p in one request
         return DraftBesideTarget(self.verifier, loaded.proposer, description.hidden_state_layers, judge=judge)
