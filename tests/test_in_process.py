@@ -23,7 +23,7 @@ from specdec_triton.models_here import (
 )  # fmt: skip
 from specdec_triton.in_process import StagesInProcess
 from test_model_inputs import fake_pb_utils, load_model  # noqa: F401  (fake_pb_utils: the autouse fixture)
-from test_triton_orchestrator import PROMPTS, make_orchestrator, request, run, text_of
+from local_orchestrator import PROMPTS, make_orchestrator, request, run, text_of
 
 CONFIG = """
 name: "target_verifier"
@@ -219,7 +219,7 @@ def test_the_orchestrator_serves_the_same_text_with_models_here(codec, models, s
     orchestrator.stages.close()
 
 
-from test_triton_orchestrator import codec, models  # noqa: E402,F401  (module fixtures)
+from local_orchestrator import codec, models  # noqa: E402,F401  (module fixtures)
 
 
 DRAFT_CONFIG = """

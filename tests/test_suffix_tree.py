@@ -6,7 +6,6 @@ from collections import Counter
 
 import pytest
 
-import numpy as np
 
 from specdec.suffix_tree import SuffixTree, speculate_in_sequence
 

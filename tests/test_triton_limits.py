@@ -4,8 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import pytest
-from test_triton_orchestrator import (  # noqa: F401 (codec, models: fixtures)
+from local_orchestrator import (  # noqa: F401 (codec, models: fixtures)
     PROMPTS, codec, make_orchestrator, models, request, text_of,
 )
 

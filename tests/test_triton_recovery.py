@@ -7,7 +7,7 @@ import os
 import time
 
 import pytest
-from test_triton_orchestrator import (  # noqa: F401 (codec, models: fixtures)
+from local_orchestrator import (  # noqa: F401 (codec, models: fixtures)
     PROMPTS, FakeFamily, codec, make_orchestrator, models, request, run, text_of,
 )
 

@@ -10,9 +10,9 @@ from specdec.rejection_sampler import RejectionSampler
 from specdec_triton import trtllm
 from specdec_triton.plumbing import RequestError
 from specdec_triton.request import GenerateRequest
-from test_triton_orchestrator import codec, engine_text, make_orchestrator, make_pair, models, request, run, text_of
+from local_orchestrator import codec, engine_text, make_orchestrator, make_pair, models, request, run, text_of
 
-__all__ = ["codec", "models"]  # fixtures shared with test_triton_orchestrator
+__all__ = ["codec", "models"]  # fixtures
 
 
 def inputs(batch_dim: bool, **values) -> dict[str, np.ndarray]:
