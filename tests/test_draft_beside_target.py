@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from test_eagle3 import PROMPTS, random_head
+from eagle3_heads import PROMPTS, random_head
 from test_mlp_speculator import write_speculator
 from test_model_inputs import fake_pb_utils, load_model  # noqa: F401  (fake_pb_utils: the autouse fixture)
 from tiny_llama import build_tiny_llama, hf_generate_greedy

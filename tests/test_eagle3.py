@@ -1,197 +1,36 @@
-"""EAGLE-3: the target's hidden states, the head's formats, its proposer, and losslessness with it.
-
-Every model here is random and built in the test: a Llama target and a head over a
-reduced draft vocabulary (``d2t`` / ``t2d`` a random subset of the target's), written in
-the ``speculators`` format and loaded back the way the server loads it.
-"""
+"""EAGLE-3: the head's proposer (cached, compiled, fixed-shape, on the device), the rows the
+target sends it, and losslessness with it (tests/eagle3_heads.py builds the random heads;
+tests/test_eagle3_formats.py loads and refuses them)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
+from eagle3_heads import DRAFT_VOCAB, NUM_NEW_TOKENS, PROMPTS, VOCAB, heads, pair, random_head, two_layer_pair
 from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.cached_lm import ForwardCall
 from specdec.engine import GenerationParams, generate
 from specdec.fast.checkpoint import read_config
 from specdec.fast.runner import FastCausalLM
 from specdec.fast.cuda_graphs import StaticShapeRunner
-from specdec.heads import build_head_proposer, describe_head
+from specdec.heads import build_head_proposer
 from specdec.heads.compiled_steps import STEPS_PER_CALL
 from specdec.heads.cuda_graphs import StaticHeadRunner
-from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for, train_forward
+from specdec.heads.eagle3 import eagle3_config_for, train_forward
 from specdec.heads.formats import load_eagle3, save_eagle3
 from specdec.models import CachedCausalLM
 from specdec.rejection_sampler import RejectionSampler
 from specdec.sampling import greedy_tokens, process_logits
 from specdec.types import ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
-from test_sampled_losslessness import (
-    NUM_SAMPLES, CountingSampler, chisquare_pvalue, exact_joint, sample_first_tokens,
-)  # fmt: skip
+from test_sampled_losslessness import NUM_SAMPLES, CountingSampler, chisquare_pvalue, exact_joint, sample_first_tokens
 
-VOCAB, DRAFT_VOCAB = 32, 24  # a small vocabulary: a random head agrees with the target often enough to be accepted
-PROMPTS = [[3, 7, 1, 12, 30], [5], [9, 9, 9, 2, 2, 2, 9, 9], list(range(1, 21))]  # no 0: hf_generate_greedy pads with id 0
-NUM_NEW_TOKENS = 20
+__all__ = ["heads", "pair", "two_layer_pair"]  # fixtures
 
-
-def random_head(target_dir, seed: int, draft_vocab: int, aux_layers=None, scale: float = 0.3,
-                hidden_size: int | None = None, num_layers: int = 1) -> Eagle3Head:  # fmt: skip
-    config = eagle3_config_for(read_config(target_dir), draft_vocab, aux_layers, hidden_size, num_layers=num_layers)
-    torch.manual_seed(seed)
-    head = Eagle3Head(config)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, scale) if p.dim() > 1 else p.fill_(1.0)
-        kept = torch.randperm(config.vocab_size)[:draft_vocab].sort().values  # [draft_vocab] target ids
-        head.d2t.copy_(kept - torch.arange(draft_vocab))
-        head.t2d.zero_()
-        head.t2d[kept] = True
-    return head
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A 6-layer target (EAGLE-3's default layers 2, 3, 3) and a random head in the speculators format."""
-    root = tmp_path_factory.mktemp("eagle3")
-    target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, initializer_range=0.3)
-    target.save_pretrained(root / "target")
-    save_eagle3(random_head(root / "target", 1, DRAFT_VOCAB), root / "head", verifier=str(root / "target"))
-    return target, root / "target", root / "head"
-
-
-@pytest.fixture(scope="module")
-def two_layer_pair(pair, tmp_path_factory):
-    """The same target and a head of two decoder layers (vLLM's ``num_hidden_layers`` 2: the second a plain Llama layer)."""
-    target, target_dir, _ = pair
-    head_dir = tmp_path_factory.mktemp("eagle3-two-layers") / "head"
-    save_eagle3(random_head(target_dir, 5, DRAFT_VOCAB, num_layers=2), head_dir, verifier=str(target_dir))
-    return target, target_dir, head_dir
-
-
-@pytest.fixture(params=["one-layer", "two-layers"])
-def heads(request):
-    """The tests of what the head computes run with both depths."""
-    return request.getfixturevalue("pair" if request.param == "one-layer" else "two_layer_pair")
-
-
-@pytest.mark.parametrize("engine", ["fast", "hf"])
-def test_hidden_states_are_transformers_own(pair, engine):
-    target, target_dir, _ = pair
-    lm = FastCausalLM(target_dir, max_num_seqs=2) if engine == "fast" else CachedCausalLM(target)
-    ids, layers = PROMPTS[3], (2, 3, 6)
-    with torch.inference_mode():
-        reference = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    expected = torch.cat([reference[i][0] for i in layers], -1)  # [len(ids), 3 * hidden]
-    _, first = lm.forward_with_hidden([ForwardCall("a", 0, ids[:12], 1), ForwardCall("b", 0, ids[:4], 2)], layers)
-    _, rest = lm.forward_with_hidden([ForwardCall("a", 12, ids[12:], 3)], layers)
-    torch.testing.assert_close(torch.cat([first[0], rest[0]]).float(), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(first[1].float(), expected[:4], atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"hidden_layers must be ids in \[0, 6\] \(the target has 6 layers\)"):
-        lm.forward_with_hidden([ForwardCall("c", 0, ids, 1)], (7,))
-
-
-def test_speculators_format_round_trips_and_reads_the_original_layout(pair, tmp_path):
-    _, target_dir, head_dir = pair
-    raw = json.loads((head_dir / "config.json").read_text())
-    assert raw["speculators_model_type"] == "eagle3" and raw["draft_vocab_size"] == DRAFT_VOCAB
-    assert raw["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
-    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
-    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    # The original EAGLE-3 release: a Llama config.json and the layer's weights under midlayer.*
-    original = tmp_path / "original"
-    original.mkdir()
-    weights = load_file(head_dir / "model.safetensors")
-    save_file({k.replace("layers.0.", "midlayer."): v for k, v in weights.items() if k != "embed_tokens.weight"},
-              original / "model.safetensors")  # fmt: skip
-    layer = dict(raw["transformer_layer_config"], architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB)
-    (original / "config.json").write_text(json.dumps(layer))
-    shared = load_eagle3(original, target_dir, torch.float32, "cpu")  # no embed_tokens: the target's
-    target_embedding = load_file(target_dir / "model.safetensors")["model.embed_tokens.weight"]
-    torch.testing.assert_close(shared.embed_tokens.weight, target_embedding)
-    for name, tensor in head.state_dict().items():
-        if name != "embed_tokens.weight":
-            torch.testing.assert_close(shared.state_dict()[name], tensor)
-    # as its releases ship it: pytorch_model.bin, read as tensors only
-    (original / "model.safetensors").unlink()
-    torch.save(load_file(head_dir / "model.safetensors"), original / "pytorch_model.bin")
-    from_bin = load_eagle3(original, target_dir, torch.float32, "cpu")
-    for name, tensor in head.state_dict().items():
-        torch.testing.assert_close(from_bin.state_dict()[name], tensor)
-
-
-def test_a_head_whose_layer_config_names_another_family_loads_as_llama_layers(pair, tmp_path):
-    """As vLLM builds them: a head for a Qwen3 target may name qwen3 and has no query and key norms."""
-    _, target_dir, head_dir = pair
-    head = tmp_path / "head"
-    shutil.copytree(head_dir, head)
-    raw = json.loads((head / "config.json").read_text())
-    raw["transformer_layer_config"]["model_type"] = "qwen3"
-    (head / "config.json").write_text(json.dumps(raw))
-    loaded, shipped = (load_eagle3(d, target_dir, torch.float32, "cpu") for d in (head, head_dir))
-    assert loaded.layers[0].self_attn.q_norm is None
-    for name, tensor in shipped.state_dict().items():
-        torch.testing.assert_close(loaded.state_dict()[name], tensor)
-
-
-class _NotATensor:
-    pass
-
-
-def test_head_weights_that_are_missing_or_not_tensors_are_refused_naming_the_files(pair, tmp_path):
-    _, target_dir, head_dir = pair
-    head = tmp_path / "head"
-    head.mkdir()
-    shutil.copy(head_dir / "config.json", head / "config.json")
-    with pytest.raises(FileNotFoundError, match=r"no weights: none of model.safetensors, .*pytorch_model.bin"):
-        load_eagle3(head, target_dir, torch.float32, "cpu")
-    torch.save({"fc.weight": _NotATensor()}, head / "pytorch_model.bin")  # a pickle that would build an object
-    with pytest.raises(ValueError, match=r"pytorch_model.bin is not a file of tensors"):
-        load_eagle3(head, target_dir, torch.float32, "cpu")
-
-
-def test_a_two_layer_head_round_trips_with_its_layers_named_as_vllm_loads_them(two_layer_pair):
-    _, target_dir, head_dir = two_layer_pair
-    assert json.loads((head_dir / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
-    names = load_file(head_dir / "model.safetensors").keys()
-    assert {"layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "layers.1.input_layernorm.weight"} <= names
-    assert "layers.1.hidden_norm.weight" not in names and "layers.0.hidden_norm.weight" in names  # only the first reads [emb; hidden]
-    head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    assert len(head.layers) == 2 and head.layers[1].self_attn.qkv_proj.in_features == head.config.hidden_size
-    assert build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2).cache.kv.shape[0] == 2  # a cache layer each
-
-
-def test_a_head_for_another_target_is_refused_naming_both(pair, tmp_path):
-    _, target_dir, head_dir = pair
-    other = tmp_path / "other"
-    build_tiny_llama(seed=2, vocab_size=VOCAB, hidden_size=48, num_hidden_layers=6).save_pretrained(other)
-    with pytest.raises(ValueError, match=rf"draft head '{head_dir}' does not fit target '{other}'.*hidden size 32 "
-                                         rf"\(target has 48\)"):  # fmt: skip
-        build_head_proposer("eagle3", head_dir, other)
-    bigger = tmp_path / "bigger"
-    build_tiny_llama(seed=2, vocab_size=64, hidden_size=32, num_hidden_layers=6).save_pretrained(bigger)
-    with pytest.raises(ValueError, match=r"vocabulary of 32 tokens \(target has 64\)"):
-        build_head_proposer("eagle3", head_dir, bigger)
-    with pytest.raises(ValueError, match=r"is a eagle3 checkpoint, not mlp_speculator"):
-        build_head_proposer("mlp_speculator", head_dir, target_dir)
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
-        build_head_proposer("eagle3", tmp_path, target_dir)
-
-
-def test_a_heads_cache_and_features_span_max_model_len_when_given(pair):
-    """Sized by the target's max_position_embeddings by default; draft_proposer's max_model_len narrows it."""
-    _, target_dir, head_dir = pair
-    positions = read_config(target_dir).max_position_embeddings
-    assert build_head_proposer("eagle3", head_dir, target_dir).max_model_len == positions
-    narrow = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2, max_model_len=64)
-    assert narrow.max_model_len == 64 and narrow.cache.kv.shape[-2] == 64 and narrow._fused.shape[:2] == (2, 64)
-    assert describe_head(narrow, head_dir).max_model_len == 64
-    with pytest.raises(ValueError, match=rf"max_model_len {positions + 1} exceeds target '{target_dir}'"):
-        build_head_proposer("eagle3", head_dir, target_dir, max_model_len=positions + 1)
 
 
 @pytest.mark.parametrize("cpu_compile,packed", [(False, False), (True, False), (True, True)],

@@ -144,7 +144,7 @@ def test_kernel_matches_torch_path_on_cuda(tmp_path):
 
 
 def _head_pair(tmp_path):
-    from test_eagle3 import DRAFT_VOCAB, VOCAB, random_head
+    from eagle3_heads import DRAFT_VOCAB, VOCAB, random_head
     from tiny_llama import build_tiny_llama
 
     from specdec.heads.formats import save_eagle3

@@ -19,7 +19,7 @@ from specdec.suffix_first import (
 )  # fmt: skip
 from specdec.types import ModelDescription, Proposal, ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
-from test_eagle3 import VOCAB, pair  # noqa: F401  (pair: a 6-layer target and a random EAGLE-3 head)
+from eagle3_heads import VOCAB, pair  # noqa: F401  (pair: a 6-layer target and a random EAGLE-3 head)
 from test_sampled_losslessness import NUM_SAMPLES, CountingSampler, chisquare_pvalue, exact_joint, sample_first_tokens
 
 LOOP = [5, 6, 7, 8, 9]  # a prompt that repeats itself: suffix decoding drafts its continuation with certainty
