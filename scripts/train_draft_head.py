@@ -169,7 +169,7 @@ def eagle3_loss(head: Eagle3Head, window, features, target_logp, ttt_steps: int)
 
 def build_mlp(target, arch, args) -> MLPSpeculator:
     config = dict(n_predict=args.n_predict, emb_dim=arch.hidden_size, inner_dim=args.inner_dim or arch.hidden_size,
-                  vocab_size=arch.vocab_size, tie_weights=False, scale_input=True,
+                  vocab_size=arch.vocab_size, tie_weights=args.tie_weights, scale_input=True,
                   top_k_tokens_per_head=[1] * args.n_predict, n_candidates=1)  # fmt: skip
     model = MLPSpeculator(config)
     if model.inner_dim == arch.hidden_size:
@@ -267,6 +267,8 @@ def main() -> None:
                         help="mlp_speculator: after the evaluation, write only the first N stages (0: all)")
     parser.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="mlp_speculator: the written weights' dtype")
+    parser.add_argument("--tie-weights", action="store_true",
+                        help="mlp_speculator: one embedding, head and norm for every stage (the format's tie_weights)")
     parser.add_argument("--inner-dim", type=int, default=0, help="mlp_speculator: 0 = the target's hidden size")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=24, help="as benchmark_engine.py's --num-prompts")

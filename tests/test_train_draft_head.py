@@ -1,4 +1,5 @@
-"""The head trainer's training windows: written text, and the target's own greedy continuations of it."""
+"""The head trainer: its training windows (written text, and the target's own greedy continuations of
+it) and the MLP speculator it builds."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy  # noqa: E402
-from train_draft_head import training_windows  # noqa: E402
+from specdec.heads.mlp_speculator import load_mlp_speculator, save_mlp_speculator  # noqa: E402
+from train_draft_head import build_mlp, training_windows  # noqa: E402
 
 SEQ_LEN = 14  # windows of SEQ_LEN + 2 = 16 tokens
 PROMPT = 6
@@ -54,3 +56,26 @@ def test_a_generated_window_is_its_text_start_then_the_targets_greedy_continuati
 def test_a_prompt_that_leaves_no_room_is_refused_by_name(text, prompt):
     with pytest.raises(SystemExit, match="--generated-prompt-tokens"):
         training_windows(build_tiny_llama(seed=0), text, windows_args(0.5, prompt))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_mlp_speculator_built_for_training_starts_from_the_targets_lm_head_and_loads_as_served(tie, tmp_path):
+    """``--tie-weights``: one embedding, head and norm for every stage, written once and loaded as vLLM loads it."""
+    target = build_tiny_llama(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    args = Namespace(n_predict=3, inner_dim=0, tie_weights=tie)
+    speculator = build_mlp(target, target.config, args)
+    assert all(torch.equal(head.weight, target.lm_head.weight) for head in speculator.head)
+    assert (speculator.emb[0] is speculator.emb[2]) == tie and (speculator.proj[1] is speculator.proj[2]) == tie
+    with torch.no_grad():
+        for p in speculator.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # trained weights, not the start
+    save_mlp_speculator(speculator, tmp_path / "head")
+    loaded = load_mlp_speculator(tmp_path / "head", tmp_path / "target", torch.float32, "cpu")
+    assert loaded.config["tie_weights"] == tie and (loaded.emb[0] is loaded.emb[2]) == tie
+    hidden, tokens = torch.randn(2, target.config.hidden_size), torch.tensor([3, 5])  # [B, h], [B]
+    state, expected_state = loaded.first_state(hidden), speculator.first_state(hidden)
+    for i in range(3):
+        logits, state = loaded.stage(i, state, tokens)
+        expected, expected_state = speculator.stage(i, expected_state, tokens)
+        assert torch.allclose(logits, expected)
