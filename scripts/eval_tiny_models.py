@@ -4,7 +4,8 @@
 Runs the real engine (``specdec.engine.generate``) with greedy sampling over prompts
 cut from the held-out files of the training corpus (the split the training script
 uses). Every method is lossless, so their greedy outputs must agree; a difference is
-reported. ``--eagle3-head`` adds an EAGLE-3 head on the same prompts.
+reported. ``--eagle3-head`` and ``--mlp-speculator`` add a learned head on the same prompts
+(an MLP speculator drafts at most its ``n_predict``: ``--k`` above it is refused).
 
 Each method's propose calls are timed: milliseconds per drafted token is the proposer's
 cost as speculation pays it. ``--engine fast --cpu-compile`` times the engine the
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "tiny-target")
     parser.add_argument("--draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
     parser.add_argument("--eagle3-head", type=Path, help="an EAGLE-3 head for the target, measured beside the draft")
+    parser.add_argument("--mlp-speculator", type=Path, help="an MLP speculator for the target, measured beside the draft")
     parser.add_argument("--engine", choices=("hf", "fast"), default="hf")
     parser.add_argument("--cpu-compile", action="store_true", help="the fast engine's models and the head compiled")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the server runs one per model)")
@@ -130,6 +132,12 @@ def main() -> None:
     if args.eagle3_head:
         methods.append(("eagle3", build_head_proposer("eagle3", args.eagle3_head, args.target, "float32", "cpu", 2,
                                                       cpu_compile=args.cpu_compile)))  # fmt: skip
+    if args.mlp_speculator:
+        speculator = build_head_proposer("mlp_speculator", args.mlp_speculator, args.target, "float32", "cpu", 2,
+                                         cpu_compile=args.cpu_compile)  # fmt: skip
+        if args.k > speculator.model.n_predict:
+            parser.error(f"--k {args.k} exceeds the MLP speculator's n_predict={speculator.model.n_predict}")
+        methods.append(("mlp_speculator", speculator))
     prompts = held_out_prompts(tokenizer, args.num_prompts, args.prompt_tokens)
     verifier = TargetVerifier(target)
     sampler = RejectionSampler("strict")
