@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -179,8 +180,9 @@ def build_mlp(target, arch, args) -> MLPSpeculator:
     return model
 
 
-def mlp_loss(model: MLPSpeculator, window, last, target_logp) -> torch.Tensor:
-    """Stage i at base t reads token x_{t+1+i} and is scored on the target's distribution at t + 1 + i."""
+def mlp_loss(model: MLPSpeculator, window, last, target_logp, greedy_labels: bool = False) -> torch.Tensor:
+    """Stage i at base t reads token x_{t+1+i} and is scored on the target's distribution at t + 1 + i
+    (``greedy_labels``: on the target's greedy token there, as IBM's trainer scores on generated text)."""
     n = model.n_predict
     span = window.shape[1] - n  # bases t = 0 .. span - 1
     state = model.first_state(last[:, :span].float())  # [B, span, h]
@@ -188,7 +190,10 @@ def mlp_loss(model: MLPSpeculator, window, last, target_logp) -> torch.Tensor:
     for i in range(n):
         logits, state = model.stage(i, state, window[:, 1 + i : 1 + i + span])
         valid = torch.ones(window.shape[0], span, dtype=torch.bool)
-        losses.append(soft_ce(logits, target_logp[:, 1 + i : 1 + i + span].float(), valid))
+        labels = target_logp[:, 1 + i : 1 + i + span].float()  # [B, span, vocab]
+        if greedy_labels:  # the target's greedy token alone, as a one-hot distribution
+            labels = F.one_hot(labels.argmax(-1), labels.shape[-1]).float().clamp(min=1e-9).log()
+        losses.append(soft_ce(logits, labels, valid))
     return sum(losses) / n
 
 
@@ -269,6 +274,8 @@ def main() -> None:
                         help="mlp_speculator: the written weights' dtype")
     parser.add_argument("--tie-weights", action="store_true",
                         help="mlp_speculator: one embedding, head and norm for every stage (the format's tie_weights)")
+    parser.add_argument("--mlp-labels", choices=("distribution", "greedy"), default="distribution",
+                        help="mlp_speculator: each stage trained to the target's distribution or its greedy token")
     parser.add_argument("--inner-dim", type=int, default=0, help="mlp_speculator: 0 = the target's hidden size")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=24, help="as benchmark_engine.py's --num-prompts")
@@ -309,7 +316,7 @@ def main() -> None:
     else:
         head = build_mlp(target, arch, args)
         pool = target_outputs(target, windows, args, (arch.num_layers,), None)
-        losses = train(args, head, lambda *batch: mlp_loss(head, *batch), pool)
+        losses = train(args, head, lambda *batch: mlp_loss(head, *batch, args.mlp_labels == "greedy"), pool)
         save_mlp_speculator(head, args.out)
     train_seconds = time.time() - started
     results = evaluate(args, tokenizer)  # every stage trained, in float32

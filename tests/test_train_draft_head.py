@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy  # noqa: E402
 from specdec.heads.mlp_speculator import load_mlp_speculator, save_mlp_speculator  # noqa: E402
-from train_draft_head import build_mlp, training_windows  # noqa: E402
+from train_draft_head import build_mlp, mlp_loss, training_windows  # noqa: E402
 
 SEQ_LEN = 14  # windows of SEQ_LEN + 2 = 16 tokens
 PROMPT = 6
@@ -79,3 +79,21 @@ def test_the_mlp_speculator_built_for_training_starts_from_the_targets_lm_head_a
         logits, state = loaded.stage(i, state, tokens)
         expected, expected_state = speculator.stage(i, expected_state, tokens)
         assert torch.allclose(logits, expected)
+
+
+def test_the_mlp_speculators_loss_scores_each_stage_on_the_targets_distribution_or_its_greedy_token():
+    target = build_tiny_llama(seed=0)
+    speculator = build_mlp(target, target.config, Namespace(n_predict=2, inner_dim=0, tie_weights=False))
+    window = torch.randint(1, target.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))  # [B, T]
+    with torch.no_grad():
+        out = target(window, output_hidden_states=True)
+    last, target_logp = out.hidden_states[-1], out.logits.log_softmax(-1)  # [B, T, h], [B, T, vocab]
+    span = window.shape[1] - 2
+    state, soft, hard = speculator.first_state(last[:, :span]), [], []
+    for i in range(2):  # stage i at base t reads x_{t+1+i}, scored at t + 1 + i
+        logits, state = speculator.stage(i, state, window[:, 1 + i : 1 + i + span])
+        labels = target_logp[:, 1 + i : 1 + i + span]
+        soft.append(-(labels.exp() * logits.log_softmax(-1)).sum(-1).mean())
+        hard.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.argmax(-1).flatten()))
+    assert torch.allclose(mlp_loss(speculator, window, last, target_logp), sum(soft) / 2, atol=1e-5)
+    assert torch.allclose(mlp_loss(speculator, window, last, target_logp, greedy_labels=True), sum(hard) / 2, atol=1e-4)
