@@ -14,7 +14,9 @@ LM head starts from the target's rows.
   its own output for later positions (``specdec.heads.eagle3.train_forward``), weighted
   ``0.8 ** step``.
 * ``mlp_speculator``: ``--n-predict`` stages over the target's final hidden state, stage
-  ``i`` fed the text's tokens and trained on the target's distribution ``i + 1`` tokens on.
+  ``i`` fed the text's tokens and trained on the target's distribution ``i + 1`` tokens on
+  (``--mlp-labels greedy``: on its greedy token there); ``--tie-weights`` shares one
+  embedding, head and norm among the stages (the format's ``tie_weights``).
 
 Then the head is written (speculators / MLPSpeculator format) and run in the real engine
 at ``--k`` (greedy), beside ``--baseline-draft``, on the held-out prompts of
