@@ -3,7 +3,6 @@ draft vocabulary (``d2t`` / ``t2d`` a random subset of the target's), written in
 The ``pair``, ``two_layer_pair`` and ``heads`` fixtures are imported by the test modules."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
