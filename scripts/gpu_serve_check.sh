@@ -9,9 +9,11 @@
 #    corrupted under numpy 2). Packages of that image built against numpy 2 (scikit-learn, scipy, ...)
 #    are hidden from the server's processes, or transformers fails to import GenerationMixin under 1.26.
 #    The client's packages go into python3 itself, which runs the benchmark with its own numpy;
-# 2. random-weight checkpoints of Llama-3.2-1B's shape (128k vocabulary), its draft and an EAGLE-3 head;
+# 2. random-weight checkpoints of Llama-3.2-1B's shape (128k vocabulary), its draft, an EAGLE-3 head and
+#    a 3-stage MLP speculator;
 # 3. the served benchmark: k = 0 against EAGLE-3 and the draft model (METHODS, KS) on one server per method
-#    (METHODS=eagle3+beside,eagle3,draft_model BENCH_SECONDS=420 adds the head in target_verifier's process).
+#    (METHODS=eagle3+beside,mlp_speculator+beside,eagle3,draft_model BENCH_SECONDS=480 adds the heads in
+#    target_verifier's process; a 3-stage random MLP speculator, so KS at most 3).
 # Results go to OUT_DIR (default $OUT/gpu-served, or runs/gpu-served): the JSON, its log, the servers' logs.
 # COMMIT, where set, is the commit the JSON records (a copy of the checkout may carry no .git, or a stale one).
 set -uo pipefail
@@ -57,10 +59,14 @@ echo "=== checkpoints in $MODELS $(elapsed)"
   python3 scripts/make_random_model.py --preset llama-125m --vocab-size 128256 --out $MODELS/llama-125m &&
   python3 scripts/make_random_model.py --head eagle3 --target $MODELS/llama-1b --out $MODELS/llama-1b-eagle3" \
   > "$OUT_DIR/logs/checkpoints.log" 2>&1 || { tail -5 "$OUT_DIR/logs/checkpoints.log"; exit 1; }
+[[ -f $MODELS/llama-1b-mlp/config.json ]] || timeout 90 python3 scripts/make_random_model.py --head mlp_speculator \
+  --n-predict 3 --target "$MODELS/llama-1b" --out "$MODELS/llama-1b-mlp" >> "$OUT_DIR/logs/checkpoints.log" 2>&1 ||
+  { tail -5 "$OUT_DIR/logs/checkpoints.log"; exit 1; }
 
 echo "=== served benchmark $(elapsed)"
 timeout "${BENCH_SECONDS:-300}" python3 scripts/benchmark.py --target "$MODELS/llama-1b" --draft "$MODELS/llama-125m" \
-  --eagle3 "$MODELS/llama-1b-eagle3" --methods "${METHODS:-eagle3,draft_model}" --ks "${KS:-3}" --concurrency "${CONCURRENCY:-1,4}" \
+  --eagle3 "$MODELS/llama-1b-eagle3" --mlp-speculator "$MODELS/llama-1b-mlp" \
+  --methods "${METHODS:-eagle3,draft_model}" --ks "${KS:-3}" --concurrency "${CONCURRENCY:-1,4}" \
   --num-prompts 8 --max-tokens 64 --rounds "${ROUNDS:-2}" --no-hf --synthetic-acceptance-rate 0.7 \
   ${COMMIT:+--commit "$COMMIT"} --note "tritonserver 2.51 from the nvidia-pytriton wheel in a numpy 1.26 venv (scripts/gpu_serve_check.sh)" \
   --out-dir "$OUT_DIR" --log-dir "$OUT_DIR/logs" 2>&1 | grep -v '%|' | tee "$OUT_DIR/benchmark.log"
