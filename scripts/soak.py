@@ -3,8 +3,9 @@
     .venv/bin/python scripts/soak.py                                  # 1,000 requests, 32 at once (minutes)
     .venv/bin/python scripts/soak.py --requests 100 --concurrency 8 --client-kills 2
     .venv/bin/python scripts/soak.py --url localhost:8001 --pid <tritonserver pid>   # a server already running
+    .venv/bin/python scripts/soak.py --repository /srv/repo        # a copy from scripts/new_repository.sh
 
-Without ``--url`` it starts ``scripts/serve.sh`` on the committed repository. Each
+Without ``--url`` it starts ``scripts/serve.sh`` on ``--repository`` (the committed one). Each
 request is greedy and streamed; a share of them (``--cancel-fraction``) is cancelled
 by its client after the first response, and ``--client-kills`` client processes are
 SIGKILLed mid-stream (the server sees the connection drop). At the end it checks:
@@ -126,12 +127,24 @@ def run_load(args, url: str, reference) -> Tally:
     return tally
 
 
-def held_sequences(metrics_url: str) -> dict[str, float]:
+def read_metrics(metrics_url: str) -> dict:
     import urllib.request
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        samples = parse_prometheus(response.read().decode())
+        return parse_prometheus(response.read().decode())
+
+
+def held_sequences(metrics_url: str) -> dict[str, float]:
+    samples = read_metrics(metrics_url)
     return {m: samples.get(("spec_decode_num_active_sequences", (("model", m),)), 0.0) for m in STATEFUL}
+
+
+def drafted_and_accepted(metrics_url: str) -> tuple[int, int]:
+    """The server's draft and accepted token counters: a soak with speculation on must have drafted."""
+    samples = read_metrics(metrics_url)
+    label = (("model", "speculative_decoding"),)
+    return (int(samples.get(("spec_decode_num_draft_tokens", label), 0)),
+            int(samples.get(("spec_decode_num_accepted_tokens", label), 0)))  # fmt: skip
 
 
 def server_rss_mib(server_pid: int) -> float:
@@ -161,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-url", help="with --url: its /metrics (default: port 8002 of --url's host)")
     parser.add_argument("--pid", type=int, help="with --url: the tritonserver process, for RSS")
     parser.add_argument("--models", type=Path, default=ROOT / "models")
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository",
+                        help="without --url: the model repository the server serves (its target must be --models' "
+                             "tiny-target, the reference)")
     args = parser.parse_args(argv)
 
     from triton_server import Reference  # noqa: E402 (imports torch: after the arguments are checked)
@@ -175,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url is None:
         log = Path(tempfile.gettempdir()) / "specdec-soak-tritonserver.log"
         print(f"starting a server; its log: {log}")
-        server = TritonServer(SERVE_SCRIPT, ROOT / "model_repository", log, cwd=ROOT).start()
+        server = TritonServer(SERVE_SCRIPT, args.repository, log, cwd=ROOT).start()
         url, metrics_url, pid = server.grpc_url, f"http://localhost:{server.metrics_port}/metrics", server.pid
     else:
         url, pid = args.url, args.pid
@@ -191,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         while any(held_sequences(metrics_url).values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         held = held_sequences(metrics_url)
+        drafted, accepted = drafted_and_accepted(metrics_url)
         rss_after = server_rss_mib(pid) if pid else None
     finally:
         if server is not None:
@@ -199,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.requests} requests at concurrency {args.concurrency} in {seconds:.1f} s: "
           f"{tally.completed} completed, {tally.cancelled} cancelled, {args.client_kills} clients killed")
     print(f"errors {len(tally.errors)}, mismatches {len(tally.mismatches)}, leaked {int(sum(held.values()))} {held}")
+    print(f"drafted {drafted} tokens, {accepted} accepted (the server's counters since it started)")
     if growth is not None:
         print(f"RSS {rss_before:.0f} MiB after warm-up, {rss_after:.0f} MiB at the end ({100 * growth:+.1f} %)")
     for line in (tally.errors + tally.mismatches)[:20]:
