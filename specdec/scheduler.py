@@ -65,6 +65,11 @@ class Stages(Protocol):
     async def release(self, ended: dict[str, list[int] | None]) -> None: ...
 
 
+def proposes_in_verify(stages) -> bool:
+    """Whether ``stages`` take a step as one ``propose_and_verify`` call (their proposer beside the target)."""
+    return bool(getattr(stages, "proposes_in_verify", False))
+
+
 class SequenceCancelled(Exception):
     """The sequence's client cancelled it; raised from :meth:`ScheduledSequence.steps`."""
 
@@ -156,7 +161,7 @@ class StepScheduler:
         self.match_greedy_here = match_greedy_here
         self.on_step = on_step
         self.samples_in_verify = bool(getattr(stages, "samples_in_verify", False))
-        self.proposes_in_verify = bool(getattr(stages, "proposes_in_verify", False))
+        self.proposes_in_verify = proposes_in_verify(stages)
         self._waiting: collections.deque[ScheduledSequence] = collections.deque()
         self._running: list[ScheduledSequence] = []
         self._ending: list[ScheduledSequence] = []  # out of the step, their release in flight

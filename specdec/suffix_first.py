@@ -33,7 +33,7 @@ from specdec.draft_beside_target import ProposeVerify, fit_to_drafts
 from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.suffix import SuffixConfig, SuffixProposer
-from specdec.scheduler import Stages
+from specdec.scheduler import Stages, proposes_in_verify
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyResult
 
 # A sequence's backlog goes to the model once it is this long, suffix decoding's draft or not: it bounds
@@ -226,7 +226,7 @@ class SuffixFirstStages(ProposeInProcess):
     @property
     def proposes_in_verify(self) -> bool:
         """The wrapped stages' model runs beside the target: a step is one ``propose_and_verify`` call."""
-        return bool(getattr(self.stages, "proposes_in_verify", False))
+        return proposes_in_verify(self.stages)
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         plan = self.router.plan(requests)
@@ -238,10 +238,14 @@ class SuffixFirstStages(ProposeInProcess):
         asked = [s.propose for s in steps if s.propose is not None]
         plan = self.router.plan(asked) if asked else Plan({}, [])
         to_model = {request.seq_id: request for request in plan.to_model}
-        sent = [step if step.propose is None
-                else ProposeVerify(None, fit_to_drafts(step.verify, plan.from_suffix[step.seq_id]))
-                if step.seq_id in plan.from_suffix else ProposeVerify(to_model[step.seq_id], step.verify)
-                for step in steps]  # fmt: skip
+        sent = []
+        for step in steps:
+            if step.propose is None:  # drafts nothing this step
+                sent.append(step)
+            elif step.seq_id in plan.from_suffix:  # suffix decoding's drafts go in the verify request
+                sent.append(ProposeVerify(None, fit_to_drafts(step.verify, plan.from_suffix[step.seq_id])))
+            else:  # the model's request, with the sequence's backlog
+                sent.append(ProposeVerify(to_model[step.seq_id], step.verify))
         results = await self.stages.propose_and_verify(sent)
         answers = [proposal for step, (proposal, _) in zip(sent, results) if step.propose is not None]
         proposals = iter(self.router.answered(asked, plan, answers))
