@@ -146,8 +146,9 @@ def speculation_length(args: argparse.Namespace, source: Path, edits: dict[str, 
     if method in (None, source_method) or given:
         return []
     return [f"{ORCHESTRATOR}: kept num_speculative_tokens {k} and num_speculative_tokens_per_batch_size {table!r} "
-            f"from {source}, chosen for its method and checkpoints; for {method}, set yours from "
-            f"scripts/benchmark.py at your concurrencies (docs/serving.md, \"How many tokens a step drafts\")"]
+            f"from {source}, chosen for its method and checkpoints; for {method}, measure yours with "
+            f"scripts/benchmark.py at your concurrencies and set it with scripts/speculation_table.py "
+            f"(docs/serving.md, \"How many tokens a step drafts\")"]
 
 
 def check_configs(repository: Path) -> None:
