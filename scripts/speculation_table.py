@@ -10,7 +10,9 @@ then the table (``bench/speculation_table.py`` has the rule: the best k where it
 by ``--margin``, the smaller neighbour's k between measured concurrencies). ``--write DIR``
 sets it in ``DIR/speculative_decoding/config.pbtxt`` after checking that ``DIR`` serves what
 the server measured (its method and where the models run), since a table measured for one
-configuration says nothing about another.
+configuration says nothing about another; ``num_speculative_tokens`` is raised to the table's
+largest k where it is below (a table may not ask for more), and the repository is then read
+as ``scripts/new_repository.py`` reads a copy, the old text put back if a model would refuse it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench.repository import (  # noqa: E402
     BESIDE_SUFFIX,
@@ -38,9 +40,12 @@ from bench.speculation_table import (  # noqa: E402
     servers_in,
     table_entries,
 )
+from new_repository import check_configs  # noqa: E402
+from specdec.speculation_length import parse_per_batch_size  # noqa: E402
 
 ORCHESTRATOR, PROPOSER, TARGET = "speculative_decoding", "draft_proposer", "target_verifier"
-TABLE_KEY = "num_speculative_tokens_per_batch_size"
+TABLE_KEY, K_KEY = "num_speculative_tokens_per_batch_size", "num_speculative_tokens"
+
 FEW_ROUNDS = 3  # fewer paired rounds than this cannot tell a k from the machine's drift
 
 
@@ -86,6 +91,25 @@ def check_repository_serves(repository: Path, server: str) -> Path:
     return config
 
 
+def write_table(repository: Path, server: str, table: str) -> list[str]:
+    """Set ``table`` in ``repository`` (raising ``num_speculative_tokens`` to its largest k, the most a
+    table may ask), then read the copy as the models would; a value they refuse puts the old text back."""
+    config = check_repository_serves(repository, server)
+    text = config.read_text()
+    values = {TABLE_KEY: table}
+    most = max(k for _, k in parse_per_batch_size(table))
+    k = get_parameters(text).get(K_KEY, "")
+    if not k.isdigit() or int(k) < most:
+        values[K_KEY] = str(most)
+    config.write_text(set_parameters(text, values, str(config)))
+    try:
+        check_configs(repository.resolve())
+    except (KeyError, ValueError):
+        config.write_text(text)
+        raise
+    return [f"set {key} {value!r} in {config}" for key, value in values.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -111,9 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{TABLE_KEY}: {tables[server]!r}   (new_repository.sh DIR ... --param "
                   f"{ORCHESTRATOR}.{TABLE_KEY}={tables[server]})\n")  # fmt: skip
         if args.write:
-            config = check_repository_serves(args.write, args.server)
-            config.write_text(set_parameters(config.read_text(), {TABLE_KEY: tables[args.server]}, str(config)))
-            print(f"set {TABLE_KEY} {tables[args.server]!r} in {config}")
+            for line in write_table(args.write, args.server, tables[args.server]):
+                print(line)
     except (KeyError, ValueError) as err:
         print(f"speculation_table: error: {err.args[0] if err.args else err}", file=sys.stderr)
         return 1

@@ -77,9 +77,15 @@ def write_run(tmp_path: Path, server: str, measured) -> Path:
     return run
 
 
-def test_write_sets_the_table_in_a_repository_that_serves_the_measured_configuration(tmp_path, capsys):
+def copy_of_shipped_repository(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("SPECDEC_MODELS_DIR", str(REPO_ROOT / "models"))
     repository = tmp_path / "repo"
     shutil.copytree(REPO_ROOT / "model_repository", repository, ignore=shutil.ignore_patterns("__pycache__"))
+    return repository
+
+
+def test_write_sets_the_table_in_a_repository_that_serves_the_measured_configuration(tmp_path, capsys, monkeypatch):
+    repository = copy_of_shipped_repository(tmp_path, monkeypatch)
     run = write_run(tmp_path, "eagle3+beside", {1: {4: [1.6] * 3}, 4: {4: [1.1] * 3}, 8: {4: [0.9] * 3}})
     args = [str(run), "--server", "eagle3+beside", "--write", str(repository)]
 
@@ -89,7 +95,9 @@ def test_write_sets_the_table_in_a_repository_that_serves_the_measured_configura
     assert "draft_proposer.run_with_target is 'false'" in err
 
     proposer = repository / "draft_proposer" / "config.pbtxt"
-    proposer.write_text(set_parameters(proposer.read_text(), {"method": "eagle3", "run_with_target": "true"}))
+    head = str(REPO_ROOT / "models" / "tiny-eagle3")
+    proposer.write_text(set_parameters(proposer.read_text(), {"method": "eagle3", "draft_model": head,
+                                                              "run_with_target": "true"}))  # fmt: skip
     assert speculation_table.main(args) == 0
     assert "| 4 | 1.10x (1.10-1.10) | 4 |" in capsys.readouterr().out
     orchestrator = get_parameters((repository / "speculative_decoding" / "config.pbtxt").read_text())
@@ -105,3 +113,23 @@ def test_the_command_names_what_it_cannot_read(tmp_path, capsys):
     assert speculation_table.main([str(run)]) == 0
     out = capsys.readouterr().out
     assert "1 paired round(s)" in out and "still pays at the largest measured concurrency, 1" in out
+
+
+def test_write_raises_num_speculative_tokens_to_the_table_and_keeps_a_repository_the_models_refuse(
+    tmp_path, capsys, monkeypatch
+):
+    repository = copy_of_shipped_repository(tmp_path, monkeypatch)
+    run = write_run(tmp_path, "suffix", {1: {16: [1.9] * 3}, 2: {16: [1.2] * 3}})
+    args = [str(run), "--server", "suffix", "--write", str(repository)]
+    assert speculation_table.main(args) == 0
+    orchestrator = repository / "speculative_decoding" / "config.pbtxt"
+    values = get_parameters(orchestrator.read_text())
+    assert (values["num_speculative_tokens_per_batch_size"], values["num_speculative_tokens"]) == ("1:16", "16")
+    assert "set num_speculative_tokens '16'" in capsys.readouterr().out
+
+    broken = set_parameters(orchestrator.read_text(), {"stage_calls": "carrier-pigeon"})
+    orchestrator.write_text(broken)
+    run = write_run(tmp_path, "suffix", {1: {4: [1.5] * 3}, 2: {4: [0.9] * 3}})
+    assert speculation_table.main([str(run), "--server", "suffix", "--write", str(repository)]) == 1
+    assert "stage_calls" in capsys.readouterr().err
+    assert orchestrator.read_text() == broken  # the table was not left half-applied
