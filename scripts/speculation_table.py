@@ -40,10 +40,11 @@ from bench.speculation_table import (  # noqa: E402
     servers_in,
     table_entries,
 )
-from new_repository import check_configs  # noqa: E402
+from new_repository import ORCHESTRATOR, check_configs  # noqa: E402
 from specdec.speculation_length import parse_per_batch_size  # noqa: E402
+from specdec_triton.wire import DRAFT_PROPOSER as PROPOSER  # noqa: E402
+from specdec_triton.wire import TARGET_VERIFIER as TARGET  # noqa: E402
 
-ORCHESTRATOR, PROPOSER, TARGET = "speculative_decoding", "draft_proposer", "target_verifier"
 TABLE_KEY, K_KEY = "num_speculative_tokens_per_batch_size", "num_speculative_tokens"
 
 FEW_ROUNDS = 3  # fewer paired rounds than this cannot tell a k from the machine's drift
@@ -73,7 +74,8 @@ def evidence(server: str, choices) -> str:
 
 
 def check_repository_serves(repository: Path, server: str) -> Path:
-    """``repository``'s orchestrator config, after checking its draft_proposer serves what ``server`` measured."""
+    """``repository``'s orchestrator config, after checking that it serves what ``server`` measured: the
+    proposer's method, whether it runs beside the target or behind suffix decoding, where the target runs."""
     config = repository / ORCHESTRATOR / "config.pbtxt"
     if not all((repository / m / "config.pbtxt").is_file() for m in (ORCHESTRATOR, PROPOSER, TARGET)):
         raise ValueError(f"{repository} is not a model repository with {ORCHESTRATOR}, {PROPOSER} and {TARGET}")
