@@ -93,3 +93,9 @@ def format_table(entries: tuple[tuple[int, int], ...]) -> str:
     text = ",".join(f"{size}:{k}" for size, k in entries)
     assert parse_per_batch_size(text) == entries  # the form the orchestrator reads
     return text
+
+
+def read_table(rows: list[dict], server: str, margin: float = DEFAULT_MARGIN) -> tuple[list[Choice], str]:
+    """``server``'s choices per concurrency and the table they make, from a run's rows."""
+    choices = choose(paired_ratios(rows, server), margin)
+    return choices, format_table(table_entries(choices))

@@ -66,7 +66,7 @@ from bench.results import (
     match_reference,
 )  # fmt: skip
 from bench.server import SERVE_SCRIPT, TritonServer
-from bench.speculation_table import choose, format_table, paired_ratios, servers_in, table_entries
+from bench.speculation_table import read_table, servers_in
 from bench.step_times import in_process_timings, server_parameter
 from bench.stats import latency_summary
 from bench.workload import held_out_texts, select_prompts
@@ -349,7 +349,7 @@ def main() -> None:
     print(f"[bench] results written to {out_path}; plot them with: python scripts/plot_benchmarks.py {out_path}")
     for server in servers_in(rows):
         try:
-            table = format_table(table_entries(choose(paired_ratios(rows, server))))
+            _, table = read_table(rows, server)
         except ValueError:  # no concurrency 1, or no paired rounds: no table to read
             continue
         print(f"[bench] {server}: this run gives num_speculative_tokens_per_batch_size {table!r} "

@@ -32,14 +32,7 @@ from bench.repository import (  # noqa: E402
     set_parameters,
     suffix_first,
 )
-from bench.speculation_table import (  # noqa: E402
-    DEFAULT_MARGIN,
-    choose,
-    format_table,
-    paired_ratios,
-    servers_in,
-    table_entries,
-)
+from bench.speculation_table import DEFAULT_MARGIN, read_table, servers_in  # noqa: E402
 from new_repository import ORCHESTRATOR, check_configs  # noqa: E402
 from specdec.speculation_length import parse_per_batch_size  # noqa: E402
 from specdec_triton.wire import DRAFT_PROPOSER as PROPOSER  # noqa: E402
@@ -125,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = {}
     try:
         for server in [args.server] if args.server else servers_in(rows):
-            choices = choose(paired_ratios(rows, server), args.margin)
-            tables[server] = format_table(table_entries(choices))
+            choices, tables[server] = read_table(rows, server, args.margin)
             print(evidence(server, choices))
             rounds = min(len(r) for c in choices for r in c.ratios.values())
             if rounds < FEW_ROUNDS:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.repository import get_parameters, set_parameters
-from bench.speculation_table import choose, format_table, paired_ratios, table_entries
+from bench.speculation_table import choose, paired_ratios, read_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -33,12 +33,12 @@ def rows_for(server: str, measured: dict[int, dict[int, list[float]]]) -> list[d
 
 
 def table(measured, margin=0.05) -> str:
-    return format_table(table_entries(choose(paired_ratios(rows_for("s", measured), "s"), margin)))
+    return read_table(rows_for("s", measured), "s", margin)[1]
 
 
 def test_the_rule_gives_the_shipped_table_from_the_run_it_was_read_from():
     rows = json.loads(SHIPPED_RUN.read_text())["rows"]
-    assert format_table(table_entries(choose(paired_ratios(rows, "suffix")))) == "1:8,5:0"
+    assert read_table(rows, "suffix")[1] == "1:8,5:0"
     shipped = get_parameters((REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text())
     assert shipped["num_speculative_tokens_per_batch_size"] == "1:8,5:0"
 
