@@ -21,7 +21,7 @@ from specdec.fast import FastCausalLM
 from specdec.heads import HEAD_METHODS, build_head_proposer
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
-from specdec.scheduler import StepReport, StepScheduler
+from specdec.scheduler import StepCapabilities, StepReport, StepScheduler
 from specdec.speculation_length import SpeculationLength
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 
@@ -42,7 +42,7 @@ def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cud
 class LocalStages:
     """``specdec.scheduler.Stages`` over objects in this process: one owner each, called in step order."""
 
-    samples_in_verify = False  # the scheduler sends every sampled (or synthetic) step to ``sample``
+    capabilities = StepCapabilities()  # the scheduler sends every sampled (or synthetic) step to ``sample``
 
     def __init__(self, verifier, sampler: RejectionSampler, proposer=None):
         self.verifier = verifier

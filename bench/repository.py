@@ -20,35 +20,26 @@ _PARAM = re.compile(
 )
 
 
-HERE_SUFFIX = "+here"  # a configuration served with the target and the proposer in the orchestrator's process
 BESIDE_SUFFIX = "+beside"  # the proposer in target_verifier's process (run_with_target): one call a step
 SUFFIX_FIRST = "+suffix"  # a model method with suffix decoding in front of it (enable_suffix_decoding)
 
 
-def _without_placement(name: str) -> str:
-    return name.removesuffix(HERE_SUFFIX).removesuffix(BESIDE_SUFFIX)
-
-
 def method_of(name: str) -> str:
-    """The proposer method a configuration serves: ``eagle3+here`` and ``eagle3+suffix+here`` serve ``eagle3``."""
-    return _without_placement(name).removesuffix(SUFFIX_FIRST)
+    """The proposer method a configuration serves: ``eagle3+beside`` and ``eagle3+suffix+beside`` serve ``eagle3``."""
+    return name.removesuffix(BESIDE_SUFFIX).removesuffix(SUFFIX_FIRST)
 
 
 def suffix_first(name: str) -> bool:
-    """Whether the configuration puts suffix decoding in front of its model: ``eagle3+suffix``, ``eagle3+suffix+here``."""
-    return _without_placement(name).endswith(SUFFIX_FIRST)
+    """Whether the configuration puts suffix decoding in front of its model: ``eagle3+suffix``, ``eagle3+suffix+beside``."""
+    return name.removesuffix(BESIDE_SUFFIX).endswith(SUFFIX_FIRST)
 
 
 def variant_edits(name: str, edits: dict[str, dict[str, str]], model_k: int = 0,
                   min_score: float | None = None) -> dict[str, dict[str, str]]:  # fmt: skip
-    """``edits`` with what the configuration's name asks for: ``+here``, ``run_in_orchestrator`` on
-    target_verifier and draft_proposer; ``+beside``, ``run_with_target`` on draft_proposer;
-    ``+suffix`` (before ``+here`` or ``+beside``), ``enable_suffix_decoding`` with
+    """``edits`` with what the configuration's name asks for: ``+beside``, ``run_with_target`` on
+    draft_proposer; ``+suffix`` (before ``+beside``), ``enable_suffix_decoding`` with
     ``model_num_speculative_tokens`` ``model_k`` (0: the step's k) and ``suffix_decoding_min_score``
     ``min_score`` (None: the model's default)."""
-    if name.endswith(HERE_SUFFIX):
-        for model in ("target_verifier", "draft_proposer"):
-            edits.setdefault(model, {})["run_in_orchestrator"] = "true"
     if name.endswith(BESIDE_SUFFIX):
         edits.setdefault("draft_proposer", {})["run_with_target"] = "true"
     if suffix_first(name):

@@ -23,6 +23,7 @@ import math
 import statistics
 
 from bench.bound import efficiency, speedup_bound
+from specdec.proposers.model_free import MODEL_FREE_METHODS
 
 StepTimes = dict[str, float]  # "target_1", "target_<n>", "draft_1" -> median ms
 HF_PLAIN = "hf plain"
@@ -40,9 +41,6 @@ def fixed_name(method: str, k: int) -> str:
 
 DEFAULT_NAME = "default"
 DEFAULT_SERVER = "shipped"  # the server of the repository's own configuration, against its own k = 0
-# the shipped configuration with target_verifier's run_in_orchestrator: the target in the orchestrator's process
-TARGET_HERE_NAME = "default, target here"
-TARGET_HERE_SERVER = "shipped-target-here"
 
 
 def step_time_keys(ks: list[int]) -> list[tuple[str, int]]:
@@ -122,7 +120,7 @@ def _draft_step_ms(row: dict, step_times: StepTimes) -> float | None:
     front of a model, whose steps draft from one source or the other."""
     if "suffix_share" in row:
         return None
-    if row["proposer"] in ("ngram", "suffix"):
+    if row["proposer"] in MODEL_FREE_METHODS:
         return 0.0
     if row["proposer"] == "draft_model":
         return step_times.get("draft_1")

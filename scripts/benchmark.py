@@ -59,10 +59,10 @@ from bench.phase import (
     warm_up,
 )
 from bench.repository import (
-    BESIDE_SUFFIX, HERE_SUFFIX, checkpoint_edits, get_parameters, make_variant, method_of, suffix_first, variant_edits,
+    BESIDE_SUFFIX, checkpoint_edits, get_parameters, make_variant, method_of, suffix_first, variant_edits,
 )  # fmt: skip
 from bench.results import (
-    DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, TARGET_HERE_NAME, TARGET_HERE_SERVER, annotate, fixed_name, k0_name,
+    DEFAULT_NAME, DEFAULT_SERVER, HF_PLAIN, annotate, fixed_name, k0_name,
     match_reference,
 )  # fmt: skip
 from bench.server import SERVE_SCRIPT, TritonServer
@@ -72,6 +72,7 @@ from bench.stats import latency_summary
 from bench.workload import held_out_texts, select_prompts
 from specdec.models import eos_token_ids, load_causal_lm, load_tokenizer
 from specdec.proposers import PROPOSERS
+from specdec.proposers.model_free import MODEL_FREE_METHODS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 Outputs = dict[tuple[str, int], list[str]]  # (config, concurrency) -> output texts in prompt order
@@ -91,11 +92,10 @@ def parse_args() -> argparse.Namespace:
                    help="the MLP speculator the mlp_speculator servers load")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--methods", default="suffix,draft_model,ngram",
-                   help="draft_proposer methods, comma-separated; METHOD+here: that method with run_in_orchestrator "
-                        "set on target_verifier and draft_proposer (both models in the orchestrator's process), on a "
-                        "server of its own with its own k = 0; METHOD+beside (a model method): run_with_target, the "
-                        "draft in target_verifier's process, one call a step; METHOD+suffix (draft_model or a head, before any "
-                        "+here): suffix decoding in front of the model (enable_suffix_decoding)")
+                   help="draft_proposer methods, comma-separated, each on a server of its own with its own k = 0; "
+                        "METHOD+beside (a model method): run_with_target, the draft in target_verifier's process, one "
+                        "call a step; METHOD+suffix (draft_model or a head, before any +beside): suffix decoding in "
+                        "front of the model (enable_suffix_decoding)")
     p.add_argument("--ks", type=int_list, default=[1, 2, 4], help="num_speculative_tokens values")
     p.add_argument("--model-k", type=int, default=0,
                    help="METHOD+suffix servers: model_num_speculative_tokens, the model's drafts (0: each k)")
@@ -112,9 +112,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--synthetic-acceptance-rate", type=float, default=None,
                    help="use the synthetic rejection sampler (for random-weight models)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="in-process HF baselines")
-    p.add_argument("--target-here", action="store_true",
-                   help="also serve the shipped configuration with target_verifier's run_in_orchestrator (the target "
-                        "in the orchestrator's process), on a server of its own with its own k = 0")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads here and OMP_NUM_THREADS of every server model process (serve.sh's default)")
     p.add_argument("--timing-repeats", type=int, default=20, help="forwards per step-time median")
@@ -129,10 +126,10 @@ def parse_args() -> argparse.Namespace:
         p.error("--ks, --concurrency, --threads and --rounds values must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if method_of(m) not in PROPOSERS
-               or (suffix_first(m) or m.endswith(BESIDE_SUFFIX)) and method_of(m) in ("ngram", "suffix")]  # fmt: skip
+               or (suffix_first(m) or m.endswith(BESIDE_SUFFIX)) and method_of(m) in MODEL_FREE_METHODS]  # fmt: skip
     if unknown or not args.methods:
-        p.error(f"--methods must name some of {sorted(PROPOSERS)} (each optionally +here; a model method "
-                f"optionally +suffix before it, or +beside), got {args.methods}")
+        p.error(f"--methods must name some of {sorted(PROPOSERS)} (a model method optionally "
+                f"+suffix, +beside or both, in that order), got {args.methods}")
     return args
 
 
@@ -212,20 +209,16 @@ def server_rows(
     once per round, right after the round's one-stream phases while the server idles, so
     that each one-stream row has a paired HF figure from the same minutes.
     """
-    fixed = server_name not in (DEFAULT_SERVER, TARGET_HERE_SERVER)
+    fixed = server_name != DEFAULT_SERVER
     edits = variant_edits(server_name, server_edits(args, method, shipped["num_speculative_tokens"], fixed), args.model_k,
                           args.suffix_min_score)  # fmt: skip
     if suffix_first(server_name):  # as a suffix server: no global tree
         edits[PROPOSER_MODEL]["suffix_decoding_max_cached_requests"] = "0"
-    if server_name == TARGET_HERE_SERVER:  # the shipped configuration with the target alone moved here
-        edits[TARGET_MODEL]["run_in_orchestrator"] = "true"
-    target_here = edits[TARGET_MODEL].get("run_in_orchestrator") == "true"
     repository = make_variant(args.repository, workdir / f"repo-{server_name}", edits)
     # (name, kind, k sent per request; None: none sent, the server's default)
     configs = [(k0_name(server_name), "k0", 0)]
-    default_name = TARGET_HERE_NAME if target_here else DEFAULT_NAME
     fixed_configs = [(fixed_name(server_name, k), "fixed", k) for k in args.ks]
-    configs += fixed_configs if fixed else [(default_name, "default", None)]
+    configs += fixed_configs if fixed else [(DEFAULT_NAME, "default", None)]
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     phases: dict[tuple[str, int], PhaseMeasurement] = {}  # (config, concurrency), in the order first run
     rounds: dict[tuple[str, int], list[float]] = {}
@@ -260,8 +253,6 @@ def server_rows(
             row["hf_plain_tokens_per_s_rounds"] = hf_rounds
         if k is not None:  # the server counts positions up to its configured k; this phase drafts at most k
             row["per_position_acceptance"] = row.get("per_position_acceptance", [])[:k]
-        if target_here:  # Triton's statistics hold no target forwards: the split into compute and overhead fails
-            row.update(step_compute_ms=math.nan, step_overhead_ms=math.nan)
         if concurrency > 1:  # component models overlap in time: not a per-step overhead any more
             row["step_overhead_ms_concurrent"] = row.pop("step_overhead_ms")
         rows.append(row)
@@ -294,7 +285,7 @@ def main() -> None:
         print(f"[bench] {line}")
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
-    num_configs = len(args.methods) * (1 + len(args.ks)) + 2 * (shipped["method"] in args.methods) * (1 + args.target_here)
+    num_configs = len(args.methods) * (1 + len(args.ks)) + 2 * (shipped["method"] in args.methods)
     progress = Progress(len(prompts) * (num_hf + args.rounds * len(args.concurrency) * num_configs))
     rows: list[dict] = []
     outputs: Outputs = {}
@@ -308,17 +299,13 @@ def main() -> None:
                 rows += server_rows(args, method, method_of(method), shipped, prompts, Path(tmp), outputs, progress,
                                     hf_plain)  # fmt: skip
             if shipped["method"] in args.methods:
-                for server in (DEFAULT_SERVER, TARGET_HERE_SERVER) if args.target_here else (DEFAULT_SERVER,):
-                    rows += server_rows(args, server, shipped["method"], shipped, prompts, Path(tmp), outputs,
-                                        progress, hf_plain)  # fmt: skip
+                rows += server_rows(args, DEFAULT_SERVER, shipped["method"], shipped, prompts, Path(tmp), outputs,
+                                    progress, hf_plain)  # fmt: skip
     finally:
         progress.close()
     annotate(rows, step_times)
     match_reference(rows, outputs, HF_PLAIN if args.hf else k0_name(args.methods[0]))
     notes = [*timing_notes, *args.note]
-    if any(m.endswith(HERE_SUFFIX) for m in args.methods):
-        notes.append("METHOD+here servers: run_in_orchestrator on target_verifier and draft_proposer, each against its "
-                     "own k = 0 (the target in the orchestrator's process too)")
     if any(m.endswith(BESIDE_SUFFIX) for m in args.methods):
         notes.append("METHOD+beside servers: run_with_target on draft_proposer (the draft in target_verifier's "
                      "process, one call a step), each against its own k = 0")

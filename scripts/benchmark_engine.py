@@ -52,13 +52,13 @@ from specdec.fast import FastCausalLM  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import HEAD_METHODS  # noqa: E402
 from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
+from specdec.proposers.model_free import MODEL_FREE_METHODS  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
 from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
 
 MODEL_METHODS = ("draft_model", *HEAD_METHODS)
-METHODS = (*MODEL_METHODS, "ngram", "suffix", *(m + SUFFIX_FIRST for m in MODEL_METHODS))
-MODEL_FREE = ("ngram", "suffix")
+METHODS = (*MODEL_METHODS, *MODEL_FREE_METHODS, *(m + SUFFIX_FIRST for m in MODEL_METHODS))
 HF_PLAIN = "hf plain"
 
 
@@ -179,7 +179,7 @@ class Run:
             order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
             for c in args.concurrency:
                 for method, k in order:
-                    if method in MODEL_FREE:  # a fresh suffix tree: the phases repeat the same prompts
+                    if method in MODEL_FREE_METHODS:  # a fresh suffix tree: the phases repeat the same prompts
                         proposers[method] = self._proposer(method, graphs)
                     phase = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
                     summary = phase.summary()

@@ -9,9 +9,8 @@ repetition, on fresh prompts, in an order rotated per repetition:
 * ``repeat``: round 1 sends the held-out prompts, round 2 sends them again;
 * ``templated``: prompts that repeat one code template (``bench/repeat.py``).
 
-A method written ``METHOD+here`` is served with ``run_in_orchestrator`` set on
-target_verifier and draft_proposer (both models in the orchestrator's process); with
-``ngram+here`` listed, its server also runs k = 0 requests (config ``k=0+here``).
+A method written ``METHOD+beside`` is served with ``run_with_target`` (the draft in
+target_verifier's process, one call a step).
 
 Figures per (workload, round, method): tokens/s (median, min, max over repetitions),
 the median of per-repetition ratios against k = 0 on the same prompts, tokens per
@@ -35,7 +34,7 @@ from bench import report
 from bench.client import Job
 from bench.phase import ORCHESTRATOR, Progress, measure_phase, phase_row, warm_up
 from bench.repeat import COLUMNS, RepeatPhase, summary_rows, templated_prompts
-from bench.repository import HERE_SUFFIX, checkpoint_edits, variant_edits, make_variant, method_of
+from bench.repository import checkpoint_edits, variant_edits, make_variant, method_of
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.workload import held_out_texts, select_prompts
 from specdec.heads import HEAD_METHODS
@@ -53,7 +52,7 @@ def parse_args() -> argparse.Namespace:
                    help="the head's directory for methods eagle3 / mlp_speculator")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--ks", default="ngram:8,suffix:8,draft_model:4",
-                   help="method:k pairs (METHOD+here: models in the orchestrator; METHOD+suffix: suffix decoding "
+                   help="method:k pairs (METHOD+beside: the draft beside the target; METHOD+suffix: suffix decoding "
                         "in front of a model method); each one gets a server")
     p.add_argument("--model-k", type=int, default=0,
                    help="METHOD+suffix servers: model_num_speculative_tokens, the model's drafts (0: its k)")
@@ -104,7 +103,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, texts = load_tokenizer(args.target), held_out_texts()
     methods = list(args.ks)
-    num_configs = len(methods) + 1 + (BASELINE_METHOD + HERE_SUFFIX in methods)
+    num_configs = len(methods) + 1
     per_repetition = sum(len(p) for _, _, p in workloads(args, tokenizer, texts, 0)) * num_configs
     progress = Progress(args.repetitions * per_repetition)
     phases: list[RepeatPhase] = []
@@ -120,8 +119,6 @@ def main() -> None:
         for method, server in servers.items():
             warm_up(server, [Job(warm, args.max_tokens, k, True) for k in (0, args.ks[method])], burst=args.concurrency)
         configs = [(m, m, args.ks[m]) for m in methods]
-        if BASELINE_METHOD + HERE_SUFFIX in methods:
-            configs.insert(0, ("k=0" + HERE_SUFFIX, BASELINE_METHOD + HERE_SUFFIX, 0))
         for repetition in range(args.repetitions):
             shift = repetition % len(configs)  # k=0 first (its outputs are the reference), then the rest rotated
             order = [("k=0", BASELINE_METHOD, 0), *configs[shift:], *configs[:shift]]

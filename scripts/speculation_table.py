@@ -26,7 +26,6 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from bench.repository import (  # noqa: E402
     BESIDE_SUFFIX,
-    HERE_SUFFIX,
     get_parameters,
     method_of,
     set_parameters,
@@ -68,13 +67,12 @@ def evidence(server: str, choices) -> str:
 
 def check_repository_serves(repository: Path, server: str) -> Path:
     """``repository``'s orchestrator config, after checking that it serves what ``server`` measured: the
-    proposer's method, whether it runs beside the target or behind suffix decoding, where the target runs."""
+    proposer's method, whether it runs beside the target or behind suffix decoding."""
     config = repository / ORCHESTRATOR / "config.pbtxt"
     if not all((repository / m / "config.pbtxt").is_file() for m in (ORCHESTRATOR, PROPOSER, TARGET)):
         raise ValueError(f"{repository} is not a model repository with {ORCHESTRATOR}, {PROPOSER} and {TARGET}")
     expected = {PROPOSER: {"method": method_of(server), "run_with_target": str(server.endswith(BESIDE_SUFFIX)),
-                           "enable_suffix_decoding": str(suffix_first(server))},
-                TARGET: {"run_in_orchestrator": str(server.endswith(HERE_SUFFIX))}}  # fmt: skip
+                           "enable_suffix_decoding": str(suffix_first(server))}}  # fmt: skip
     differ = []
     for model, values in expected.items():
         present = get_parameters((repository / model / "config.pbtxt").read_text())

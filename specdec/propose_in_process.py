@@ -11,9 +11,10 @@ state of their own.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from specdec.proposers.base import Proposer
-from specdec.scheduler import Stages
+from specdec.scheduler import Stages, StepCapabilities
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 
 
@@ -28,8 +29,9 @@ class ProposeInProcess:
         self.on_release = on_release
 
     @property
-    def samples_in_verify(self) -> bool:
-        return bool(getattr(self.stages, "samples_in_verify", False))
+    def capabilities(self) -> StepCapabilities:
+        """The wrapped stages' sampling; the proposals are made here, so a step is never one call beside the target."""
+        return replace(self.stages.capabilities, proposes_in_verify=False)
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         return self.proposer.propose(requests)

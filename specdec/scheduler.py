@@ -11,8 +11,8 @@ while one loop runs every step for all of them:
 3. **one** propose call for every sequence that drafts, **one** verify call for all;
 4. rejection sampling: against a greedy target the drafts are matched to the target's
    argmax here, without a call; the sampled sequences are sampled where ``p`` is made,
-   inside the verify call, when the stages can (``samples_in_verify``: served, so ``p``
-   never travels back), else they go to the sampler in one call;
+   inside the verify call, when the stages declare it (``samples_in_verify``: served, so
+   ``p`` never travels back), else they go to the sampler in one call;
 5. commit, hand each sequence its :class:`~specdec.engine.StepOutput`, and release the
    sequences that finished (in one call) before their slots are given to others.
 
@@ -46,16 +46,29 @@ from specdec.types import (
 _log = logging.getLogger(__name__)  # DEBUG: one line per step with its shape
 
 
+@dataclass(frozen=True)
+class StepCapabilities:
+    """What a :class:`Stages` implementation does inside its calls, declared once by it.
+
+    The scheduler plans each step from these and nothing else; a wrapper that adds a
+    proposer in front of other stages declares what it wraps.
+    """
+
+    # verify rejection-samples every request that carries ``sample_here`` where ``p`` is
+    # made, and returns the verdict as ``VerifyResult.sampled``; ``sample`` is never called
+    samples_in_verify: bool = False
+    # a step is one ``propose_and_verify`` call (the drafter runs with the target:
+    # ``specdec.draft_beside_target``); ``propose`` and ``verify`` are never called
+    proposes_in_verify: bool = False
+
+
 class Stages(Protocol):
     """The calls a step makes; each takes every sequence of the step at once.
 
-    Stages with ``samples_in_verify = True`` rejection-sample every verify request that
-    carries ``sample_here`` and return the verdict as ``VerifyResult.sampled``; they need
-    no ``sample``, which is called only on stages without the attribute. Stages with
-    ``proposes_in_verify = True`` (a proposer beside the target: ``specdec.draft_beside_target``)
-    get each step as one ``propose_and_verify`` call, which returns every sequence's
-    proposal with its verify result; their ``propose`` and ``verify`` are not called.
+    ``capabilities`` says which of them a step uses (:class:`StepCapabilities`).
     """
+
+    capabilities: StepCapabilities
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]: ...
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
@@ -63,11 +76,6 @@ class Stages(Protocol):
     # frees each sequence's state in every stage; the value is its output if its request
     # completed (a proposer may learn from it: suffix decoding), None if cancelled or failed
     async def release(self, ended: dict[str, list[int] | None]) -> None: ...
-
-
-def proposes_in_verify(stages) -> bool:
-    """Whether ``stages`` take a step as one ``propose_and_verify`` call (their proposer beside the target)."""
-    return bool(getattr(stages, "proposes_in_verify", False))
 
 
 class SequenceCancelled(Exception):
@@ -160,8 +168,8 @@ class StepScheduler:
         self.max_num_seqs = max_num_seqs
         self.match_greedy_here = match_greedy_here
         self.on_step = on_step
-        self.samples_in_verify = bool(getattr(stages, "samples_in_verify", False))
-        self.proposes_in_verify = proposes_in_verify(stages)
+        self.samples_in_verify = stages.capabilities.samples_in_verify
+        self.proposes_in_verify = stages.capabilities.proposes_in_verify
         self._waiting: collections.deque[ScheduledSequence] = collections.deque()
         self._running: list[ScheduledSequence] = []
         self._ending: list[ScheduledSequence] = []  # out of the step, their release in flight

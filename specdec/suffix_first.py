@@ -33,7 +33,7 @@ from specdec.draft_beside_target import ProposeVerify, fit_to_drafts
 from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.suffix import SuffixConfig, SuffixProposer
-from specdec.scheduler import Stages, proposes_in_verify
+from specdec.scheduler import Stages, StepCapabilities
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyResult
 
 # A sequence's backlog goes to the model once it is this long, suffix decoding's draft or not: it bounds
@@ -224,9 +224,9 @@ class SuffixFirstStages(ProposeInProcess):
         return self.proposer
 
     @property
-    def proposes_in_verify(self) -> bool:
-        """The wrapped stages' model runs beside the target: a step is one ``propose_and_verify`` call."""
-        return proposes_in_verify(self.stages)
+    def capabilities(self) -> StepCapabilities:
+        """The wrapped stages': where their model runs beside the target, a step is one ``propose_and_verify`` call."""
+        return self.stages.capabilities
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         plan = self.router.plan(requests)

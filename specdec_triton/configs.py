@@ -15,6 +15,7 @@ from specdec.build import ENGINES
 from specdec.heads import HEAD_METHODS
 from specdec.models import DTYPE_CHOICES
 from specdec.proposers import PROPOSERS
+from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.ngram import NgramConfig
 from specdec.proposers.suffix import SuffixConfig
 from specdec.rejection_sampler import METHODS
@@ -73,8 +74,6 @@ class DraftProposerConfig:
     # heads only: the target checkpoint the head drafts for (checked against it, and the
     # embedding a head without its own shares); the target_verifier's target_model
     target_model: str | None = None
-    # draft_model and heads: the orchestrator loads the proposer in its own process (specdec_triton.models_here)
-    run_in_orchestrator: bool = False
     # draft_model and heads: target_verifier loads the proposer beside the target, and one call
     # proposes and verifies a step (specdec.draft_beside_target)
     run_with_target: bool = False
@@ -87,7 +86,7 @@ class DraftProposerConfig:
         method = params.get_str("method", "draft_model", choices=tuple(PROPOSERS))
         suffix = _suffix_config(params)
         # under ngram and suffix the path is kept as written, unresolved: its variables need not be set
-        draft_model = (params.get_path("draft_model", DEFAULT_DRAFT_MODEL) if method not in ("ngram", "suffix")
+        draft_model = (params.get_path("draft_model", DEFAULT_DRAFT_MODEL) if method not in MODEL_FREE_METHODS
                        else params.get_str("draft_model", None))  # fmt: skip
         config = cls(
             method=method,
@@ -104,12 +103,11 @@ class DraftProposerConfig:
                         if params.get_str(n, "") != ""),
             sequence_idle_timeout_s=_idle_timeout(params),
             target_model=_head_target(params, method),
-            run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
             run_with_target=params.get_bool("run_with_target", False),
             max_model_len=_draft_max_model_len(params, method),
         )
+        _refuse_removed_placement(params, "draft_proposer")
         params.check_all_read()
-        _check_where_it_runs(config)
         try:
             NgramConfig.from_optional(config.prompt_lookup_min, config.prompt_lookup_max)
         except ValueError as err:
@@ -133,25 +131,27 @@ class DraftProposerConfig:
         if self.suffix_first is None:
             unread += [f"{name} is set but only enable_suffix_decoding reads it; it is false"
                        for name in _SUFFIX_FIRST_SETTINGS if name in self.given]  # fmt: skip
-        for setting in ("run_in_orchestrator", "run_with_target"):
-            if getattr(self, setting) and self.method in _METHOD_SETTINGS:
-                unread.append(f"{setting} changes nothing for method {self.method!r}: it runs in "
-                              "speculative_decoding's process always")  # fmt: skip
+        if self.run_with_target and self.method in MODEL_FREE_METHODS:
+            unread.append(f"run_with_target changes nothing for method {self.method!r}: a model-free method runs "
+                          "in speculative_decoding's process always")  # fmt: skip
         return unread
 
     @property
     def beside_target(self) -> bool:
         """target_verifier loads this proposer (``run_with_target``; a model-free method runs in the orchestrator)."""
-        return self.run_with_target and self.method not in _METHOD_SETTINGS
+        return self.run_with_target and self.method not in MODEL_FREE_METHODS
 
 
-def _check_where_it_runs(config: DraftProposerConfig) -> None:
-    if not config.beside_target:
-        return
-    if config.run_in_orchestrator:
-        raise ParameterError("draft_proposer: run_with_target and run_in_orchestrator are both true; set one "
-                             "(with target_verifier's run_in_orchestrator, run_with_target alone puts the draft "
-                             "in speculative_decoding's process beside the target)")  # fmt: skip
+def _refuse_removed_placement(params: Parameters, model: str) -> None:
+    """``run_in_orchestrator`` loaded a model in speculative_decoding's process; it was removed, since the
+    placements below served as fast (docs/serving.md). A repository written before may still list it:
+    false is what every model does now, true is refused with where the model runs instead."""
+    if params.get_bool("run_in_orchestrator", False):
+        raise ParameterError(
+            f"{model}: parameter 'run_in_orchestrator' was removed: the target runs in target_verifier, a draft "
+            "model or head in draft_proposer or, with draft_proposer's run_with_target: true, beside the target "
+            "in target_verifier (one call a step); remove the key or set it to false"
+        )
 
 
 def _suffix_config(params: Parameters) -> SuffixConfig:
@@ -176,7 +176,7 @@ def _suffix_first_config(params: Parameters, method: str, suffix: SuffixConfig) 
     model_tokens = params.get_int("model_num_speculative_tokens", 0, minimum=0)
     if not enabled:
         return None  # its two settings, if given, are warned of (unread_settings)
-    if method in _METHOD_SETTINGS:
+    if method in MODEL_FREE_METHODS:
         raise ParameterError(f"draft_proposer: enable_suffix_decoding puts suffix decoding in front of a model "
                              f"(method draft_model, {' or '.join(HEAD_METHODS)}); method is {method!r}")  # fmt: skip
     try:
@@ -194,7 +194,7 @@ def _draft_max_model_len(params: Parameters, method: str) -> int | None:
     hold no cache and read none.
     """
     own = params.get_int("max_model_len", None, minimum=1)
-    if own is not None or method in ("ngram", "suffix") or not params.repository_dir:
+    if own is not None or method in MODEL_FREE_METHODS or not params.repository_dir:
         return own
     from specdec_triton.repository_config import model_settings
 
@@ -229,8 +229,6 @@ class TargetVerifierConfig:
     max_num_seqs: int  # the orchestrator admits no more sequences than this at once
     cpu_compile: bool = False  # fast engine on CPU: the forward compiled by torch.compile (slower load, faster steps)
     sequence_idle_timeout_s: float = DEFAULT_SEQUENCE_IDLE_TIMEOUT_S  # 0: never reclaim
-    # the orchestrator loads the target in its own process and verifies by a call (specdec_triton.models_here)
-    run_in_orchestrator: bool = False
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> TargetVerifierConfig:
@@ -242,8 +240,8 @@ class TargetVerifierConfig:
             max_num_seqs=params.get_int("max_num_seqs", DEFAULT_MAX_NUM_SEQS, minimum=1),
             cpu_compile=params.get_bool("cpu_compile", False),
             sequence_idle_timeout_s=_idle_timeout(params),
-            run_in_orchestrator=params.get_bool("run_in_orchestrator", False),
         )
+        _refuse_removed_placement(params, "target_verifier")
         params.check_all_read()
         return config
 

@@ -12,6 +12,7 @@ import asyncio
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.draft_beside_target import ProposeVerify
+from specdec.scheduler import StepCapabilities
 from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.bls import bls, ensure_bls_threads
@@ -22,31 +23,23 @@ _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread poo
 
 
 class ModelStages:
-    # sampled sequences are judged inside the verify call: q and p go to rejection_sampler
-    # from the models that make them, and only the verdicts come back (specdec_triton.sample_hop);
-    # so the scheduler never makes a sample call of its own, and there is no `sample` here
-    samples_in_verify = True
-
-    def __init__(self, logger: ModelLogger, secret: str, target_here: ModelDescription | None = None,
-                 draft_here: ModelDescription | None = None, stage_calls: str = "socket",
-                 draft_beside_target: bool = False):  # fmt: skip
-        """``target_here`` / ``draft_here``: the description of a model the orchestrator holds itself
-        (``specdec_triton.in_process``): that model is then neither asked nor released.
-        ``stage_calls``: ``socket`` to call the stateful models on the sockets they describe.
+    def __init__(self, logger: ModelLogger, secret: str, stage_calls: str = "socket", draft_beside_target: bool = False):
+        """``stage_calls``: ``socket`` to call the stateful models on the sockets they describe.
         ``draft_beside_target``: draft_proposer sets ``run_with_target``: target_verifier holds the
         draft, describes it and takes each step as one call on its socket (``specdec_triton.beside_wire``)."""
         self.logger = logger
         self.stage_calls = stage_calls
-        self.proposes_in_verify = draft_beside_target
+        # sampled sequences are judged inside the verify call: q and p go to rejection_sampler from the
+        # models that make them, and only the verdicts come back (specdec_triton.sample_hop), so there is
+        # no `sample` here; with the draft beside the target, a step is one call to target_verifier
+        self.capabilities = StepCapabilities(samples_in_verify=True, proposes_in_verify=draft_beside_target)
         self._sockets: dict[str, SocketCallClient] = {}  # model -> its connection, made at describe
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
-        self._target_here = target_here
-        self._draft_here = draft_here
-        self._stateful = self._models_holding(draft=draft_here is None)  # the models that hold sequences: released
+        self._stateful = self._models_holding(draft=True)  # the models that hold sequences: released
 
     def _models_holding(self, draft: bool) -> tuple[str, ...]:
-        draft = draft and not self.proposes_in_verify  # beside the target: target_verifier's releases free it
-        return (wire.DRAFT_PROPOSER,) * draft + (wire.TARGET_VERIFIER,) * (self._target_here is None)
+        draft = draft and not self.capabilities.proposes_in_verify  # with the target: target_verifier frees it
+        return (wire.DRAFT_PROPOSER,) * draft + (wire.TARGET_VERIFIER,)
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized:
         inputs = {"text_input": bytes_array([text])}
@@ -62,7 +55,7 @@ class ModelStages:
     async def describe(self) -> Descriptions:
         """Each composing model's description, asked of all four at once; then the sockets to call on."""
         probe = wire.describe_inputs()
-        beside = self.proposes_in_verify  # the draft is described by target_verifier, on its socket
+        beside = self.capabilities.proposes_in_verify  # the draft is described by target_verifier, on its socket
         tokenizer, (draft, draft_socket), (target, target_socket), sampler = await asyncio.gather(
             bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
             self._no_description() if beside else self._describe_draft(probe),
@@ -72,9 +65,9 @@ class ModelStages:
         if beside:
             draft = await self._describe_draft_beside(target_socket)
         descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
-        # a model-free method runs in the caller's process (specdec.propose_in_process): the model holds nothing;
+        # a model-free method runs in the orchestrator (specdec.propose_in_process): the model holds nothing;
         # a model holds its sequences, with suffix decoding in front of it (settings described) or not
-        holds = self._draft_here is None and draft.method not in MODEL_FREE_METHODS
+        holds = draft.method not in MODEL_FREE_METHODS
         self._stateful = self._models_holding(draft=holds)
         await self._connect({wire.DRAFT_PROPOSER: draft_socket, wire.TARGET_VERIFIER: target_socket})
         # a step's calls are few (one per stage), but finished sequences' releases and new
@@ -83,8 +76,6 @@ class ModelStages:
         return descriptions
 
     async def _describe_draft(self, probe) -> tuple[ModelDescription, str | None]:
-        if self._draft_here is not None:
-            return self._draft_here, None
         names = hidden_wire.DRAFT_DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS
         out = await bls(wire.DRAFT_PROPOSER, probe, names, batched=True)
         return hidden_wire.draft_description_of(out), wire.socket_of(out)
@@ -105,8 +96,6 @@ class ModelStages:
         return hidden_wire.draft_description_of(out)
 
     async def _describe_target(self, probe) -> tuple[ModelDescription, str | None]:
-        if self._target_here is not None:
-            return self._target_here, None
         out = await bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS, batched=True)
         return wire.description_of(out), wire.socket_of(out)
 

@@ -30,7 +30,7 @@ from specdec.detokenize import IncrementalDetokenizer
 from specdec.engine import SequenceState, check_token_ids
 from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers import Proposer, SuffixProposer, check_draft_compatible, model_free_proposer
-from specdec.scheduler import ScheduledStep, StepReport, StepScheduler, proposes_in_verify
+from specdec.scheduler import ScheduledStep, StepReport, StepScheduler
 from specdec.scheduler import Stages as StepStages
 from specdec.suffix_first import SuffixFirst, SuffixFirstStages, suffix_first_for
 from specdec.types import ModelDescription, RequestStats
@@ -185,7 +185,8 @@ class Orchestrator:
         if self._proposer_here is not None and self._proposer_described == draft:
             return self._proposer_here
         # beside the target, a head's hidden states stay there (specdec.draft_beside_target)
-        proposer = model_free_proposer(draft) or suffix_first_for(draft, rows_stay=proposes_in_verify(self.stages))
+        rows_stay = self.stages.capabilities.proposes_in_verify
+        proposer = model_free_proposer(draft) or suffix_first_for(draft, rows_stay=rows_stay)
         self._proposer_described = draft
         return proposer
 

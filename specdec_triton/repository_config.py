@@ -1,8 +1,8 @@
 """Another model's settings, read from the model repository as that model would read them.
 
-A model of the repository sometimes needs a setting another model owns: the orchestrator
-loads a model in its own process with that model's settings (``models_here``), and a draft
-head drafts for the checkpoint ``target_verifier`` serves. Reading that model's
+A model of the repository sometimes needs a setting another model owns: target_verifier
+loads the draft beside the target with draft_proposer's settings (``run_with_target``), and a
+draft head drafts for the checkpoint ``target_verifier`` serves. Reading that model's
 ``config.pbtxt`` here, with the ``speculative_config`` overrides it would apply, keeps the
 setting in one place instead of a copy that can drift.
 """

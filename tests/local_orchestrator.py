@@ -18,6 +18,7 @@ from specdec.engine import generate
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec.rejection_sampler import RejectionSampler
+from specdec.scheduler import StepCapabilities
 from specdec.speculation_length import SpeculationLength
 from specdec.types import ModelDescription
 from specdec.verifier import TargetVerifier
@@ -59,6 +60,8 @@ class FakeFamily:
 
 
 class LocalStages:
+    capabilities = StepCapabilities()  # sampled steps go to ``sample``; each stage its own call
+
     def __init__(self, codec, proposer, verifier, sampler):
         self.codec, self.proposer, self.verifier, self.sampler = codec, proposer, verifier, sampler
         self.released: list[str] = []

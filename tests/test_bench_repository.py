@@ -60,7 +60,7 @@ def test_make_variant_copies_edits_and_makes_relative_paths_absolute(tmp_path):
         make_variant(src, tmp_path / "v2", {"nope": {}})
 
 
-def test_the_repeat_benchmark_serves_a_here_config_with_both_models_in_the_orchestrator(tmp_path):
+def test_the_repeat_benchmark_serves_each_config_from_a_repository_of_its_own(tmp_path):
     import argparse
     import importlib.util
 
@@ -70,17 +70,12 @@ def test_the_repeat_benchmark_serves_a_here_config_with_both_models_in_the_orche
     models = REPO_ROOT / "models"
     args = argparse.Namespace(target=models / "tiny-target", draft=models / "tiny-draft", head=models / "tiny-eagle3",
                               repository=REPO_ROOT / "model_repository", model_k=3, suffix_min_score=None)  # fmt: skip
-    here = script.server_repository(args, "eagle3+here", 4, tmp_path)
     plain = script.server_repository(args, "eagle3", 4, tmp_path)
-    for repository, expected in ((here, "true"), (plain, "false")):
-        for model in ("target_verifier", "draft_proposer"):
-            parameters = get_parameters((repository / model / "config.pbtxt").read_text())
-            assert parameters["run_in_orchestrator"] == expected, (repository, model)
-    assert get_parameters((here / "draft_proposer" / "config.pbtxt").read_text())["method"] == "eagle3"
+    assert get_parameters((plain / "draft_proposer" / "config.pbtxt").read_text())["method"] == "eagle3"
     suffix_first = get_parameters((script.server_repository(args, "eagle3+suffix", 8, tmp_path) / "draft_proposer"
                                    / "config.pbtxt").read_text())  # fmt: skip
     assert (suffix_first["method"], suffix_first["enable_suffix_decoding"]) == ("eagle3", "true")
-    assert suffix_first["model_num_speculative_tokens"] == "3" and suffix_first["run_in_orchestrator"] == "false"
+    assert suffix_first["model_num_speculative_tokens"] == "3" and suffix_first["run_with_target"] == "false"
     assert get_parameters((plain / "draft_proposer" / "config.pbtxt").read_text())["enable_suffix_decoding"] == "false"
     beside = get_parameters((script.server_repository(args, "eagle3+suffix+beside", 8, tmp_path) / "draft_proposer"
                              / "config.pbtxt").read_text())  # fmt: skip

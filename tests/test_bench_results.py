@@ -120,24 +120,22 @@ def test_x_hf_plain_median_pairs_each_round_with_hf_plain_measured_beside_the_se
     assert rows[0]["x_hf_plain_median"] == pytest.approx(1.2)  # ratios 0.75, 1.2, 1.2
 
 
-def test_a_here_server_serves_its_method_under_names_of_its_own():
-    assert method_of("eagle3+here") == "eagle3" and method_of("eagle3") == "eagle3"
-    assert fixed_name("eagle3+here", 3) != fixed_name("eagle3", 3)  # both servers' rows in one run stay apart
-    assert k0_name("eagle3+here") != k0_name("eagle3")
-    assert variant_edits("eagle3+here", {"draft_proposer": {"method": "eagle3"}}) == {
-        "draft_proposer": {"method": "eagle3", "run_in_orchestrator": "true"},
-        "target_verifier": {"run_in_orchestrator": "true"},
+def test_a_beside_server_serves_its_method_under_names_of_its_own():
+    assert method_of("eagle3+beside") == "eagle3" and method_of("eagle3") == "eagle3"
+    assert fixed_name("eagle3+beside", 3) != fixed_name("eagle3", 3)  # both servers' rows in one run stay apart
+    assert k0_name("eagle3+beside") != k0_name("eagle3")
+    assert variant_edits("eagle3+beside", {"draft_proposer": {"method": "eagle3"}}) == {
+        "draft_proposer": {"method": "eagle3", "run_with_target": "true"},
     }
     assert variant_edits("eagle3", {"draft_proposer": {"method": "eagle3"}}) == {"draft_proposer": {"method": "eagle3"}}
 
 
 def test_a_suffix_first_server_serves_its_model_method_with_suffix_decoding_in_front():
-    assert method_of("eagle3+suffix") == method_of("eagle3+suffix+here") == "eagle3"
-    assert suffix_first("eagle3+suffix+here") and not suffix_first("suffix") and not suffix_first("eagle3+here")
-    assert variant_edits("draft_model+suffix+here", {}, model_k=4) == {
-        "draft_proposer": {"run_in_orchestrator": "true", "enable_suffix_decoding": "true",
+    assert method_of("eagle3+suffix") == method_of("eagle3+suffix+beside") == "eagle3"
+    assert suffix_first("eagle3+suffix+beside") and not suffix_first("suffix") and not suffix_first("eagle3+beside")
+    assert variant_edits("draft_model+suffix+beside", {}, model_k=4) == {
+        "draft_proposer": {"run_with_target": "true", "enable_suffix_decoding": "true",
                            "model_num_speculative_tokens": "4", "suffix_decoding_min_score": ""},
-        "target_verifier": {"run_in_orchestrator": "true"},
     }  # fmt: skip
     assert variant_edits("eagle3+suffix", {})["draft_proposer"]["model_num_speculative_tokens"] == ""  # the step's k
     assert variant_edits("eagle3+suffix", {}, min_score=1.0)["draft_proposer"]["suffix_decoding_min_score"] == "1.0"

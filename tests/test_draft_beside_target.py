@@ -26,7 +26,7 @@ from specdec.heads.formats import save_eagle3
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer
 from specdec.rejection_sampler import RejectionSampler
-from specdec.scheduler import StepScheduler
+from specdec.scheduler import StepCapabilities, StepScheduler
 from specdec.speculation_length import SpeculationLength
 from specdec.suffix_first import MODEL_SOURCE, SUFFIX_SOURCE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages
 from specdec.types import Proposal, SampleHere, SamplingParams, VerifyRequest
@@ -72,6 +72,8 @@ def test_a_verify_request_built_for_k_drafts_is_cut_to_the_drafts_made():
 class SeparateStages:
     """The models called as two stages, the hidden states through the caller; a local sampler."""
 
+    capabilities = StepCapabilities()
+
     def __init__(self, proposer, verifier):
         self.proposer, self.verifier, self.sampler = proposer, verifier, RejectionSampler()
 
@@ -97,12 +99,10 @@ class BesideStages(SeparateStages):
     sampler; with one (served: rejection_sampler's model), they are judged inside the call.
     """
 
-    proposes_in_verify = True
-
     def __init__(self, beside: DraftBesideTarget):
         super().__init__(beside.proposer, beside.verifier)
         self.beside, self.calls = beside, []
-        self.samples_in_verify = beside.judge is not None
+        self.capabilities = StepCapabilities(samples_in_verify=beside.judge is not None, proposes_in_verify=True)
 
     async def propose_and_verify(self, steps: list[ProposeVerify]):
         await asyncio.sleep(0)

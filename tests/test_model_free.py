@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from specdec.propose_in_process import ProposeInProcess
+from specdec.scheduler import StepCapabilities
 from specdec.proposers import (
     NgramProposer, SuffixConfig, SuffixProposer, describe_model_free, model_free_proposer,
 )  # fmt: skip
@@ -41,6 +42,8 @@ def test_invalid_values_are_refused_as_the_config_refuses_them():
 
 
 class RecordingStages:
+    capabilities = StepCapabilities()
+
     def __init__(self):
         self.calls: list[tuple[str, object]] = []
 

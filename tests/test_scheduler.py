@@ -14,7 +14,7 @@ import torch
 
 from specdec.engine import GenerationParams, SequenceState
 from specdec.rejection_sampler import RejectionSampler
-from specdec.scheduler import SequenceCancelled, StepScheduler
+from specdec.scheduler import SequenceCancelled, StepCapabilities, StepScheduler
 from specdec.speculation_length import SpeculationLength
 from specdec.types import Proposal, SamplingParams, VerifyResult
 
@@ -39,6 +39,8 @@ def greedy_reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class ScriptedStages:
+    capabilities = StepCapabilities()
+
     def __init__(self):
         self.states: dict[str, SequenceState] = {}  # every submitted sequence, by seq_id
         self.calls: list[tuple[str, int]] = []  # (stage, sequences) of every call, in order
@@ -235,7 +237,7 @@ def test_greedy_steps_go_to_the_sampler_when_matching_here_is_off():
 class SamplingInVerifyStages(ScriptedStages):
     """Stages that judge sampled sequences inside the verify call, as the served ones do (sample_hop)."""
 
-    samples_in_verify = True
+    capabilities = StepCapabilities(samples_in_verify=True)
 
     async def verify(self, requests):
         results = await ScriptedStages.verify(self, requests)

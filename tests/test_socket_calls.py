@@ -353,7 +353,7 @@ def test_a_draft_beside_the_target_is_described_on_target_verifiers_socket_and_n
         async def main():
             stages = ModelStages(ModelLogger("speculative_decoding"), "secret", draft_beside_target=True)
             descriptions = await stages.describe()
-            assert descriptions.draft == head and descriptions.target == target and stages.proposes_in_verify
+            assert descriptions.draft == head and descriptions.target == target and stages.capabilities.proposes_in_verify
             assert stages._stateful == (wire.TARGET_VERIFIER,)  # its releases free the draft too
             stages.close()
             by_bls = ModelStages(ModelLogger("speculative_decoding"), "secret", stage_calls="bls",

@@ -150,21 +150,18 @@ def test_component_configs_parse_and_reject(tmp_path):
         OrchestratorConfig.from_parameters(params(stage_calls="pipe"))
 
 
-def test_run_with_target_is_refused_beside_run_in_orchestrator_and_unread_by_model_free_methods(tmp_path):
+def test_run_with_target_is_unread_by_model_free_methods(tmp_path):
     base = str(tmp_path)
     (tmp_path / "draft").mkdir()
     beside = DraftProposerConfig.from_parameters(params(base, draft_model="draft", run_with_target="true"))
     assert beside.beside_target and not beside.unread_settings()
-    with pytest.raises(ParameterError, match="run_with_target and run_in_orchestrator are both true; set one"):
-        DraftProposerConfig.from_parameters(params(base, draft_model="draft", run_with_target="true",
-                                                   run_in_orchestrator="true"))  # fmt: skip
     with_suffix = DraftProposerConfig.from_parameters(params(base, draft_model="draft", run_with_target="true",
                                                              enable_suffix_decoding="true"))  # fmt: skip
     assert with_suffix.beside_target and with_suffix.suffix_first is not None  # suffix decoding in the orchestrator
     ngram = DraftProposerConfig.from_parameters(params(base, method="ngram", run_with_target="true"))
     assert not ngram.beside_target
-    assert ngram.unread_settings() == ["run_with_target changes nothing for method 'ngram': it runs in "
-                                       "speculative_decoding's process always"]  # fmt: skip
+    assert ngram.unread_settings() == ["run_with_target changes nothing for method 'ngram': a model-free method "
+                                       "runs in speculative_decoding's process always"]  # fmt: skip
 
 
 def test_draft_proposer_config_per_method(tmp_path):

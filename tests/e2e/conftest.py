@@ -52,14 +52,6 @@ def ngram_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def target_here_server(tmp_path_factory):
-    """Suffix decoding with target_verifier's ``run_in_orchestrator``: the target in the orchestrator's process."""
-    server = _start_server(tmp_path_factory, "suffix", {"run_in_orchestrator": "true"})
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def table_server(tmp_path_factory):
     """The shipped draft model, compiled: k = 4 for one sequence, 2 for two, none from three sequences on."""
     server = _start_server(tmp_path_factory, "draft_model", {

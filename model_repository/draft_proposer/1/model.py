@@ -11,17 +11,16 @@ all sequences drafting at the same moment share each forward. A request with
 checks against the target's; a head (eagle3, mlp_speculator) names there the target
 hidden states it reads, which the orchestrator then asks target_verifier for and sends
 along. A request with ``hold_draft_probs`` set sends each ``q`` drawn to rejection_sampler
-instead of back (:mod:`specdec_triton.sample_hop`). With ``run_in_orchestrator`` set for a
-draft model or head, speculative_decoding loads it in its own process instead
-(:mod:`specdec_triton.models_here`), and this model holds nothing and answers every
-request with an error saying so; so it does with ``run_with_target``, where target_verifier
-loads it beside the target (:mod:`specdec.draft_beside_target`). Callers, releases and expiry:
+instead of back (:mod:`specdec_triton.sample_hop`). With ``run_with_target`` set for a
+draft model or head, target_verifier loads it beside the target
+(:mod:`specdec.draft_beside_target`), and this model holds nothing and answers every
+request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`.
 """
 
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.configs import DraftProposerConfig
-from specdec_triton.models_here import MODEL_FREE, build_proposer
+from specdec_triton.drafters import build_proposer
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
@@ -30,12 +29,9 @@ def _outputs(proposals):
     return {**wire.proposal_outputs(proposals), **sample_hop.held_outputs(proposals)}
 
 
-def _refuse(setting, where):
-    def refuse(batch):
-        raise ServingError(f"draft_proposer sets {setting}: the draft runs in {where}, and this model holds "
-                           "no sequences")  # fmt: skip
-
-    return refuse
+def _refuse(batch):
+    raise ServingError("draft_proposer sets run_with_target: the draft runs in target_verifier's process, and this "
+                       "model holds no sequences")
 
 
 class TritonPythonModel:
@@ -44,13 +40,9 @@ class TritonPythonModel:
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         for warning in config.unread_settings():
             self.logger.warning(warning)
-        self.runs_elsewhere = None  # what answers every request when another process loads the draft
-        if config.beside_target:
-            self.runs_elsewhere = _refuse("run_with_target", "the target's process")
-        elif config.run_in_orchestrator and config.method not in MODEL_FREE:
-            self.runs_elsewhere = _refuse("run_in_orchestrator", "speculative_decoding's process")
-        if self.runs_elsewhere is not None:
-            self.logger.info(f"{config.draft_model} is loaded by another model's process, not here")
+        self.runs_elsewhere = config.beside_target  # target_verifier loads the draft
+        if self.runs_elsewhere:
+            self.logger.info(f"run_with_target: {config.draft_model} is loaded by target_verifier, not here")
             return
         loaded = build_proposer(config, device, log=self.logger.info)
         self.proposer, description = loaded.proposer, loaded.description
@@ -62,8 +54,8 @@ class TritonPythonModel:
         self.logger.info(f"{config} on {device}: {description}")
 
     def execute(self, requests):
-        if self.runs_elsewhere is not None:
-            return answer_batch(requests, (), self.runs_elsewhere)
+        if self.runs_elsewhere:
+            return answer_batch(requests, (), _refuse)
         names = wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS + sample_hop.PROPOSE_HOLD_INPUTS
         responses = answer_batch(requests, names, self._propose)
         self.host.show_active()
@@ -78,6 +70,6 @@ class TritonPythonModel:
         return sample_hop.hold_in_sampler(requests, self.proposer.propose(requests), self.send_to_sampler)
 
     def finalize(self):
-        if self.runs_elsewhere is None:
+        if not self.runs_elsewhere:
             self.host.close()
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it

@@ -4,12 +4,9 @@ Decoupled and async: each request runs :class:`specdec_triton.orchestrator.Orche
 as its own coroutine, so many requests progress at once while each awaits its calls to
 the composing models (BLS requests; the step's calls to draft_proposer and
 target_verifier on their sockets with ``stage_calls: socket``). A supervisor
-thread watches the composing models' processes (:mod:`specdec_triton.recovery`). When
-target_verifier or draft_proposer sets ``run_in_orchestrator``, that model is loaded here
-and its step is a call on it (:mod:`specdec_triton.in_process`).
+thread watches the composing models' processes (:mod:`specdec_triton.recovery`).
 """
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -18,7 +15,7 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from specdec_triton import sample_hop, wire
+from specdec_triton import wire
 from specdec_triton.model_stages import ModelStages
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.health import StubWatch, reload_config
@@ -30,8 +27,7 @@ from specdec_triton.plumbing import (
     request_inputs,
 )  # fmt: skip
 from specdec_triton.recovery import RecoveryActions, Supervisor
-from specdec_triton.in_process import StagesInProcess
-from specdec_triton.models_here import load_draft_here, load_target_here, read_draft_beside_target
+from specdec_triton.drafters import read_draft_beside_target
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 
@@ -65,25 +61,10 @@ class TritonPythonModel:
         self.logger.info(str(config))
 
     def _stages(self, repository_dir, stage_calls):
-        """Requests to the composing models; calls here for a model that sets run_in_orchestrator."""
-        secret = boot_secret()
-        target = load_target_here(repository_dir, log=self.logger.info)
-        draft = load_draft_here(repository_dir, log=self.logger.info)
-        beside = read_draft_beside_target(repository_dir) is not None  # target_verifier holds the draft
-        self.model_stages = stages = ModelStages(self.logger, secret, target_here=target and target.description,
-                                                 draft_here=draft and draft.description, stage_calls=stage_calls,
-                                                 draft_beside_target=beside)  # fmt: skip
-        if target is None and draft is None:
-            return stages
-        send = sample_hop.sampler_sender(secret)
-        for name, model in ((wire.TARGET_VERIFIER, target), (wire.DRAFT_PROPOSER, draft)):
-            if model is not None:
-                self.logger.info(f"{name} runs in this process (run_in_orchestrator): {model.description}")
-        return StagesInProcess(
-            stages,
-            target and target.verifier, target and functools.partial(sample_hop.sample_in_sampler, send=send),
-            draft and draft.proposer, draft and functools.partial(sample_hop.hold_in_sampler, send=send),
-        )
+        """Requests to the composing models; with run_with_target, target_verifier holds the draft too."""
+        beside = read_draft_beside_target(repository_dir) is not None
+        self.model_stages = ModelStages(self.logger, boot_secret(), stage_calls=stage_calls, draft_beside_target=beside)
+        return self.model_stages
 
     async def execute(self, requests):
         self.supervisor.loop = asyncio.get_running_loop()
@@ -130,7 +111,5 @@ class TritonPythonModel:
         if self.orchestrator.num_active_requests:
             self.logger.info(f"shutting down: ending {self.orchestrator.num_active_requests} request(s) in flight")
             self.supervisor.call_on_loop(self.orchestrator.stop_serving, "the server is shutting down")
-        if isinstance(self.orchestrator.stages, StagesInProcess):
-            self.orchestrator.stages.close()
         self.model_stages.close()
         self.logger.info("unloaded")

@@ -5,9 +5,7 @@ A request carries one or more sequences (``wire``), and requests arrive in dynam
 batches, so with the fast engine all sequences verifying at the same moment share one
 forward. A request with ``describe`` set gets the target's ``ModelDescription``
 (checkpoint, vocabulary, ``max_model_len``, ``max_num_seqs``), which the orchestrator
-checks requests and the draft against. With ``run_in_orchestrator`` set, the target is
-loaded by speculative_decoding in its own process instead (:mod:`specdec_triton.models_here`),
-and this model holds nothing and answers every request with an error saying so. Callers, releases and expiry:
+checks requests and the draft against. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`. A sampled sequence's ``p`` goes from here
 to rejection_sampler, and its verdict comes back instead (:mod:`specdec_triton.sample_hop`).
 When draft_proposer sets ``run_with_target``, this process loads the draft model or head
@@ -26,7 +24,7 @@ from specdec.verifier import TargetVerifier
 from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.internal import boot_secret
-from specdec_triton.models_here import build_proposer, read_draft_beside_target
+from specdec_triton.drafters import build_proposer, read_draft_beside_target
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
@@ -41,19 +39,10 @@ def _requests_of(inputs):
     return sample_hop.with_sample_here(requests, inputs)
 
 
-def _refuse(batch):
-    raise ServingError("target_verifier sets run_in_orchestrator: the target runs in speculative_decoding's "
-                       "process, and this model holds no sequences")
-
-
 class TritonPythonModel:
     def initialize(self, args):
         self.logger = ModelLogger(args["model_name"])
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
-        self.runs_elsewhere = config.run_in_orchestrator
-        if self.runs_elsewhere:
-            self.logger.info(f"run_in_orchestrator: {config.target_model} is loaded by speculative_decoding, not here")
-            return
         lm = build_lm(
             config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
             log=self.logger.info, cpu_compile=config.cpu_compile,
@@ -80,8 +69,6 @@ class TritonPythonModel:
         return DraftBesideTarget(self.verifier, loaded.proposer, description.hidden_state_layers, judge=judge)
 
     def execute(self, requests):
-        if self.runs_elsewhere:
-            return answer_batch(requests, (), _refuse)
         names = wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS
         responses = answer_batch(requests, names, self._serve)
         self.host.show_active()
@@ -102,6 +89,5 @@ class TritonPythonModel:
         return sample_hop.sample_in_sampler(requests, self.verifier.verify(requests), self.send_to_sampler)
 
     def finalize(self):
-        if not self.runs_elsewhere:
-            self.host.close()
+        self.host.close()
         self.logger.info("unloaded")  # the process ends next: every sequence's state goes with it

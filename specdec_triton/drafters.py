@@ -1,0 +1,81 @@
+"""The drafter a ``draft_proposer`` configuration names, built where it runs.
+
+A draft model or head runs in one of two places, both configured in
+``draft_proposer/config.pbtxt``: its own model (``draft_proposer``'s process, with its
+own ``instance_group`` and device), or with the target (``run_with_target``: loaded by
+``target_verifier`` on its device, one call a step; a head reads the target's hidden
+states where they are made). n-gram lookup and suffix decoding hold nothing but the
+sequence's tokens, so they run in the orchestrator, which holds those already
+(:mod:`specdec.proposers.model_free`); draft_proposer then only describes their settings.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from specdec.build import build_lm
+from specdec.cached_lm import describe_lm
+from specdec.fast.checkpoint import read_config
+from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
+from specdec.types import ModelDescription
+from specdec_triton import wire
+from specdec_triton.configs import DraftProposerConfig
+from specdec_triton.repository_config import model_settings
+
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    proposer: object  # a specdec Proposer: DraftModelProposer, Eagle3Proposer, MLPSpeculatorProposer, or model-free
+    description: ModelDescription
+
+
+def build_proposer(config: DraftProposerConfig, device: str, log=None) -> LoadedDraft:
+    """The proposer ``config`` names, and its description: what draft_proposer serves, wherever it runs."""
+    if config.method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return LoadedDraft(proposer, describe_model_free(proposer))
+    if config.method == "suffix":
+        proposer = SuffixProposer(config.suffix)
+        return LoadedDraft(proposer, describe_model_free(proposer))
+    if config.method in HEAD_METHODS:
+        proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
+                                       config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len)
+        return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, config.draft_model), config))
+    _check_draft_window(config)
+    lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
+                  log=log, cpu_compile=config.cpu_compile)  # fmt: skip
+    description = describe_lm(lm, config.draft_model, "draft_model")
+    return LoadedDraft(DraftModelProposer(lm), _with_suffix_first(description, config))
+
+
+def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:
+    """A model's description, carrying suffix decoding's settings when it runs in front (the orchestrator runs it)."""
+    if config.suffix_first is None:
+        return description
+    return replace(description, settings=config.suffix_first.settings())
+
+
+def _check_draft_window(config: DraftProposerConfig) -> None:
+    """A fast-engine draft trained for fewer positions than its window (often target_verifier's) is refused
+    with the fix, before the engine's own refusal, which names only the draft's setting."""
+    if config.max_model_len is None or config.engine != "fast":
+        return
+    positions = read_config(config.draft_model).max_position_embeddings
+    if config.max_model_len > positions:
+        raise ValueError(
+            f"draft model {config.draft_model!r} has max_position_embeddings {positions} but would hold "
+            f"{config.max_model_len} tokens of a sequence (draft_proposer's max_model_len, or target_verifier's "
+            f"where that is empty): lower target_verifier's max_model_len to at most {positions}, or serve a "
+            f"draft trained for as many positions as the target serves"
+        )
+
+
+def read_draft_beside_target(repository_dir: str | os.PathLike) -> DraftProposerConfig | None:
+    """draft_proposer's settings when target_verifier's process is to load its draft model or head
+    (``run_with_target``), else None (also for a repository without draft_proposer)."""
+    found = model_settings(repository_dir, wire.DRAFT_PROPOSER)
+    if found is None or not found[0].get_bool("run_with_target", False):
+        return None
+    config = DraftProposerConfig.from_parameters(found[0])
+    return config if config.beside_target else None

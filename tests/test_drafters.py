@@ -1,0 +1,82 @@
+"""Where a drafter runs, read from draft_proposer's config as the models read it, and the drafter built."""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from specdec.proposers import DraftModelProposer
+from specdec_triton.configs import DraftProposerConfig, TargetVerifierConfig
+from specdec_triton.drafters import build_proposer, read_draft_beside_target
+from specdec_triton.plumbing import ParameterError, Parameters
+from specdec_triton.repository_config import model_settings
+
+DRAFT_CONFIG = """
+name: "draft_proposer"
+backend: "python"
+parameters [
+  {{ key: "method" value: {{ string_value: "{method}" }} }},
+  {{ key: "draft_model" value: {{ string_value: "{draft}" }} }},
+  {{ key: "run_with_target" value: {{ string_value: "{beside}" }} }}
+]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+"""
+TINY_DRAFT = str(Path(__file__).resolve().parents[1] / "models" / "tiny-draft")
+
+
+def write_draft(tmp_path, method="draft_model", beside="true"):
+    model_dir = tmp_path / "draft_proposer"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(DRAFT_CONFIG.format(method=method, draft=TINY_DRAFT, beside=beside))
+    return tmp_path
+
+
+def test_target_verifier_loads_a_model_drafter_only_when_it_runs_with_the_target(tmp_path):
+    assert read_draft_beside_target(write_draft(tmp_path)).draft_model == TINY_DRAFT
+    assert read_draft_beside_target(write_draft(tmp_path, beside="false")) is None
+    assert read_draft_beside_target(tmp_path / "elsewhere") is None  # no draft_proposer directory
+    for method in ("ngram", "suffix"):  # model-free: the orchestrator runs it, wherever the setting says
+        assert read_draft_beside_target(write_draft(tmp_path, method=method)) is None
+    warning = DraftProposerConfig("suffix", None, None, None, "auto", "fast", 8, run_with_target=True).unread_settings()
+    assert "run_with_target changes nothing for method 'suffix'" in warning[0]
+
+
+def test_an_unreadable_config_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "draft_proposer").mkdir()
+    (tmp_path / "draft_proposer" / "config.pbtxt").write_text("parameters [ { key: ")
+    with pytest.raises(ParameterError, match="draft_proposer: cannot read .*config.pbtxt"):
+        model_settings(tmp_path, "draft_proposer")
+
+
+@pytest.mark.parametrize("config_type, model, checkpoint", [
+    (TargetVerifierConfig, "target_verifier", {"target_model": TINY_DRAFT}),
+    (DraftProposerConfig, "draft_proposer", {"draft_model": TINY_DRAFT}),
+])  # fmt: skip
+def test_the_removed_placement_is_refused_with_where_the_model_runs_now(config_type, model, checkpoint):
+    """A repository written before run_in_orchestrator's removal loads with it false, and says what to do with true."""
+    config_type.from_parameters(Parameters({**checkpoint, "run_in_orchestrator": "false"}, component=model))
+    with pytest.raises(ParameterError, match=rf"{model}: parameter 'run_in_orchestrator' was removed: the target "
+                                             r"runs in target_verifier.*run_with_target"):  # fmt: skip
+        config_type.from_parameters(Parameters({**checkpoint, "run_in_orchestrator": "true"}, component=model))
+
+
+def test_a_draft_model_is_built_with_its_description():
+    config = DraftProposerConfig(method="draft_model", draft_model=TINY_DRAFT, prompt_lookup_min=None,
+                                 prompt_lookup_max=None, dtype="float32", engine="fast", max_num_seqs=1)  # fmt: skip
+    loaded = build_proposer(config, "cpu")
+    assert isinstance(loaded.proposer, DraftModelProposer) and loaded.description.method == "draft_model"
+    assert loaded.description.model == TINY_DRAFT
+
+
+def test_a_draft_trained_for_fewer_positions_than_its_window_is_refused_with_the_fix():
+    """The window often comes from target_verifier: the message says to lower that, not the draft's own."""
+    config = DraftProposerConfig(method="draft_model", draft_model=TINY_DRAFT, prompt_lookup_min=None,
+                                 prompt_lookup_max=None, dtype="float32", engine="fast", max_num_seqs=1,
+                                 max_model_len=4096)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"draft model '{re.escape(TINY_DRAFT)}' has max_position_embeddings 2048 "
+                                         r"but would hold 4096 tokens .* lower target_verifier's max_model_len to at "
+                                         r"most 2048"):  # fmt: skip
+        build_proposer(config, "cpu")
+    assert build_proposer(replace(config, max_model_len=2048), "cpu").description.max_model_len == 2048
