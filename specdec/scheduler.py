@@ -183,6 +183,10 @@ class StepScheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def held_seq_ids(self) -> list[str]:
+        """The sequences the stages hold for requests still running (not those waiting, nor those ending)."""
+        return [s.state.seq_id for s in self._running]
+
     def submit(self, state: SequenceState, is_cancelled: Callable[[], bool] = lambda: False) -> ScheduledSequence:
         """Queue a sequence (its prompt not yet in any cache); read its steps from the returned object."""
         sequence = ScheduledSequence(state, is_cancelled)

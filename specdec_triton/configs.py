@@ -21,6 +21,7 @@ from specdec.proposers.suffix import SuffixConfig
 from specdec.rejection_sampler import METHODS
 from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirstConfig
+from specdec_triton.leases import MIN_IDLE_TIMEOUT_S
 from specdec_triton.plumbing import ParameterError, Parameters
 from specdec_triton.speculative_config import PARAMETER
 from specdec_triton.recovery import ON_STUB_FAILURE
@@ -30,8 +31,8 @@ DEFAULT_DRAFT_MODEL = "${SPECDEC_MODELS_DIR}/tiny-draft"
 # ENGINES (specdec.build) fast: Llama-family checkpoints, every sequence of a dynamic batch in one forward
 # over a static slot KV cache (CUDA graphs on GPU); hf: any AutoModelForCausalLM, one sequence at a time.
 DEFAULT_MAX_NUM_SEQS = 8  # sequences held at once: KV-cache slots of the fast engine
-# A live sequence is stepped every scheduler step, so one untouched this long was lost by its caller
-# (a failed release): its slot is reclaimed. Far above any step's duration.
+# A live request's sequence is renewed every few seconds (specdec_triton.leases), so one untouched this
+# long was lost by its caller (a failed release): its slot is reclaimed.
 DEFAULT_SEQUENCE_IDLE_TIMEOUT_S = 120.0
 STAGE_CALLS = ("socket", "bls")  # speculative_decoding's stage_calls
 
@@ -247,7 +248,13 @@ class TargetVerifierConfig:
 
 
 def _idle_timeout(params: Parameters) -> float:
-    return params.get_float("sequence_idle_timeout_s", DEFAULT_SEQUENCE_IDLE_TIMEOUT_S, minimum=0.0)
+    """0 (never reclaim) or at least three renewal intervals (specdec_triton.leases), so that a live request's
+    sequence, renewed every RENEW_INTERVAL_S, is never taken between two renewals."""
+    timeout = params.get_float("sequence_idle_timeout_s", DEFAULT_SEQUENCE_IDLE_TIMEOUT_S, minimum=0.0)
+    if 0 < timeout < MIN_IDLE_TIMEOUT_S:
+        raise params.invalid("sequence_idle_timeout_s", f"{timeout:g}", f"0 (never reclaim) or >= {MIN_IDLE_TIMEOUT_S:g} "
+                             "(three renewals of live requests' sequences)")
+    return timeout
 
 
 @dataclass(frozen=True)

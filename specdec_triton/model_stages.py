@@ -159,17 +159,23 @@ class ModelStages:
         The proposer also gets the responses of the requests that completed (suffix decoding
         learns from them); the verifier needs the ids alone.
         """
-        seq_ids = list(ended)
-        inputs = {**wire.release_inputs(seq_ids), **self._secret}
-        calls = {
-            wire.DRAFT_PROPOSER: lambda: self._call(wire.DRAFT_PROPOSER,
-                                                    {**inputs, **wire.response_inputs(list(ended.values()))},
-                                                    wire.PROPOSE_OUTPUTS),
-            wire.TARGET_VERIFIER: lambda: self._call(wire.TARGET_VERIFIER, inputs, wire.VERIFY_OUTPUTS),
-        }  # fmt: skip
-        results = await asyncio.gather(*(calls[model]() for model in self._stateful), return_exceptions=True)
+        inputs = {**wire.release_inputs(list(ended)), **self._secret}
+        responses = wire.response_inputs(list(ended.values()))
+        await self._to_every_holder(f"releasing {len(ended)} sequence(s)", inputs, {wire.DRAFT_PROPOSER: responses})
+
+    async def renew(self, seq_ids: list[str]) -> None:
+        """Tells the models that hold sequences that live requests still hold ``seq_ids`` (specdec_triton.leases)."""
+        await self._to_every_holder(f"renewing {len(seq_ids)} sequence(s)", {**wire.renew_inputs(seq_ids),
+                                                                              **self._secret})  # fmt: skip
+
+    async def _to_every_holder(self, what: str, inputs: dict, extra: dict[str, dict] | None = None) -> None:
+        """One call with ``inputs`` (and the model's ``extra``) to each model that holds sequences, at once;
+        every failure is logged and raised together."""
+        names = {wire.DRAFT_PROPOSER: wire.PROPOSE_OUTPUTS, wire.TARGET_VERIFIER: wire.VERIFY_OUTPUTS}
+        results = await asyncio.gather(*(self._call(m, {**inputs, **(extra or {}).get(m, {})}, names[m])
+                                         for m in self._stateful), return_exceptions=True)  # fmt: skip
         failures = [f"{model}: {result}" for model, result in zip(self._stateful, results)
                     if isinstance(result, BaseException)]  # fmt: skip
         if failures:
-            self.logger.error(f"releasing {len(seq_ids)} sequence(s) failed: {'; '.join(failures)}")
-            raise RuntimeError(f"releasing the sequence failed in {'; '.join(failures)}")
+            self.logger.error(f"{what} failed: {'; '.join(failures)}")
+            raise RuntimeError(f"{what} failed in {'; '.join(failures)}")

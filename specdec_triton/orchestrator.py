@@ -13,6 +13,9 @@ tokenizer's directory. A draft whose vocabulary differs from the target's is ref
 there, naming both models. When a composing model's process dies,
 :meth:`Orchestrator.stage_failed` ends every request at once and refuses new ones
 until :meth:`Orchestrator.recovered` (:mod:`specdec_triton.recovery` decides which).
+While requests run, the sequences they hold are renewed in the stateful stages every
+``RENEW_INTERVAL_S`` (:mod:`specdec_triton.leases`), so a slow step never costs a live
+request its state.
 Like tensorrtllm_backend's ``decode.py`` this file has no Triton import:
 :class:`Stages` is the seam, implemented with calls to the composing models in
 :mod:`specdec_triton.model_stages` and with local objects in the tests.
@@ -38,6 +41,7 @@ from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
 from specdec_triton.plumbing import RequestError, ServingError
 from specdec_triton.request import GenerateRequest, generate_outputs
+from specdec_triton.leases import RENEW_INTERVAL_S
 from specdec_triton.text import TextCodec
 
 
@@ -66,6 +70,7 @@ class Descriptions:
 class Stages(StepStages, Protocol):
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized: ...
     async def describe(self) -> Descriptions: ...
+    async def renew(self, seq_ids: list[str]) -> None: ...  # live requests still hold these sequences
 
 
 # (outputs of one public response, final) -> None
@@ -97,7 +102,7 @@ class Orchestrator:
         self._codec: TextCodec | None = None
         self._describing: asyncio.Future | None = None  # the one describe in flight
         self.unavailable: str | None = None  # why requests are refused now: a composing model stopped
-        self._background: set[asyncio.Task] = set()  # releases after a fault, kept until done
+        self._background: set[asyncio.Task] = set()  # releases after a fault and the renewals, kept until done
         self._per_client: collections.Counter = collections.Counter()  # client id -> its requests in flight
 
     def stage_failed(self, models: list[str]) -> None:
@@ -116,14 +121,34 @@ class Orchestrator:
         if self.scheduler is not None:
             seq_ids = self.scheduler.fail_all(ServingError(f"{why}; the request was not finished"))
             if seq_ids:
-                task = asyncio.ensure_future(self._release_quietly(self.scheduler.stages, seq_ids))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._keep_in_background(self._release_quietly(self.scheduler.stages, seq_ids))
         self.scheduler, self.descriptions, self._describing = None, None, None
         self._show_running()
 
     def recovered(self) -> None:
         self.unavailable = None
+
+    def _keep_in_background(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _renew_while_serving(self, scheduler: StepScheduler) -> None:
+        """Every ``RENEW_INTERVAL_S`` while ``scheduler`` serves: renew the sequences its requests hold.
+
+        A renewal that fails is logged and tried again next time: a stage that died is
+        recovered as a whole (its sequences with it), and one that is slow answers later.
+        """
+        while self.scheduler is scheduler:
+            await asyncio.sleep(RENEW_INTERVAL_S)
+            seq_ids = scheduler.held_seq_ids()
+            if not seq_ids or self.scheduler is not scheduler:
+                continue
+            try:
+                await self.stages.renew(seq_ids)
+            except Exception as err:  # noqa: BLE001 (logged; the next renewal tries again)
+                if self.log is not None:
+                    self.log(f"renewing {len(seq_ids)} sequence(s) failed, tried again in {RENEW_INTERVAL_S:g} s: {err}")
 
     @staticmethod
     async def _release_quietly(stages: StepStages, seq_ids: list[str]) -> None:
@@ -166,6 +191,7 @@ class Orchestrator:
             match_greedy_here=descriptions.sampler.method != "synthetic",
             on_step=self._record_step,
         )
+        self._keep_in_background(self._renew_while_serving(self.scheduler))
         if self.log is not None:
             where = descriptions.draft.model
             if isinstance(self._proposer_here, SuffixFirst):

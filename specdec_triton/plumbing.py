@@ -77,7 +77,8 @@ class Parameters:
         value = self._raw.get(key, "")
         return value or None
 
-    def _fail(self, key: str, value: str, allowed: str) -> ParameterError:
+    def invalid(self, key: str, value: str, allowed: str) -> ParameterError:
+        """The error for ``key``'s ``value``, naming the model, the key and what it must be."""
         return ParameterError(f"{self._component}: parameter '{key}' must be {allowed}, got {value!r}")
 
     def get_str(self, key: str, default: str | None, choices: Sequence[str] | None = None) -> str | None:
@@ -85,7 +86,7 @@ class Parameters:
         if value is None:
             return default
         if choices is not None and value not in choices:
-            raise self._fail(key, value, f"one of {tuple(choices)}")
+            raise self.invalid(key, value, f"one of {tuple(choices)}")
         return value
 
     def get_pattern(self, key: str) -> re.Pattern | None:
@@ -96,7 +97,7 @@ class Parameters:
         try:
             return re.compile(value)
         except re.error as err:
-            raise self._fail(key, value, f"a regular expression ({err})") from None
+            raise self.invalid(key, value, f"a regular expression ({err})") from None
 
     def get_bool(self, key: str, default: bool) -> bool:
         value = self._get(key)
@@ -106,7 +107,7 @@ class Parameters:
             return True
         if value.lower() in _FALSE:
             return False
-        raise self._fail(key, value, f"a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
+        raise self.invalid(key, value, f"a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
 
     def get_int(
         self, key: str, default: int | None, minimum: int | None = None, maximum: int | None = None
@@ -117,9 +118,9 @@ class Parameters:
         try:
             number = int(value)
         except ValueError:
-            raise self._fail(key, value, "an integer" + _range_text(minimum, maximum)) from None
+            raise self.invalid(key, value, "an integer" + _range_text(minimum, maximum)) from None
         if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-            raise self._fail(key, value, "an integer" + _range_text(minimum, maximum))
+            raise self.invalid(key, value, "an integer" + _range_text(minimum, maximum))
         return number
 
     def get_float(
@@ -131,11 +132,11 @@ class Parameters:
         try:
             number = float(value)
         except ValueError:
-            raise self._fail(key, value, "a number" + _range_text(minimum, maximum)) from None
+            raise self.invalid(key, value, "a number" + _range_text(minimum, maximum)) from None
         if not np.isfinite(number) or (minimum is not None and number < minimum) or (
             maximum is not None and number > maximum
         ):
-            raise self._fail(key, value, "a number" + _range_text(minimum, maximum))
+            raise self.invalid(key, value, "a number" + _range_text(minimum, maximum))
         return number
 
     def get_path(self, key: str, default: str | None, must_exist: bool = True) -> str | None:
@@ -146,10 +147,10 @@ class Parameters:
         try:
             path = resolve_path(value, self._base_dir, self._model_dir)
         except ValueError as err:
-            raise self._fail(key, value, f"a path whose variables are set: {err}") from None
+            raise self.invalid(key, value, f"a path whose variables are set: {err}") from None
         if must_exist and not os.path.exists(path):
             hint = f"; set {MODELS_DIR_VARIABLE} to the directory holding it" if MODELS_DIR_VARIABLE in value else ""
-            raise self._fail(key, value, f"an existing path (absolute or relative to {self._base_dir}; it is {path}){hint}")
+            raise self.invalid(key, value, f"an existing path (absolute or relative to {self._base_dir}; it is {path}){hint}")
         return path
 
     def check_all_read(self) -> None:

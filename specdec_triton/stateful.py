@@ -1,10 +1,11 @@
 """What draft_proposer and target_verifier do alike around their model: callers, releases, expiry, gauge.
 
-Both hold one state per live sequence and answer the same three kinds of request
-(describe, release, work), so the checks live here once: every request but describe
-must carry the server's secret (:mod:`specdec_triton.internal`); releases run before
-the work of the batch; sequences idle past ``idle_timeout_s`` are reclaimed first
-(:mod:`specdec_triton.leases`); the active-sequences gauge follows every batch. Calls
+Both hold one state per live sequence and answer the same four kinds of request
+(describe, release, renew, work), so the checks live here once: every request but
+describe must carry the server's secret (:mod:`specdec_triton.internal`); the sequences
+a batch names or renews are marked used, then those idle past ``idle_timeout_s`` are
+reclaimed, then releases run, then the work (:mod:`specdec_triton.leases`: the time of
+this model's own calls is not idleness); the active-sequences gauge follows every batch. Calls
 come as Triton requests to ``execute`` and, from the orchestrator, on a Unix socket
 (:mod:`specdec_triton.socket_calls`) answered on other threads: one lock keeps them
 apart, so the model's state still has one writer at a time.
@@ -81,6 +82,12 @@ class SequenceHost:
         for inputs in batch:
             if not wire.is_describe(inputs):
                 wire.check_caller(inputs, self.secret, self.name)
+        requests = [[] if _holds_no_work(x) else requests_of(x) for x in batch]
+        flat = [r for group in requests for r in group]
+        self.leases.touch(r.seq_id for r in flat)  # before the expiry: a batch never reclaims what it uses
+        for inputs in batch:
+            if wire.is_renew(inputs):
+                self.leases.renew(wire.seq_ids_of(inputs))
         reclaimed = self.leases.expire()
         if reclaimed:
             self.expired.add(reclaimed)
@@ -97,10 +104,12 @@ class SequenceHost:
                     else:
                         self.holder.release(seq_id)
                 self.leases.forget(seq_ids)
-        requests = [[] if wire.is_describe(x) or wire.is_release(x) else requests_of(x) for x in batch]
-        flat = [r for group in requests for r in group]
-        self.leases.touch(r.seq_id for r in flat)  # before the run: a failed call may have taken a slot
-        results = iter(run(flat))
+        started = self.leases.clock()
+        try:
+            results = iter(run(flat))
+        finally:  # a slow call (a cold compile) is nobody's idleness; a failed one may have taken a slot
+            self.leases.call_took(self.leases.clock() - started)
+            self.leases.touch(r.seq_id for r in flat)
         return [
             self.describe_outputs if wire.is_describe(inputs)
             else outputs_of([next(results) for _ in group])
@@ -109,3 +118,7 @@ class SequenceHost:
 
     def show_active(self) -> None:
         self.active.set(self.holder.num_active_sequences)
+
+
+def _holds_no_work(inputs: Inputs) -> bool:
+    return wire.is_describe(inputs) or wire.is_release(inputs) or wire.is_renew(inputs)

@@ -60,11 +60,11 @@ REJECTION_SAMPLER = "rejection_sampler"
 
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
-PROPOSE_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
+PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs")
 GREEDY_PROPOSE_OUTPUTS = PROPOSE_OUTPUTS[:2]  # what a request of greedy sequences needs back: no q
-VERIFY_INPUTS = ("seq_id", "release", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
+VERIFY_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
                  *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + LOG_PROB_OUTPUTS when asked
 DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
@@ -77,7 +77,7 @@ TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
 DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
 DETOKENIZE_OUTPUTS = ("text_output",)
 
-# --- per-sequence state: seq_id and release ----------------------------------------------------
+# --- per-sequence state: seq_id, release and renew ---------------------------------------------
 
 
 def secret_input(secret: str) -> dict[str, np.ndarray]:
@@ -96,6 +96,11 @@ def check_caller(inputs: Mapping[str, np.ndarray], secret: str, model: str) -> N
 
 def release_inputs(seq_ids: Sequence[str]) -> dict[str, np.ndarray]:
     return {"seq_id": bytes_array(list(seq_ids)), "release": one(True, np.bool_)}
+
+
+def renew_inputs(seq_ids: Sequence[str]) -> dict[str, np.ndarray]:
+    """The sequences the orchestrator's requests still hold: none of them is idle, whatever its last step."""
+    return {"seq_id": bytes_array(list(seq_ids)), "renew": one(True, np.bool_)}
 
 
 def response_inputs(responses: Sequence[Sequence[int] | None]) -> dict[str, np.ndarray]:
@@ -118,6 +123,10 @@ def seq_ids_of(inputs: Mapping[str, np.ndarray]) -> list[str]:
 
 def is_release(inputs: Mapping[str, np.ndarray]) -> bool:
     return scalar(inputs, "release", bool, False)
+
+
+def is_renew(inputs: Mapping[str, np.ndarray]) -> bool:
+    return scalar(inputs, "renew", bool, False)
 
 
 def _is_default(sampling: SamplingParams) -> bool:

@@ -65,6 +65,7 @@ class LocalStages:
     def __init__(self, codec, proposer, verifier, sampler):
         self.codec, self.proposer, self.verifier, self.sampler = codec, proposer, verifier, sampler
         self.released: list[str] = []
+        self.renewed: list[list[str]] = []  # the seq_ids of each renewal
         self.fail_verify_after: int | None = None  # fail every verify call reaching this position
         self.max_num_seqs: int | None = None
         self.draft_vocab_size: int | None = None  # what the draft describes, if not its own
@@ -127,6 +128,9 @@ class LocalStages:
             self.proposer.release(seq_id, response)
             self.verifier.release(seq_id)
         self.released.extend(ended)
+
+    async def renew(self, seq_ids):
+        self.renewed.append(list(seq_ids))
 
 
 @pytest.fixture(scope="module")

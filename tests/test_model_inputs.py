@@ -265,3 +265,51 @@ def test_tokenizer_refuses_bad_input_naming_it(tokenizer, name, inputs):
 ])  # fmt: skip
 def test_detokenizer_refuses_bad_input_naming_it(detokenizer, name, inputs):
     assert_invalid(answered(lambda b: [detokenizer._detokenize(x) for x in b], inputs), name)
+
+
+def test_a_live_sequence_survives_a_slow_call_and_is_kept_by_renewals_until_its_owner_is_lost(target_verifier):
+    """The idle clock: a long call of the model's own is not idleness, a renewal counts as use, and a sequence
+    that neither a step nor a renewal names for longer than the timeout is reclaimed (specdec_triton.leases)."""
+    leases, verifier = target_verifier.host.leases, target_verifier.verifier
+    now = [0.0]
+    saved = leases.clock, leases.idle_timeout_s, verifier.verify
+    leases.clock, leases.idle_timeout_s = (lambda: now[0]), 20.0
+
+    def slow_verify(requests):  # a cold compile on a busy machine: minutes inside one call
+        now[0] += 100.0
+        return saved[2](requests)
+
+    try:
+        verifier.verify = slow_verify
+        assert answered(target_verifier._serve, sequence(seq_id=ids("a"), num_logits=i32(1))) is None
+        verifier.verify = saved[2]
+        assert answered(target_verifier._serve, sequence(seq_id=ids("b"), num_logits=i32(1))) is None
+        assert verifier.num_active_sequences == 2  # the slow call's 100 s were not idleness of "a"
+        renew = {"seq_id": ids("a", "b"), "renew": np.array([True]), SECRET_INPUT: ids(boot_secret())}
+        for _ in range(3):  # 45 s in all with no step: both renewed every 15 s
+            now[0] += 15.0
+            assert answered(target_verifier._serve, renew) is None
+        response = answered(target_verifier._serve, sequence(seq_id=ids("b"), position=i64(3), token_ids=i64(4),
+                                                             num_logits=i32(1)))  # fmt: skip
+        assert response is None, response.error.message
+        assert verifier.num_active_sequences == 2
+        now[0] += 25.0  # no renewal: the owner of "a" is gone
+        assert answered(target_verifier._serve, sequence(seq_id=ids("b"), position=i64(4), token_ids=i64(5),
+                                                         num_logits=i32(1))) is None  # fmt: skip
+        assert verifier.num_active_sequences == 1  # "a" reclaimed; "b", named by the call, kept
+        renew_b = {**renew, "seq_id": ids("zz")}  # a renewal never adds a sequence
+        assert answered(target_verifier._serve, renew_b) is None and verifier.num_active_sequences == 1
+    finally:
+        leases.clock, leases.idle_timeout_s, verifier.verify = saved
+
+
+def test_an_idle_timeout_shorter_than_three_renewals_is_refused(tmp_path):
+    from specdec_triton.configs import TargetVerifierConfig
+    from specdec_triton.leases import MIN_IDLE_TIMEOUT_S
+    from specdec_triton.plumbing import ParameterError, Parameters
+
+    target = str(REPOSITORY.parent / "models" / "tiny-target")
+    with pytest.raises(ParameterError, match=r"target_verifier: parameter 'sequence_idle_timeout_s' must be 0 "
+                                             rf"\(never reclaim\) or >= {MIN_IDLE_TIMEOUT_S:g}"):  # fmt: skip
+        TargetVerifierConfig.from_parameters(Parameters({"target_model": target, "sequence_idle_timeout_s": "3"},
+                                                        component="target_verifier"))  # fmt: skip

@@ -175,3 +175,26 @@ def test_synthetic_sampler_sees_greedy_steps_too(codec, models):
     assert int(outputs["total_accepted_draft_tokens"][0]) == int(outputs["total_draft_tokens"][0]) > 0
 
 
+
+
+def test_the_sequences_of_running_requests_are_renewed_while_they_run(codec, models, monkeypatch):
+    """The stateful stages hear that live requests still hold their sequences, steps or not (specdec_triton.leases)."""
+    import specdec_triton.orchestrator as orchestrator_module
+
+    monkeypatch.setattr(orchestrator_module, "RENEW_INTERVAL_S", 0.001)
+    orchestrator, stages = make_orchestrator(codec, models)
+    stages.verifier.verify = slowly(stages.verifier.verify)
+    sent = run(orchestrator, request(PROMPTS[0], max_tokens=8))
+    renewed = {seq_id for call in stages.renewed for seq_id in call}
+    assert sent[-1][1] and len(renewed) == 1 and renewed <= set(stages.released)  # the request's one sequence
+
+
+def slowly(function, seconds=0.01):
+    """``function``, each call taking ``seconds`` longer (in the event loop's thread: a blocking stage)."""
+    import time
+
+    def slow(*args):
+        time.sleep(seconds)
+        return function(*args)
+
+    return slow
