@@ -1,6 +1,10 @@
-"""detokenizer: token ids -> text, decoded prefix-stably so that streaming can diff successive decodes.
+"""detokenizer: token ids -> text, with the served tokenizer; a utility model for clients that hold ids.
 
 A request carries one id list, or several packed ones (``num_token_ids``): one text each.
+speculative_decoding does not call it: a streamed response's new text comes from the ids
+of one step and the text already sent, which only the orchestrator holds, so it decodes
+in its own process (:mod:`specdec.detokenize`); a call here per step would add a round
+trip and still need that state.
 """
 from specdec_triton import wire
 from specdec_triton.configs import TokenizerConfig
