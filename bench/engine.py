@@ -122,22 +122,27 @@ def run_phase(
     hidden_layers: tuple[int, ...] = (),
     match_greedy_here: bool = True,
     name: str = "phase",
+    follows_acceptance: bool = False,
 ) -> PhaseResult:
     """Decode ``prompts`` closed loop, ``concurrency`` in flight, through one ``StepScheduler``.
 
     ``params.num_speculative_tokens`` is every step's k (the scheduler's table is that one
-    value). ``match_greedy_here`` False sends every step to the sampler, as a server whose
-    rejection sampler runs the synthetic method must.
+    value), or with ``follows_acceptance`` the most each sequence drafts, as its acceptance
+    says (``specdec.follow_acceptance``). ``match_greedy_here`` False sends every step to
+    the sampler, as a server whose rejection sampler runs the synthetic method must.
     """
-    return asyncio.run(_run_phase(stages, prompts, params, concurrency, hidden_layers, match_greedy_here, name))
+    speculation = SpeculationLength(params.num_speculative_tokens, follows_acceptance=follows_acceptance)
+    return asyncio.run(_run_phase(stages, prompts, params, concurrency, hidden_layers, match_greedy_here, name,
+                                  speculation))  # fmt: skip
 
 
-async def _run_phase(stages, prompts, params, concurrency, hidden_layers, match_greedy_here, name) -> PhaseResult:
+async def _run_phase(stages, prompts, params, concurrency, hidden_layers, match_greedy_here, name,
+                     speculation) -> PhaseResult:  # fmt: skip
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     reports: list[StepReport] = []
-    scheduler = StepScheduler(stages, SpeculationLength(params.num_speculative_tokens), max_num_seqs=concurrency,
-                              match_greedy_here=match_greedy_here, on_step=reports.append)  # fmt: skip
+    scheduler = StepScheduler(stages, speculation, max_num_seqs=concurrency, match_greedy_here=match_greedy_here,
+                              on_step=reports.append)  # fmt: skip
     timings: list[RequestTiming | None] = [None] * len(prompts)
     states: list[SequenceState | None] = [None] * len(prompts)
     queue = list(enumerate(prompts))

@@ -179,15 +179,17 @@ def shipped_configuration(repository: Path) -> dict:
 def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, dict[str, str]]:
     """The repository as shipped but for the method, the checkpoints and a k large enough for ``--ks``.
 
-    ``fixed``: every request drafts the k it sends, whatever the batch size (the shipped
-    batch-size table and ``speculative_disable_by_batch_size`` cleared), so each ``k=K``
-    row measures that k; the ``default`` row has a server of its own, as shipped.
+    ``fixed``: every request drafts the k it sends every step, whatever the batch size and
+    its acceptance (the shipped batch-size table and ``speculative_disable_by_batch_size``
+    cleared, ``speculation_follows_acceptance`` false), so each ``k=K`` row measures that
+    k; the ``default`` row has a server of its own, as shipped.
     """
     checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
     edits = checkpoint_edits(args.target, method, checkpoints.get(method))
     edits[ORCHESTRATOR] = {}
     if fixed:
-        edits[ORCHESTRATOR].update(num_speculative_tokens_per_batch_size="", speculative_disable_by_batch_size="0")
+        edits[ORCHESTRATOR].update(num_speculative_tokens_per_batch_size="", speculative_disable_by_batch_size="0",
+                                   speculation_follows_acceptance="false")  # fmt: skip
     if fixed and max(args.ks) > shipped_k:  # a request may ask for at most the configured k
         edits[ORCHESTRATOR]["num_speculative_tokens"] = str(max(args.ks))
     if method == "suffix":  # every phase sends the same prompts: a global tree would draft earlier phases' outputs

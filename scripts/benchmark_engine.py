@@ -10,6 +10,8 @@ each concurrency, with the configurations interleaved round by round:
 * ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``ngram`` or ``suffix``
   drafting K tokens every step; ``METHOD+suffix:K`` (a model method) with suffix decoding
   in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
+  ``METHOD+follow:K`` drafting at most K, each sequence as its acceptance and the measured
+  step costs say (``specdec.follow_acceptance``, the served default);
 * each of them with CUDA graphs captured and without (``--cuda-graphs on,off``, CUDA only);
 * ``hf plain`` -- Hugging Face ``generate`` on the same target, one request at a time.
 
@@ -60,6 +62,7 @@ from specdec.verifier import TargetVerifier  # noqa: E402
 MODEL_METHODS = ("draft_model", *HEAD_METHODS)
 METHODS = (*MODEL_METHODS, *MODEL_FREE_METHODS, *(m + SUFFIX_FIRST for m in MODEL_METHODS))
 HF_PLAIN = "hf plain"
+FOLLOW = "+follow"  # a configuration whose k follows each sequence's acceptance, under K
 
 
 def parse_configs(text: str) -> list[tuple[str, int]]:
@@ -70,8 +73,9 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
             configs.append(("k0", 0))
             continue
         method, _, k = item.partition(":")
-        if method not in METHODS or not k.isdigit() or int(k) < 1:
-            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0 or METHOD:K with METHOD in {METHODS}, K >= 1")
+        if method.removesuffix(FOLLOW) not in METHODS or not k.isdigit() or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0, METHOD:K or METHOD{FOLLOW}:K with METHOD "
+                                             f"in {METHODS}, K >= 1")  # fmt: skip
         configs.append((method, int(k)))
     if ("k0", 0) not in configs:
         configs.insert(0, ("k0", 0))  # every ratio is against it
@@ -179,7 +183,7 @@ class Run:
             order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
             for c in args.concurrency:
                 for method, k in order:
-                    if method in MODEL_FREE_METHODS:  # a fresh suffix tree: the phases repeat the same prompts
+                    if method.removesuffix(FOLLOW) in MODEL_FREE_METHODS:  # a fresh suffix tree: phases repeat prompts
                         proposers[method] = self._proposer(method, graphs)
                     phase = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
                     summary = phase.summary()
@@ -211,16 +215,18 @@ class Run:
         return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless}
 
     def _proposer(self, method: str, graphs: bool):
-        return build_proposer(method_of(method), self.args, self.max_num_seqs, self.max_model_len, graphs)
+        served = method_of(method.removesuffix(FOLLOW))
+        return build_proposer(served, self.args, self.max_num_seqs, self.max_model_len, graphs)
 
     def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):
         """One phase of ``method``'s stages; a METHOD+suffix one with a fresh router (the phases repeat the prompts)."""
         stages = LocalStages(verifier, self.sampler, proposer)
-        if suffix_first(method):
+        if suffix_first(method.removesuffix(FOLLOW)):
             config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
             stages = SuffixFirstStages(stages, SuffixFirst(config))
         layers = getattr(proposer, "hidden_state_layers", ())
-        return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name)
+        return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name,
+                         follows_acceptance=method.endswith(FOLLOW))  # fmt: skip
 
 
 def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:
@@ -242,7 +248,8 @@ def summarize(results: dict, times: dict[str, dict[str, float]]) -> list[dict]:
         row["tokens_per_s_rounds"] = [r["tokens_per_s_aggregate"] for r in rounds]
         row.update(config=f"{method} k={k}" if k else "k0", method=method, k=k, concurrency=c, graphs=tag)
         step = times.get(tag, {})
-        if k and c == 1 and f"target_{k + 1}" in step and not math.isnan(row["mean_accepted_length"]):
+        fixed_k = k and not method.endswith(FOLLOW)  # the bound is for one k every step
+        if fixed_k and c == 1 and f"target_{k + 1}" in step and not math.isnan(row["mean_accepted_length"]):
             draft_ms = row["propose_ms_per_drafting_step"] / k  # measured in the run: a head's step, the draft's, or 0
             row["bound"] = speedup_bound(row["mean_accepted_length"], k, step["target_1"], step[f"target_{k + 1}"],
                                          draft_ms)  # fmt: skip

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark proposers on workloads that repeat themselves: n-gram, suffix decoding, a draft model, a head.
 
-One server per method (a copy of the model repository, k fixed for every batch size),
+One server per method (a copy of the model repository, k fixed for every batch size and step),
 all up at once, plus k = 0 requests on the n-gram server (n-gram lookup learns
 nothing across requests, so its baseline is not disturbed by earlier phases). For each
 repetition, on fresh prompts, in an order rotated per repetition:
@@ -81,7 +81,8 @@ def server_repository(args, name: str, k: int, workdir: Path) -> Path:
     edits = variant_edits(name, checkpoint_edits(args.target, method, args.head if method in HEAD_METHODS else args.draft),
                           args.model_k, args.suffix_min_score)  # fmt: skip
     edits[ORCHESTRATOR] = {"num_speculative_tokens": str(k), "num_speculative_tokens_per_batch_size": "",
-                           "speculative_disable_by_batch_size": "0"}  # fmt: skip
+                           "speculative_disable_by_batch_size": "0",
+                           "speculation_follows_acceptance": "false"}  # fmt: skip
     return make_variant(args.repository, workdir / f"repo-{name}", edits)
 
 

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.follow_acceptance import AcceptanceEstimate
 from specdec.penalties import NO_PENALTIES, Penalties, emitted_log_probs
 from specdec.proposers.base import Proposer
 from specdec.sampling import derive_seed
@@ -124,6 +125,7 @@ class SequenceState:
         self.finished = False
         self.finish_reason: str | None = None
         self.stats = RequestStats(accepted_per_position=[0] * params.num_speculative_tokens)
+        self.acceptance = AcceptanceEstimate()  # what its drafts did, for a k that follows it: follow_acceptance
         seed = params.sampling.seed
         self._base_seed = seed if seed is not None else secrets.randbits(63)
         self._step = 0  # step 0 is the prefill
@@ -154,6 +156,10 @@ class SequenceState:
             return 0
         left = self.params.max_tokens - len(self.output_ids)
         return max(0, min(self.params.num_speculative_tokens, left - 1))
+
+    def num_unsent_to_proposer(self) -> int:
+        """Tokens the next propose request carries: the prompt at first, then what the steps since added."""
+        return len(self.prompt_ids) + len(self.output_ids) - self._num_sent_to_proposer
 
     def propose_request(self, max_drafts: int | None = None) -> ProposeRequest | None:
         """This step's drafts to ask for, at most ``max_drafts`` (a length policy's choice) if given.
@@ -238,7 +244,7 @@ class SequenceState:
                 f"{result.num_accepted} for {num_drafts} drafts"
             )
         if self.hidden_layers and self._hidden_rows_stay:
-            self._num_hidden_kept += self._num_fed(num_drafts) - (num_drafts - result.num_accepted)
+            self._num_hidden_kept += self.num_fed(num_drafts) - (num_drafts - result.num_accepted)
         elif self.hidden_layers:
             self._keep_hidden(verified.hidden_states if verified is not None else None, num_drafts, result.num_accepted)
         if self._step > 0:
@@ -276,21 +282,22 @@ class SequenceState:
                 f"seq {self.seq_id!r}: the verify result carries no hidden states, but the proposer reads "
                 f"layers {self.hidden_layers}"
             )
-        fed = self._num_fed(num_drafts)
+        fed = self.num_fed(num_drafts)
         if hidden_states.shape[0] != fed:
             raise ValueError(
                 f"seq {self.seq_id!r}: {hidden_states.shape[0]} hidden-state rows for {fed} tokens verified"
             )
         self._hidden.append(hidden_states[: fed - (num_drafts - num_accepted)])  # [kept, features]
 
-    def _num_fed(self, num_drafts: int) -> int:
-        """Tokens this step's verify fed: the prompt, or [last, d1 .. dk']."""
+    def num_fed(self, num_drafts: int) -> int:
+        """Tokens this step's verify feeds with ``num_drafts`` drafts: the prompt, or [last, d1 .. dk']."""
         return len(self.prompt_ids) if self._step == 0 else 1 + num_drafts
 
     def _record(self, num_drafts: int, num_accepted: int) -> None:
         self.stats.num_steps += 1
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_tokens += num_accepted
+        self.acceptance = self.acceptance.after(num_drafts, num_accepted)
         for i in range(num_accepted):
             self.stats.accepted_per_position[i] += 1
 

@@ -7,7 +7,9 @@ while one loop runs every step for all of them:
 1. admit waiting sequences in arrival order while fewer than ``max_num_seqs`` run
    (the KV-cache slots the stages hold), and drop cancelled ones;
 2. choose the step's ``k`` from the batch size (:class:`SpeculationLength`); a sequence
-   drafts fewer if its own ``num_speculative_tokens`` or its tokens left say so;
+   drafts fewer if its own ``num_speculative_tokens`` or its tokens left say so, or, when
+   the speculation follows acceptance, if its drafts have been failing
+   (``specdec.follow_acceptance``: the goodput rule over each sequence's acceptance);
 3. **one** propose call for every sequence that drafts, **one** verify call for all;
 4. rejection sampling: against a greedy target the drafts are matched to the target's
    argmax here, without a call; the sampled sequences are sampled where ``p`` is made,
@@ -36,6 +38,7 @@ import torch
 
 from specdec.draft_beside_target import NO_PROPOSAL, ProposeVerify
 from specdec.engine import SequenceState, StepOutput
+from specdec.follow_acceptance import DraftLengths
 from specdec.rejection_sampler import match_greedy
 from specdec.speculation_length import SpeculationLength
 from specdec.types import (
@@ -164,7 +167,7 @@ class StepScheduler:
         on_step: Callable[[StepReport], None] | None = None,
     ):
         self.stages = stages
-        self.speculation = speculation
+        self.lengths = DraftLengths(speculation)  # each sequence's k in a step
         self.max_num_seqs = max_num_seqs
         self.match_greedy_here = match_greedy_here
         self.on_step = on_step
@@ -238,19 +241,21 @@ class StepScheduler:
             self._running.append(self._waiting.popleft())
 
     async def _step(self) -> None:
-        batch = list(self._running)
-        k = self.speculation.k_for(len(batch))
+        batch, started = list(self._running), time.monotonic()
+        lengths = self.lengths.choose([s.state for s in batch])
+        k, ks = lengths.cap, dict(zip(batch, lengths.ks))  # the most drafts each sequence asks for
         calls: dict[str, tuple[int, float]] = {}  # what the report says of each call
         failed: dict[ScheduledSequence, Exception] = {}
         if self.proposes_in_verify:
-            proposals, verified = await self._propose_and_verify(batch, k, calls)
+            proposals, verified = await self._propose_and_verify(batch, ks, calls)
             alive = batch
         else:
-            proposals = await self._propose(batch, k, calls, failed)
+            proposals = await self._propose(batch, ks, calls, failed)
             alive = [s for s in batch if s not in failed]
             verify_requests = [self._verify_request(s, proposals[s]) for s in alive]
             verified = dict(zip(alive, await self._call("verify", self.stages.verify, verify_requests, calls)))
         results = await self._sample(alive, proposals, verified, calls, failed)
+        fed = sum(s.state.num_fed(len(proposals[s].token_ids)) for s in alive)  # the rows verified
         steps, finished = [], []
         for sequence in (s for s in batch if s not in failed):
             try:
@@ -266,6 +271,9 @@ class StepScheduler:
                 output, len(sequence.state.output_ids), stats.num_draft_tokens, stats.num_accepted_tokens))
             if output.finished:
                 finished.append(sequence)
+        if fed:  # what the step's drafts did, and what it cost, for the next steps' k
+            self.lengths.observe([(s.num_draft_tokens, s.num_accepted) for s in steps], fed, lengths,
+                                 calls.get("propose", (0, 0.0))[1], time.monotonic() - started)  # fmt: skip
         report = StepReport(k, tuple(steps), calls)
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("step: %d sequences (%d waiting), k=%d, drafted %d, accepted %d, emitted %d; calls %s",
@@ -278,10 +286,10 @@ class StepScheduler:
             self._running = [s for s in self._running if s not in finished and s not in failed]
             await self._end({**{s: None for s in finished}, **failed})
 
-    async def _propose(self, batch, k: int, calls: dict, failed: dict) -> dict[ScheduledSequence, Proposal]:
+    async def _propose(self, batch, ks: dict, calls: dict, failed: dict) -> dict[ScheduledSequence, Proposal]:
         """One propose call for the sequences that draft; an empty proposal for the others."""
         proposals = {s: NO_PROPOSAL for s in batch}
-        requests = {s: s.state.propose_request(k) for s in batch} if k else {}
+        requests = {s: s.state.propose_request(ks[s]) for s in batch if ks[s]}
         drafting = [s for s, request in requests.items() if request is not None]
         outcomes = await self._call("propose", self.stages.propose, [requests[s] for s in drafting], calls)
         for sequence, outcome in zip(drafting, outcomes):
@@ -291,14 +299,14 @@ class StepScheduler:
                 proposals[sequence] = outcome
         return proposals
 
-    async def _propose_and_verify(self, batch, k: int, calls: dict) -> tuple[dict, dict]:
+    async def _propose_and_verify(self, batch, ks: dict, calls: dict) -> tuple[dict, dict]:
         """The step as one call: each verify request is built for the drafts asked, and cut there to those made.
 
         A sequence whose call failed gets its error as its verify outcome, which ``_sample`` fails it with.
         """
         steps = []
         for sequence in batch:
-            request = sequence.state.propose_request(k) if k else None
+            request = sequence.state.propose_request(ks[sequence]) if ks[sequence] else None
             asked = NO_PROPOSAL if request is None else Proposal(torch.zeros(request.num_tokens, dtype=torch.long))
             steps.append(ProposeVerify(request, self._verify_request(sequence, asked)))
         outcomes = await self._call("propose_verify", self.stages.propose_and_verify, steps, calls)

@@ -99,11 +99,14 @@ def parse_per_batch_size(text: str) -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class SpeculationLength:
-    """The most drafts each step allows, from the number of sequences in the step."""
+    """The most drafts a step allows, from the number of sequences in it, and whether a sequence may draft fewer."""
 
     num_speculative_tokens: int  # k when no table entry or limit applies
     per_batch_size: tuple[tuple[int, int], ...] = ()  # (from batch size, k), increasing
     disable_by_batch_size: int = 0  # no drafts while more sequences than this run; 0: never
+    # each sequence's k under that cap from its own acceptance and the measured costs
+    # (specdec.follow_acceptance); False: every sequence drafts the cap, as the table says
+    follows_acceptance: bool = False
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

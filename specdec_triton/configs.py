@@ -278,7 +278,9 @@ class RejectionSamplerConfig:
 class OrchestratorConfig:
     num_speculative_tokens: int  # k by default, and the most a request may ask for
     default_max_tokens: int  # when a request sends no max_tokens
-    speculation: SpeculationLength  # the most drafts a step allows, by the number of sequences in it
+    # the most drafts a step allows, by the number of sequences in it; under it, whether each
+    # sequence's k follows its acceptance (speculation_follows_acceptance)
+    speculation: SpeculationLength
     # request parameters (forwarded headers) accepted and left unread; any other one is refused
     ignored_request_parameters: re.Pattern | None = None
     on_stub_failure: str = "reload"  # a composing model's process died: reload it (else stop the server) | stop
@@ -299,6 +301,7 @@ class OrchestratorConfig:
                 num_speculative_tokens=k,
                 per_batch_size=parse_per_batch_size(table),
                 disable_by_batch_size=params.get_int("speculative_disable_by_batch_size", 0, minimum=0),
+                follows_acceptance=params.get_bool("speculation_follows_acceptance", True),
             )
         except ValueError as err:
             raise ParameterError(f"speculative_decoding: parameter 'num_speculative_tokens_per_batch_size' {err}") from None

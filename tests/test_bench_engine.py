@@ -44,6 +44,13 @@ def test_a_phase_equals_hf_generate_and_counts_what_it_did(shipped_pair, stages,
     assert stages.verifier.num_active_sequences == 0 and stages.proposer.num_active_sequences == 0
 
 
+def test_a_phase_whose_k_follows_acceptance_equals_hf_generate(shipped_pair, stages):
+    params = GenerationParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, num_speculative_tokens=4)
+    phase = run_phase(stages, PROMPTS, params, 2, follows_acceptance=True)
+    assert phase.outputs == [hf_generate_greedy(shipped_pair.target, p, MAX_TOKENS) for p in PROMPTS]
+    assert all(s.num_draft_tokens <= 4 for step in phase.steps for s in step.sequences)
+
+
 def test_a_step_that_asks_for_drafts_without_a_proposer_fails_the_phase(stages):
     no_proposer = LocalStages(stages.verifier, stages.sampler)
     with pytest.raises(ValueError, match="no proposer"):
@@ -71,6 +78,7 @@ def test_configs_parse_and_always_include_k0():
     parse = _benchmark_engine().parse_configs
     assert parse("draft_model:4,eagle3:2") == [("k0", 0), ("draft_model", 4), ("eagle3", 2)]
     assert parse("eagle3+suffix:8") == [("k0", 0), ("eagle3+suffix", 8)]
+    assert parse("draft_model+follow:8") == [("k0", 0), ("draft_model+follow", 8)]  # k up to 8, as acceptance says
     with pytest.raises(Exception, match="METHOD:K"):
         parse("medusa:3")
     with pytest.raises(Exception, match="METHOD:K"):

@@ -137,9 +137,11 @@ def build(models, method):
     return proposer, verifier, describe_head(proposer, str(head)).hidden_state_layers
 
 
-def decode(stages, layers, params_of, rows_stay: bool, on_step=None) -> list[tuple[list[int], int]]:
+def decode(stages, layers, params_of, rows_stay: bool, on_step=None,
+           follows_acceptance=False) -> list[tuple[list[int], int]]:  # fmt: skip
     """Every prompt as one sequence, all in the same steps; each one's output tokens and drafts accepted."""
-    scheduler = StepScheduler(stages, SpeculationLength(K), max_num_seqs=None, on_step=on_step)
+    speculation = SpeculationLength(K, follows_acceptance=follows_acceptance)
+    scheduler = StepScheduler(stages, speculation, max_num_seqs=None, on_step=on_step)
     states = [SequenceState(f"s{i}", prompt, params_of(i), layers, hidden_rows_stay=rows_stay)
               for i, prompt in enumerate(PROMPTS)]  # fmt: skip
 
@@ -171,6 +173,18 @@ def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(mo
     assert len(stages.calls) < NUM_NEW_TOKENS + 1  # one call a step
     assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
     assert len(stages.beside.rows) == 0 and stages.beside.num_active_sequences == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_a_k_that_follows_acceptance_beside_the_target_keeps_the_targets_output(models, method):
+    """Each sequence asks its own k of the one call a step makes; output is the target's whatever they are."""
+    proposer, verifier, layers = build(models, method)
+    stages = BesideStages(DraftBesideTarget(verifier, proposer, layers))
+    outputs = decode(stages, layers, lambda i: GenerationParams(max_tokens=NUM_NEW_TOKENS, num_speculative_tokens=K),
+                     rows_stay=True, follows_acceptance=True)  # fmt: skip
+    for prompt, (output, _) in zip(PROMPTS, outputs):
+        assert output == hf_generate_greedy(models[0], prompt, NUM_NEW_TOKENS), (method, prompt)
+    assert verifier.num_active_sequences == 0 and len(stages.beside.rows) == 0
 
 
 @pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator"])

@@ -53,9 +53,14 @@ def ngram_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def table_server(tmp_path_factory):
-    """The shipped draft model, compiled: k = 4 for one sequence, 2 for two, none from three sequences on."""
+    """The shipped draft model, compiled: k = 4 for one sequence, 2 for two, none from three sequences on.
+
+    Every step drafts the table's k (no k that follows acceptance, which reads the clock), so
+    that a seed gives the same text each time: a model's drafts shape the draws.
+    """
     server = _start_server(tmp_path_factory, "draft_model", {
-        "num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,2:2,3:0", "cpu_compile": "true"})
+        "num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,2:2,3:0", "cpu_compile": "true",
+        "speculation_follows_acceptance": "false"})
     yield server
     server.stop()
 

@@ -44,7 +44,10 @@ def _serve(tmp_path_factory, method: str, write_head, parameters: dict[str, str]
         write_head(read_config(models / "tiny-target"), head)
     elif not head.is_dir():
         pytest.skip(f"no {head.name} under {models}")
-    repository = repository_copy(workdir, models, method, parameters={"draft_model": str(head), **(parameters or {})})
+    # every step drafts the table's k, so that a seed gives the same text on each server: a head's drafts shape the draws
+    fixed_k = {"speculation_follows_acceptance": "false"}
+    repository = repository_copy(workdir, models, method, parameters={"draft_model": str(head), **fixed_k,
+                                                                      **(parameters or {})})  # fmt: skip
     server = server_on_free_ports(workdir, repository)
     server.start()
     return server

@@ -1,0 +1,282 @@
+"""Each sequence's k from its own acceptance: the goodput rule of SmartSpec, under the batch-size table's cap.
+
+A step is worth what it yields per second (*goodput*, Liu et al. 2024, "Optimizing
+Speculative Decoding for Serving Large Language Models Using Goodput"). A sequence's
+``j``-th draft adds to the step's expected tokens the chance that drafts 1 .. j all pass
+(``a^j`` at a per-draft acceptance rate ``a``, as in ``specdec.speculation_length``) and
+costs one draft token and one verify position, ``c`` seconds. So the step's goodput is
+highest when it makes exactly the drafts worth more than the seconds they take at that
+goodput: each sequence drafts the largest ``k <= cap`` whose ``k``-th draft is worth more
+than ``c * N / T``, where ``N / T`` is the step's expected tokens per second with those
+drafts (:func:`goodput_ks` finds it). A sequence whose drafts fail drafts less, down to
+none; one whose drafts pass, up to the table's cap; and under load, where a verify
+position costs more, every sequence drafts less.
+
+The parts, each pure:
+
+* :class:`AcceptanceEstimate` -- a sequence's accepted drafts and rejections, older
+  steps fading (:data:`DECAY`), started from the rate of every sequence's recent drafts
+  (the *population*), so that a new request starts where the workload is;
+* :func:`goodput_ks` -- the rule above, given each draft's worth and :class:`DraftCosts`;
+* :func:`probe_every` -- a sequence at k = 0 learns nothing of its drafts, so every so
+  many steps it drafts one (a *probe*), no more often than costs :data:`PROBE_SHARE` of
+  its tokens: drafts that pass again are seen, and drafted more;
+* :class:`CostMeter` -- the costs as running means of the steps' measured seconds.
+
+:class:`DraftLengths` is the thin stateful layer the step scheduler holds: the
+population's estimate and the meter. Each sequence's estimate is its state's
+(``SequenceState.acceptance``). Output never depends on k (``specdec.scheduler``).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from specdec.speculation_length import SpeculationLength
+
+if TYPE_CHECKING:  # the state imports this module for its estimate
+    from specdec.engine import SequenceState
+
+# Each drafting step's evidence weighs this much of the one before's: about the last twenty
+# count, enough to average a step's luck, few enough that a request whose drafts stop
+# passing drafts less within a few steps. A step without drafts changes nothing.
+DECAY = 0.95
+# Drafts' worth of the population's rate in a sequence's estimate: at first enough that a
+# step's luck gives no early verdict; fading with the sequence's own evidence (by DECAY) to
+# a floor small enough that drafts which keep failing drive its rate to about nothing.
+PRIOR_WEIGHT = 4.0
+PRIOR_FLOOR = 0.5
+INITIAL_RATE = 0.8  # the population's rate before any step: the first requests draft up to the table's k
+PROBE_SHARE = 0.01  # the most of the tokens that probes of sequences at k = 0 may cost
+COST_DECAY = 0.98  # a step's timing weighs this much of the one before: the costs of about the last 50 steps
+MIN_ROWS_SPREAD = 0.25  # variance of the rows verified (rows^2) below which no slope can be read off the steps
+
+
+@dataclass(frozen=True)
+class AcceptanceEstimate:
+    """What a sequence's drafts did: decayed counts of drafts accepted and of rejections.
+
+    A step that drafted ``n`` and accepted ``a`` saw ``a`` drafts pass and, if ``a < n``,
+    one fail; the drafts after the first rejection were never judged. So the per-draft rate
+    is accepted / (accepted + rejected), not accepted / drafted, which would read 0.42 for
+    a draft accepted 80% of the time at k = 8.
+    """
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    steps_without_drafts: int = 0  # steps since the sequence last had drafts judged
+    prior_weight: float = PRIOR_WEIGHT  # drafts' worth of its prior
+
+    def after(self, num_drafts: int, num_accepted: int) -> AcceptanceEstimate:
+        """The estimate after a step that judged ``num_drafts`` drafts and accepted ``num_accepted``."""
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(f"num_accepted must be in [0, num_drafts={num_drafts}], got {num_accepted}")
+        if num_drafts == 0:  # no evidence: only a probe can tell whether its drafts pass again
+            return replace(self, steps_without_drafts=self.steps_without_drafts + 1)
+        return self.observed(num_accepted, float(num_accepted < num_drafts))
+
+    def observed(self, accepted: float, rejected: float) -> AcceptanceEstimate:
+        """Older evidence fades by :data:`DECAY`, this step's is added (the population: several sequences' at once)."""
+        return AcceptanceEstimate(DECAY * self.accepted + accepted, DECAY * self.rejected + rejected, 0,
+                                  max(PRIOR_FLOOR, DECAY * self.prior_weight))  # fmt: skip
+
+    def rate(self, prior: float) -> float:
+        """The per-draft acceptance rate, ``prior`` counting as :attr:`prior_weight` drafts."""
+        return (self.accepted + prior * self.prior_weight) / (self.accepted + self.rejected + self.prior_weight)
+
+    def draft_values(self, prior: float, cap: int) -> list[float]:
+        """What each of ``cap`` drafts adds to the step's expected tokens: the chance that drafts 1 .. j all pass.
+
+        The rate is known only as well as the evidence tells: with ``A`` drafts accepted and
+        ``R`` rejections (the prior's share included) it is Beta(A, R)-distributed, and the
+        chance that ``j`` drafts pass is ``E[a^j] = prod_{i<j} (A + i) / (A + R + i)``, more
+        than ``(A / (A + R))^j``: an estimate from few drafts does not undervalue long drafts.
+        """
+        accepted = self.accepted + prior * self.prior_weight
+        judged = accepted + self.rejected + (1 - prior) * self.prior_weight
+        values, chance = [], 1.0
+        for i in range(cap):
+            chance *= (accepted + i) / (judged + i)
+            values.append(chance)
+        return values
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """What a step's parts cost, in seconds: the three inputs of the goodput rule."""
+
+    step_s: float  # the step's cost that no draft or sequence changes: fixed verify cost, calls, the loop
+    verify_row_s: float  # each position the target verifies: a sequence's last token, and each draft
+    draft_s: float  # each draft token one sequence is proposed
+
+    def __post_init__(self) -> None:
+        if min(self.step_s, self.verify_row_s, self.draft_s) < 0 or self.step_s + self.verify_row_s <= 0:
+            raise ValueError(f"costs must be >= 0 and a step must take time, got {self}")
+
+    def seconds(self, num_sequences: int, num_drafts: int) -> float:
+        return self.step_s + self.verify_row_s * (num_sequences + num_drafts) + self.draft_s * num_drafts
+
+
+def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts) -> list[int]:
+    """Each sequence's k (at most ``len(values[i])``) that together maximise the step's expected tokens per second.
+
+    ``values[i][j - 1]`` is what sequence ``i``'s ``j``-th draft adds to the step's expected
+    tokens, falling with ``j`` (``a^j`` at a known rate ``a``). Every draft costs the same,
+    so the best set of drafts is the most valuable ones: sorted by value, drafts are added
+    while each is worth more than its seconds at the goodput so far (a draft raises ``N /
+    T`` exactly when ``value / c > N / T``), which stops at the maximum because the values
+    only fall. A sequence's values fall with ``j``, so its drafts taken are ``1 .. k_i``.
+    Ties draft less.
+    """
+    if any(v < 0 or v > 1 for row in values for v in row):
+        raise ValueError(f"a draft adds between 0 and 1 expected tokens, got {[list(row) for row in values]}")
+    ranked = sorted(((v, i) for i, row in enumerate(values) for v in row), reverse=True)
+    tokens, seconds = float(len(values)), costs.seconds(len(values), 0)  # each sequence's recovered or bonus token
+    per_draft = costs.verify_row_s + costs.draft_s
+    ks = [0] * len(values)
+    for value, i in ranked:
+        if value * seconds <= tokens * per_draft:  # value / per_draft <= tokens / seconds: no gain
+            break
+        tokens, seconds = tokens + value, seconds + per_draft
+        ks[i] += 1
+    return ks
+
+
+def probe_every(costs: DraftCosts, num_sequences: int) -> int:
+    """Steps between a non-drafting sequence's one-draft probes: a probe then spends at most :data:`PROBE_SHARE`.
+
+    A probe that fails yields nothing for its ``c`` seconds, which the step would have
+    turned into ``G * c`` tokens at its goodput without drafts ``G``; one probe per
+    sequence every ``n`` steps (each yielding about a token per sequence) so loses
+    ``G * c / n`` of the tokens.
+    """
+    goodput = num_sequences / costs.seconds(num_sequences, 0)
+    lost = goodput * (costs.verify_row_s + costs.draft_s)
+    return max(1, math.ceil(lost / PROBE_SHARE))
+
+
+def choose_ks(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], costs: DraftCosts,
+              population_rate: float) -> list[int]:  # fmt: skip
+    """The goodput rule over each sequence's rate, and a probe of one draft for a sequence long at k = 0."""
+    ks = goodput_ks([e.draft_values(population_rate, cap) for e, cap in zip(estimates, caps)], costs)
+    every = probe_every(costs, len(estimates))
+    return [1 if k == 0 and cap > 0 and e.steps_without_drafts >= every else k
+            for k, cap, e in zip(ks, caps, estimates)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What one step fed and took: the meter's one observation."""
+
+    rows: int  # positions the target verified: prompts, and each sequence's last token and drafts
+    num_drafts: int  # draft tokens proposed
+    propose_s: float  # the propose call's seconds (0 where the draft runs inside the verify call)
+    rest_s: float  # the rest of the step: the verify call, the sampler, the loop
+
+
+@dataclass(frozen=True)
+class CostMeter:
+    """:class:`DraftCosts` as running means of measured steps, older ones fading by :data:`COST_DECAY`.
+
+    The rest of the step is fitted as a line in the rows verified: its slope is the cost
+    of a verify position and its intercept the step's fixed cost. Prefills (a whole
+    prompt) and steps of different batch sizes and k spread the rows, which is what lets
+    the slope be read; before any spread every second is charged to the rows, so that the
+    first steps after a start do not draft the cap where verifying rows is dear. A draft
+    token costs the propose calls' seconds over the drafts they made (calls that fed a
+    prompt left out: ``StepLengths.steady``); where the draft runs inside the verify call,
+    its cost is in the slope, since drafts add rows.
+    """
+
+    weight: float = 0.0  # decayed count of steps
+    rows: float = 0.0  # decayed sums, over steps: rows, rest_s, rows^2, rows * rest_s
+    rest_s: float = 0.0
+    rows_sq: float = 0.0
+    rows_rest: float = 0.0
+    num_drafts: float = 0.0  # decayed sums, over drafting steps
+    propose_s: float = 0.0
+
+    def after(self, timing: StepTiming) -> CostMeter:
+        """The meter with one more step measured."""
+        if timing.rows < 1 or timing.num_drafts < 0 or min(timing.propose_s, timing.rest_s) < 0:
+            raise ValueError(f"a step verifies at least one row and takes no negative time, got {timing}")
+        d, x, y = COST_DECAY, float(timing.rows), timing.rest_s
+        drafted = timing.num_drafts > 0
+        return CostMeter(d * self.weight + 1, d * self.rows + x, d * self.rest_s + y, d * self.rows_sq + x * x,
+                         d * self.rows_rest + x * y, d * self.num_drafts + timing.num_drafts,
+                         d * self.propose_s + (timing.propose_s if drafted else 0.0))  # fmt: skip
+
+    def costs(self) -> DraftCosts | None:
+        """The costs measured so far; None before any step."""
+        if self.weight == 0 or self.rest_s <= 0:
+            return None
+        mean_x, mean_y = self.rows / self.weight, self.rest_s / self.weight
+        spread = self.rows_sq / self.weight - mean_x**2
+        if spread > MIN_ROWS_SPREAD:
+            slope = (self.rows_rest / self.weight - mean_x * mean_y) / spread
+            slope = min(max(slope, 0.0), mean_y / mean_x)  # neither a negative cost nor a negative intercept
+        else:  # the rows never varied: every second is the rows', so no draft looks free
+            slope = mean_y / mean_x
+        draft_s = self.propose_s / self.num_drafts if self.num_drafts > 0 else 0.0
+        return DraftCosts(step_s=max(0.0, mean_y - slope * mean_x), verify_row_s=slope, draft_s=draft_s)
+
+
+@dataclass(frozen=True)
+class StepLengths:
+    """A step's drafts as :class:`DraftLengths` chose them."""
+
+    cap: int  # the table's k at the step's batch size
+    ks: tuple[int, ...]  # each sequence's k, at most the cap
+    # no drafting sequence feeds its proposer more than cap + 1 tokens (its prompt, or what
+    # it missed at k = 0): the propose call then costs what its drafts cost, and is measured
+    steady: bool = True
+
+
+class DraftLengths:
+    """Each sequence's k in a step: the table's cap, or under it the goodput rule when speculation follows acceptance.
+
+    Holds what no one sequence owns: the population's estimate and the cost meter. With
+    ``speculation.follows_acceptance`` false every sequence gets the table's k, exactly.
+    ``costs``: fixed costs instead of measured ones, so that a test does not depend on timing.
+    """
+
+    def __init__(self, speculation: SpeculationLength, costs: DraftCosts | None = None):
+        self.speculation = speculation
+        self.fixed_costs = costs
+        # every sequence's drafts; its rate starts at INITIAL_RATE, outweighed after a step or two
+        self.population = AcceptanceEstimate(prior_weight=1.0)
+        self.meter = CostMeter()
+
+    def choose(self, states: Sequence[SequenceState]) -> StepLengths:
+        """Each ``SequenceState``'s k in a step; the cap for all before any step is measured.
+
+        Until a draft's cost has been measured, a sequence drafts at most one: a first step
+        at the cap could cost many plain steps where drafts are dear.
+        """
+        cap = self.speculation.k_for(len(states))
+        costs = self.fixed_costs or self.meter.costs()
+        if not self.speculation.follows_acceptance or cap == 0 or costs is None:
+            ks = [cap] * len(states)
+        else:
+            most = cap if self.fixed_costs or self.meter.num_drafts > 0 else 1
+            caps = [min(most, state.num_draft_tokens()) for state in states]
+            prior = self.population.rate(INITIAL_RATE)
+            ks = choose_ks([state.acceptance for state in states], caps, costs, prior)
+        feeds = [s.num_unsent_to_proposer() for s, k in zip(states, ks) if k and s.num_draft_tokens()]
+        return StepLengths(cap, tuple(ks), max(feeds, default=0) <= cap + 1)
+
+    def observe(self, judged: Sequence[tuple[int, int]], rows: int, lengths: StepLengths, propose_s: float,
+                step_s: float) -> None:  # fmt: skip
+        """A step done: each sequence's (drafts judged, accepted), the rows verified, the propose call's and the
+        step's seconds."""
+        if not self.speculation.follows_acceptance:
+            return
+        drafting = [(n, a) for n, a in judged if n]
+        if drafting:
+            self.population = self.population.observed(sum(a for _, a in drafting),
+                                                       sum(float(a < n) for n, a in drafting))  # fmt: skip
+        num_drafts = sum(n for n, _ in drafting) if lengths.steady else 0  # a prompt fed costs more than drafts
+        timing = StepTiming(rows, num_drafts, propose_s if num_drafts else 0.0, max(0.0, step_s - propose_s))
+        self.meter = self.meter.after(timing)
