@@ -11,12 +11,13 @@ import os
 import torch
 
 from specdec.fast.checkpoint import read_config
+from specdec.methods import HEAD, names_of
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 from specdec.fast.llama import default_triton_attention
 from specdec.models import resolve_dtype
 from specdec.types import ModelDescription
 
-HEAD_METHODS = ("eagle3", "mlp_speculator")
+HEAD_METHODS = names_of(HEAD)
 
 
 def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathLike) -> None:
