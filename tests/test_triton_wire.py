@@ -76,7 +76,7 @@ def test_config_declares_exactly_the_wire_tensors(model):
         assert config.max_batch_size > 0 and config.HasField("dynamic_batching")
         # a request carries any number of sequences: every per-sequence input is ragged
         assert all(t.allow_ragged_batch for t in config.input if list(t.dims) == [-1])
-        per_request = ["release", "describe", "caller_secret"]
+        per_request = ["release", "renew", "describe", "caller_secret"]
         if model == wire.DRAFT_PROPOSER:
             per_request += sample_hop.PROPOSE_HOLD_INPUTS
         assert [t.name for t in config.input if list(t.dims) == [1]] == per_request
