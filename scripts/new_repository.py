@@ -43,18 +43,14 @@ from specdec.heads import HEAD_METHODS, check_head  # noqa: E402
 from specdec.heads.formats import read_head_config  # noqa: E402
 from specdec.speculation_length import parse_per_batch_size  # noqa: E402
 from specdec_triton import configs, wire  # noqa: E402
+from specdec_triton.parameters import MODELS  # noqa: E402
 from specdec_triton.paths import MODELS_DIR_VARIABLE, resolve_path  # noqa: E402
 from specdec_triton.plumbing import ParameterError, Parameters  # noqa: E402
 
 ORCHESTRATOR = "speculative_decoding"
 SPECULATION_LENGTH_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
 # the parameters holding a path, by model
-PATH_PARAMETERS = {
-    wire.TOKENIZER: ("tokenizer_dir",),
-    wire.DETOKENIZER: ("tokenizer_dir",),
-    wire.DRAFT_PROPOSER: ("draft_model", "target_model"),
-    wire.TARGET_VERIFIER: ("target_model",),
-}
+PATH_PARAMETERS = {model: tuple(p.name for p in declared if p.kind == "path") for model, declared in MODELS.items()}
 CONFIGS = {
     wire.TOKENIZER: configs.TokenizerConfig,
     wire.DETOKENIZER: configs.TokenizerConfig,
@@ -148,7 +144,7 @@ def speculation_length(args: argparse.Namespace, source: Path, edits: dict[str, 
     return [f"{ORCHESTRATOR}: kept num_speculative_tokens {k} and num_speculative_tokens_per_batch_size {table!r} "
             f"from {source}, chosen for its method and checkpoints; for {method}, measure yours with "
             f"scripts/benchmark.py at your concurrencies and set it with scripts/speculation_table.py "
-            f"(docs/serving.md, \"How many tokens a step drafts\")"]
+            f"(docs/scheduling.md, \"How many tokens a step drafts\")"]
 
 
 def check_configs(repository: Path) -> None:

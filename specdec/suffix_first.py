@@ -37,8 +37,8 @@ from specdec.scheduler import Stages, StepCapabilities
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyResult
 
 # A sequence's backlog goes to the model once it is this long, suffix decoding's draft or not: it bounds
-# the catch-up pass, and a model that never hears of a sequence would reclaim it as idle
-# (sequence_idle_timeout_s) before the sequence needs it again.
+# the catch-up pass (the model keeps the sequence meanwhile: the orchestrator renews every live one,
+# specdec_triton.leases).
 MAX_BACKLOG_TOKENS = 256
 # of four drafts on held-out text the shipped head gets about 2.2 accepted, the draft model about 1.5: a
 # suffix draft expected to match as many is taken, and saves the model's passes

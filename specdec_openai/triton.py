@@ -6,7 +6,7 @@ model's contract), and only a stream shows when the first token came, which the
 latency histograms need. Closing the stream early (a client that went away) cancels the
 gRPC call, and Triton cancels the request: through ``speculative_decoding`` the
 sequence stops within a step; through ``ensemble`` Triton 2.51 drops the responses but
-the sequence runs on (``docs/serving.md``).
+the sequence runs on (``docs/scheduling.md#why-the-ensemble-is-one-step``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from specdec_openai.protocol import RequestError
 
-# Public inputs and their Triton datatypes (docs/serving.md).
+# Public inputs and their Triton datatypes (docs/serving.md#inputs-and-outputs).
 INPUT_TYPES = {
     "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
     "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "min_tokens": "INT32",

@@ -9,7 +9,7 @@ stateful model also listens on a Unix socket, in a directory only the server's u
 can open, and states its path in its describe answer. With ``stage_calls: socket``
 (the default) the orchestrator sends the same inputs there that a BLS request would
 carry and reads the same outputs back, for well under half the BLS request's cost
-(docs/serving.md). Triton still loads, watches and reloads the models, and every other
+(docs/scheduling.md#step-calls-on-a-socket). Triton still loads, watches and reloads the models, and every other
 call (tokenize, describe, the models' calls to rejection_sampler) stays a BLS request.
 
 A frame is ``u32 header length``, a JSON header, then each array's bytes in order. The

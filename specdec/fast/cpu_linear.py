@@ -3,14 +3,14 @@
 A decode or verify pass multiplies every weight by a handful of rows (``k + 1``
 tokens per sequence). On CPU, ``F.linear`` sends that through MKL's GEMM, whose
 skinny-matrix paths vary two- to four-fold with the row count: on a 2-core EPYC,
-a 125M Llama's forward took 35 ms for one token and 66 ms for five (step times of
-the 08:51 run in docs/benchmarks.md). Speculation then gains little, because
-verifying ``k + 1`` tokens costs almost twice a plain step. oneDNN with the weight reordered once into its blocked layout (what
+a 125M Llama's forward took 35 ms for one token and 66 ms for five. Speculation
+then gains little, because verifying ``k + 1`` tokens costs almost twice a plain
+step. oneDNN with the weight reordered once into its blocked layout (what
 inductor's CPU freezing pass does) streams the weights near memory bandwidth for
 3-8 rows; 1-2 rows are slower there, so such passes are padded to ``MIN_ROWS``.
 A verify pass then costs about what a one-token step costs, which is the premise
-of speculative decoding (the same model: 33 ms for one token and for five, 09:42
-run). Small weights, which stay in cache and where a call's fixed cost
+of speculative decoding (the same model on the same machine: 33 ms for one token
+and for five). Small weights, which stay in cache and where a call's fixed cost
 dominates, also keep a dense copy for one-row passes (a draft model's steps) in a
 model small enough that both copies stay in cache (``DENSE_COPIES_MAX_MODEL_BYTES``),
 and the smallest (under ``PACK_MIN_ELEMENTS``) are not packed at all.
