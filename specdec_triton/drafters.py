@@ -17,7 +17,7 @@ from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.fast.checkpoint import read_config
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
-from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
+from specdec.proposers import PROPOSERS, NgramProposer, SuffixProposer, describe_model_free
 from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import DraftProposerConfig
@@ -45,8 +45,8 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     _check_draft_window(config)
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
                   log=log, cpu_compile=config.cpu_compile)  # fmt: skip
-    description = describe_lm(lm, config.draft_model, "draft_model")
-    return LoadedDraft(DraftModelProposer(lm), _with_suffix_first(description, config))
+    description = describe_lm(lm, config.draft_model, config.method)
+    return LoadedDraft(PROPOSERS[config.method](lm), _with_suffix_first(description, config))  # a causal LM's
 
 
 def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:
