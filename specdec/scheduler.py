@@ -42,27 +42,11 @@ from specdec.follow_acceptance import DraftLengths
 from specdec.rejection_sampler import match_greedy
 from specdec.speculation_length import SpeculationLength
 from specdec.types import (
-    Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, VerifyRequest, VerifyResult,
+    Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, StepCapabilities, VerifyRequest, VerifyResult,
 )  # fmt: skip
 
 
 _log = logging.getLogger(__name__)  # DEBUG: one line per step with its shape
-
-
-@dataclass(frozen=True)
-class StepCapabilities:
-    """What a :class:`Stages` implementation does inside its calls, declared once by it.
-
-    The scheduler plans each step from these and nothing else; a wrapper that adds a
-    proposer in front of other stages declares what it wraps.
-    """
-
-    # verify rejection-samples every request that carries ``sample_here`` where ``p`` is
-    # made, and returns the verdict as ``VerifyResult.sampled``; ``sample`` is never called
-    samples_in_verify: bool = False
-    # a step is one ``propose_and_verify`` call (the drafter runs with the target:
-    # ``specdec.draft_beside_target``); ``propose`` and ``verify`` are never called
-    proposes_in_verify: bool = False
 
 
 class Stages(Protocol):

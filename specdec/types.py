@@ -207,3 +207,19 @@ class RequestStats:
     def mean_accepted_length(self) -> float:
         """Tokens emitted per speculative step (accepted + 1), the speedup numerator."""
         return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass(frozen=True)
+class StepCapabilities:
+    """What a :class:`specdec.scheduler.Stages` implementation does inside its calls, declared once by it.
+
+    The scheduler plans each step from these and nothing else; a wrapper that adds a
+    proposer in front of other stages declares what it wraps.
+    """
+
+    # verify rejection-samples every request that carries ``sample_here`` where ``p`` is
+    # made, and returns the verdict as ``VerifyResult.sampled``; ``sample`` is never called
+    samples_in_verify: bool = False
+    # a step is one ``propose_and_verify`` call (the drafter runs with the target:
+    # ``specdec.draft_beside_target``); ``propose`` and ``verify`` are never called
+    proposes_in_verify: bool = False
