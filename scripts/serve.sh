@@ -16,7 +16,10 @@
 #   checked before the server starts, overriding the per-model keys (docs/speculative_config.md);
 # --openai-port N (or --openai-port=N): the OpenAI-compatible server (python -m specdec_openai)
 #   on that port, talking to this Triton over gRPC and stopping with it; default 9000 (or
-#   $SPECDEC_OPENAI_PORT), 0: off; --openai-chat-template FILE gives it a chat template.
+#   $SPECDEC_OPENAI_PORT), 0: off; --openai-chat-template FILE gives it a chat template;
+# --openai-api-key KEY (better: SPECDEC_OPENAI_API_KEY=KEY in the environment, out of ps): /v1
+#   requests must carry 'Authorization: Bearer KEY' (docs/openai.md). The key reaches the OpenAI
+#   server through its environment only, never its command line, and not tritonserver at all.
 # Environment: VENV (default <repo>/.venv); SPECDEC_MODELS_DIR (default <repo>/models: where
 # the shipped configs' ${SPECDEC_MODELS_DIR}/... checkpoints are); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
@@ -53,6 +56,8 @@ while [[ $# -gt 0 ]]; do
         --openai-port) OPENAI_PORT="${2:?serve.sh: --openai-port needs a port (0: off)}"; shift ;;
         --openai-chat-template=*) openai_args+=(--chat-template "${1#*=}") ;;
         --openai-chat-template) openai_args+=(--chat-template "${2:?serve.sh: --openai-chat-template needs a file}"); shift ;;
+        --openai-api-key=*) OPENAI_API_KEY_ARG="${1#*=}"; key_given=1 ;;
+        --openai-api-key) OPENAI_API_KEY_ARG="${2:?serve.sh: --openai-api-key needs a key}"; key_given=1; shift ;;
         --speculative-config=*) spec_config="${1#*=}" ;;
         --speculative-config) spec_config="${2:?serve.sh: --speculative-config needs a JSON object or @file.json}"; shift ;;
         --grpc-port=*) GRPC_PORT="${1#*=}"; passed+=("$1") ;;
@@ -70,6 +75,17 @@ fi
 if ! [[ "$OPENAI_PORT" =~ ^[0-9]+$ ]]; then
     echo "serve.sh: --openai-port must be a port number (0: no OpenAI server), got '$OPENAI_PORT'" >&2
     exit 1
+fi
+if [[ -n "${key_given:-}" ]]; then
+    if [[ -z "${OPENAI_API_KEY_ARG//[[:space:]]/}" ]]; then
+        echo "serve.sh: --openai-api-key needs a key (it is empty); leave it out to serve without one" >&2
+        exit 1
+    fi
+    if [[ "$OPENAI_PORT" == 0 ]]; then
+        echo "serve.sh: --openai-api-key is for the OpenAI server, which --openai-port=0 turns off" >&2
+        exit 1
+    fi
+    SPECDEC_OPENAI_API_KEY="$OPENAI_API_KEY_ARG"
 fi
 if [[ ${#openai_args[@]} -gt 0 && ! -f "${openai_args[1]}" ]]; then
     echo "serve.sh: --openai-chat-template: no file '${openai_args[1]}'" >&2
@@ -134,7 +150,9 @@ export SPECDEC_MODELS_DIR="${SPECDEC_MODELS_DIR:-$ROOT/models}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [[ "$OPENAI_PORT" != 0 ]]; then
     # This checkout's server, a child of this process, which becomes tritonserver: it exits when tritonserver does.
-    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m specdec_openai --triton-url "127.0.0.1:$GRPC_PORT" \
+    SPECDEC_OPENAI_API_KEY="${SPECDEC_OPENAI_API_KEY:-}" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+        "$PYTHON" -m specdec_openai --triton-url "127.0.0.1:$GRPC_PORT" \
         --port "$OPENAI_PORT" --exit-with $$ ${openai_args[@]+"${openai_args[@]}"} &
 fi
+unset SPECDEC_OPENAI_API_KEY OPENAI_API_KEY_ARG  # the OpenAI server's alone: not in Triton's or its stubs' environment
 exec "$SERVER" "${args[@]}" "$@"

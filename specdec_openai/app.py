@@ -1,4 +1,4 @@
-"""The FastAPI app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/metrics``.
+"""The FastAPI app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
 
 Each request becomes one streamed Triton request (:mod:`specdec_openai.triton`). Its
 first response is awaited before the HTTP response starts, so a request Triton refuses
@@ -6,13 +6,18 @@ first response is awaited before the HTTP response starts, so a request Triton r
 OpenAI's error shape, streamed or not. A client that goes away cancels the Triton
 request: a streamed one when Starlette sees the disconnect, a whole one through a task
 that waits for it beside the generation.
+
+``/health`` and ``/v1/models`` reflect Triton's readiness, asked each time: the server
+and every served model ready (``/v1/models`` lists the ready ones), so a load balancer
+sends nothing here before a request could be served. With ``api_key`` set, every
+``/v1`` request must carry it (:mod:`specdec_openai.auth`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -21,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from specdec_openai.auth import ApiKeyMiddleware
 from specdec_openai.chat import ChatTemplate
 from specdec_openai.metrics import LatencyMetrics, RequestTimer
 from specdec_openai.protocol import (
@@ -33,7 +39,7 @@ from specdec_openai.protocol import (
 )
 from specdec_openai.responses import Envelope, error_body, sse
 from specdec_openai.stops import StopTrimmer
-from specdec_openai.triton import Backend, Step, TritonBackend, TritonUnavailable
+from specdec_openai.triton import CONNECT_TIMEOUT_S, Backend, Step, TritonBackend, TritonUnavailable
 
 MODELS = ("ensemble", "speculative_decoding")
 T = TypeVar("T")
@@ -45,6 +51,8 @@ class ServerConfig:
     models: tuple[str, ...] = MODELS  # served names = the Triton models they call
     tokenizer_dir: str | None = None  # for the chat template; None: the directory Triton's tokenizer model loaded
     chat_template: str | None = None  # a Jinja template or a file; None: the tokenizer's own
+    connect_timeout_s: float = CONNECT_TIMEOUT_S  # a request's wait for the gRPC channel to Triton
+    api_key: str | None = field(default=None, repr=False)  # required on /v1 requests; None: open. Never printed
 
 
 class ClientGone(Exception):
@@ -88,6 +96,15 @@ class OpenAIServer:
             except TritonUnavailable:
                 return None
         return self._k
+
+    async def not_ready(self) -> str | None:
+        """Why this server cannot serve now (Triton, or a served model, not ready); None when it can."""
+        try:
+            ready = await self.backend.ready_models(self.config.models)
+        except TritonUnavailable as err:
+            return str(err)
+        missing = [model for model in self.config.models if model not in ready]
+        return f"Triton at {self.config.triton_url}: {', '.join(missing)} not ready" if missing else None
 
     def check_model(self, model: str) -> None:
         if model not in self.config.models:
@@ -192,7 +209,7 @@ def _error_of(err: Exception) -> tuple[int, dict[str, Any]]:
 
 def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = None) -> FastAPI:
     """The app; ``backend`` defaults to a gRPC client of ``config.triton_url``."""
-    server = OpenAIServer(config, backend or TritonBackend(config.triton_url))
+    server = OpenAIServer(config, backend or TritonBackend(config.triton_url, config.connect_timeout_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -205,6 +222,8 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
 
     app = FastAPI(title="specdec OpenAI-compatible server", lifespan=lifespan)
     app.state.server = server
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
 
     @app.exception_handler(RequestError)
     @app.exception_handler(TritonUnavailable)
@@ -226,7 +245,10 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "specdec"} for name in config.models]
+        """The served models Triton reports ready; 503 while Triton itself is not."""
+        ready = await server.backend.ready_models(config.models)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "specdec"}
+                for name in config.models if name in ready]  # fmt: skip
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
@@ -247,11 +269,11 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
 
     @app.get("/health")
     async def health() -> Response:
-        """200 once Triton answers ready through this server's own connection, else 503."""
-        if await server.backend.ready():
+        """200 once Triton and every served model answer ready through this server's connection, else 503."""
+        reason = await server.not_ready()
+        if reason is None:
             return Response(status_code=200)
-        body = error_body(f"Triton at {config.triton_url} is not ready", "server_error", code="triton_unavailable")
-        return JSONResponse(body, status_code=503)
+        return JSONResponse(error_body(reason, "server_error", code="triton_unavailable"), status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -27,6 +27,8 @@ INPUT_TYPES = {
 }  # fmt: skip
 _NUMPY = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
 ORCHESTRATOR = "speculative_decoding"  # holds num_speculative_tokens; the ensemble's one step
+CONNECT_TIMEOUT_S = 5.0  # a request's wait for the channel: the 1 s reconnect backoff, and slack for a loaded host
+HEALTH_TIMEOUT_S = 2.0  # a readiness probe's calls: below uvicorn's and most probes' patience
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Backend(Protocol):
     """What the OpenAI server needs from Triton; a fake implements it in the tests."""
 
     def generate(self, model: str, inputs: dict[str, Any]) -> AsyncIterator[Step]: ...
-    async def ready(self) -> bool: ...
+    async def ready_models(self, models: tuple[str, ...]) -> list[str]: ...
     async def tokenizer_dir(self) -> str: ...
     async def num_speculative_tokens(self) -> int | None: ...
     async def close(self) -> None: ...
@@ -77,15 +79,42 @@ def _text(value: Any) -> str:
 
 
 class TritonBackend:
-    """``tritonclient.grpc.aio`` against one Triton server (``host:port`` of its gRPC endpoint)."""
+    """``tritonclient.grpc.aio`` against one Triton server (``host:port`` of its gRPC endpoint).
 
-    def __init__(self, url: str):
+    Every call on a request's path first waits, at most ``connect_timeout_s``, for the
+    channel to be connected (:meth:`_connected`); the health answers do not wait.
+    """
+
+    def __init__(self, url: str, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         import tritonclient.grpc.aio as grpcclient  # here: the unit tests use a fake backend
 
         self._grpc = grpcclient
         self.url = url
+        self.connect_timeout_s = connect_timeout_s
         self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
         self._batched: dict[str, bool] = {}  # model -> whether it takes a leading batch dimension
+
+    async def _connected(self) -> None:
+        """Return once the channel to Triton is connected; :class:`TritonUnavailable` after ``connect_timeout_s``.
+
+        gRPC fails a call at once while its channel waits out a reconnect backoff (calls are
+        not ``wait_for_ready``, and tritonclient offers no way to ask for it), so the first
+        request after Triton started listening could get "failed to connect to all
+        addresses" although Triton was up. Waiting for the channel instead costs nothing
+        once it is connected and at most the (1 s) backoff when it is not; a Triton that is
+        really down fails the request after the bound, naming the address.
+        """
+        import grpc
+
+        channel = self.client._channel  # tritonclient's own; it exposes no readiness call
+        if channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
+        except asyncio.TimeoutError:
+            state = channel.get_state().name
+            raise TritonUnavailable(f"Triton at {self.url} did not accept a gRPC connection within "
+                                    f"{self.connect_timeout_s:g} s (channel {state})") from None  # fmt: skip
 
     async def _takes_batch_dimension(self, model: str) -> bool:
         """``ensemble`` (``max_batch_size`` 1, as TensorRT-LLM's) wants ``[1, n]``; ``speculative_decoding`` ``[n]``."""
@@ -96,6 +125,7 @@ class TritonBackend:
 
     async def generate(self, model: str, inputs: dict[str, Any]) -> AsyncIterator[Step]:
         """The request's responses until the final one; leaving early cancels the request."""
+        await self._connected()
         done = asyncio.Event()
         tensors = self._inputs(inputs, await self._takes_batch_dimension(model))
 
@@ -133,15 +163,33 @@ class TritonBackend:
             tensors.append(tensor)
         return tensors
 
-    async def ready(self) -> bool:
-        """Triton answers, over this client's channel, that it is ready."""
+    async def ready_models(self, models: tuple[str, ...]) -> list[str]:
+        """Those of ``models`` that Triton, asked over this client's channel, reports ready.
+
+        :class:`TritonUnavailable` when the server does not answer within ``HEALTH_TIMEOUT_S``
+        or answers that it is not ready. Nothing waits for the channel: a probe wants the
+        state now, and a channel between connection attempts is a 503 for at most the 1 s
+        backoff, after which it connects or Triton is really not there.
+        """
         try:
-            return bool(await self.client.is_server_ready())
-        except Exception:  # not reachable yet: not ready
+            ready = await _call(self.client.is_server_ready(client_timeout=HEALTH_TIMEOUT_S))
+        except TritonUnavailable as err:
+            raise TritonUnavailable(f"Triton at {self.url} does not answer: {err}") from None
+        if not ready:
+            raise TritonUnavailable(f"Triton at {self.url} is not ready")
+        answers = await asyncio.gather(*(self._model_ready(model) for model in models))
+        return [model for model, ready in zip(models, answers) if ready]
+
+    async def _model_ready(self, model: str) -> bool:
+        """Triton's answer for ``model``; an error (a model it does not know) is not ready."""
+        try:
+            return bool(await _call(self.client.is_model_ready(model, client_timeout=HEALTH_TIMEOUT_S)))
+        except TritonUnavailable:
             return False
 
     async def tokenizer_dir(self) -> str:
         """The directory the ``tokenizer`` model loaded (its ``describe`` answer)."""
+        await self._connected()
         describe = self._grpc.InferInput("describe", [1], "BOOL")
         describe.set_data_from_numpy(np.array([True]))
         output = self._grpc.InferRequestedOutput("describe_model")
@@ -150,6 +198,7 @@ class TritonBackend:
 
     async def num_speculative_tokens(self) -> int | None:
         """The orchestrator's configured k, the longest acceptance histogram; None if not readable."""
+        await self._connected()
         config = await _call(self.client.get_model_config(ORCHESTRATOR, as_json=True))
         value = config.get("config", {}).get("parameters", {}).get("num_speculative_tokens", {})
         text = value.get("string_value", "")

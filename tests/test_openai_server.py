@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from specdec_openai.app import ServerConfig, _unless_disconnected, create_app
 from specdec_openai.protocol import RequestError
-from specdec_openai.triton import Step
+from specdec_openai.triton import Step, TritonUnavailable
 
 SHIPPED_TOKENIZER = "models/tiny-target"
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -28,8 +28,9 @@ def steps(*pieces: str, finish: str = "length", drafted: int = 8, accepted: int 
 class FakeBackend:
     """Answers every request with ``script``; records the inputs and whether each stream was closed."""
 
-    def __init__(self, script: list[Step] | Exception, hang_after: int | None = None):
-        self.script, self.hang_after = script, hang_after
+    def __init__(self, script: list[Step] | Exception | str, hang_after: int | None = None,
+                 unready: tuple[str, ...] = ()):  # fmt: skip
+        self.script, self.hang_after, self.unready = script, hang_after, unready
         self.requests: list[tuple[str, dict]] = []
         self.closed: list[bool] = []
 
@@ -47,8 +48,10 @@ class FakeBackend:
         finally:
             self.closed[index] = True
 
-    async def ready(self):
-        return self.script != "down"
+    async def ready_models(self, models):
+        if self.script == "down":
+            raise TritonUnavailable("Triton at the fake endpoint did not accept a gRPC connection")
+        return [model for model in models if model not in self.unready]
 
     async def tokenizer_dir(self):
         return SHIPPED_TOKENIZER
@@ -173,10 +176,23 @@ def test_triton_refusal_is_a_400_before_the_stream_starts():
     assert "exceeds max_model_len" in response.json()["error"]["message"]
 
 
-def test_health_is_tritons_readiness():
+def test_health_is_tritons_readiness_and_every_served_models():
     assert client_for(FakeBackend(steps("x"))).get("/health").status_code == 200
     down = client_for(FakeBackend("down")).get("/health")
-    assert down.status_code == 503 and "not ready" in down.json()["error"]["message"]
+    assert down.status_code == 503 and "did not accept" in down.json()["error"]["message"]
+    loading = client_for(FakeBackend(steps("x"), unready=("ensemble",)), triton_url="t:1").get("/health")
+    assert loading.status_code == 503
+    assert loading.json()["error"] == {"message": "Triton at t:1: ensemble not ready", "type": "server_error",
+                                       "param": None, "code": "triton_unavailable"}  # fmt: skip
+    only_served = client_for(FakeBackend(steps("x"), unready=("ensemble",)), models=("speculative_decoding",))
+    assert only_served.get("/health").status_code == 200  # a model this server does not serve does not count
+
+
+def test_models_lists_the_ready_ones_and_is_a_503_while_triton_is_down():
+    listed = client_for(FakeBackend(steps("x"), unready=("ensemble",))).get("/v1/models").json()
+    assert [m["id"] for m in listed["data"]] == ["speculative_decoding"]
+    down = client_for(FakeBackend("down")).get("/v1/models")
+    assert down.status_code == 503 and down.json()["error"]["code"] == "triton_unavailable"
 
 
 def test_unknown_route_and_models_list():

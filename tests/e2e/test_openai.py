@@ -1,8 +1,8 @@
 """Through a real server and the real ``openai`` client: the OpenAI API gives the ensemble's greedy text.
 
-The session's tritonserver runs with ``serve.sh --openai-port``; a second OpenAI server,
-started on its own (``python -m specdec_openai``) against the same Triton, has a chat
-template, which the shipped tokenizer lacks.
+The session's tritonserver runs with ``serve.sh --openai-port``; standalone OpenAI
+servers (``python -m specdec_openai``) against the same Triton have a chat template,
+which the shipped tokenizer lacks, and one of them an API key.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ PROMPTS = ["Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return
            "Grüße aus München! Ça va très bien,", "1, 2, 3, 4, 5, 6, 7,", "<html><body><p>"]  # fmt: skip
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+API_KEY = "sk-e2e-4fTq9"
 CHATS = [[{"role": "user", "content": "Write a function that adds two numbers."}],
          [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Once upon a time"}]]
 
@@ -43,20 +44,20 @@ def openai_server(server):
     return server
 
 
-@pytest.fixture(scope="module")
-def chat_url(openai_server, tmp_path_factory):
-    """A standalone OpenAI server with TEMPLATE, against the same Triton: its base URL."""
+def standalone(openai_server, tmp_path_factory, env: dict[str, str] | None = None):
+    """A standalone OpenAI server with TEMPLATE against the session's Triton, ready (its ``/health``, which
+    needs no key, answers 200): yields its base URL, and stops it after."""
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text(TEMPLATE)
     port = free_port()
     command = [sys.executable, "-m", "specdec_openai", "--triton-url", openai_server.grpc_url, "--port", str(port),
                "--host", "127.0.0.1", "--chat-template", str(template), "--exit-with", str(os.getpid())]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         try:
-            urllib.request.urlopen(f"{url}/models", timeout=2).close()
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
             break
         except OSError:
             time.sleep(0.5)
@@ -66,6 +67,18 @@ def chat_url(openai_server, tmp_path_factory):
     yield url
     process.terminate()
     process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def chat_url(openai_server, tmp_path_factory):
+    """A standalone OpenAI server with TEMPLATE: its base URL."""
+    yield from standalone(openai_server, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def keyed_url(openai_server, tmp_path_factory):
+    """A standalone OpenAI server with TEMPLATE and API_KEY (from its environment, as serve.sh gives it)."""
+    yield from standalone(openai_server, tmp_path_factory, {"SPECDEC_OPENAI_API_KEY": API_KEY})
 
 
 def generate_text(server, prompt: str) -> str:
@@ -140,3 +153,28 @@ def test_a_client_that_goes_away_cancels_the_sequence(openai_server):
     wait_until_idle(openai_server, timeout_s=10)
     generated = output_tokens(openai_server) - before
     assert generated < max_tokens / 4, f"{generated} of {max_tokens} tokens generated after the client left"
+
+
+def test_an_api_key_guards_every_v1_endpoint_and_the_right_key_is_served(keyed_url):
+    chat = [{"role": "user", "content": "Once upon a time"}]
+    calls = {
+        "models": lambda client: [m.id for m in client.models.list()],
+        "completions": lambda client: client.completions.create(
+            model="ensemble", prompt="Once upon a time", max_tokens=4, temperature=0).choices[0].text,
+        "streamed completions": lambda client: "".join(c.choices[0].text for c in client.completions.create(
+            model="speculative_decoding", prompt="Once upon a time", max_tokens=4, temperature=0, stream=True)),
+        "chat": lambda client: client.chat.completions.create(
+            model="speculative_decoding", messages=chat, max_tokens=4, temperature=0).choices[0].message.content,
+    }  # fmt: skip
+    wrong = openai.OpenAI(base_url=keyed_url, api_key=API_KEY + "x", max_retries=0)
+    right = openai.OpenAI(base_url=keyed_url, api_key=API_KEY, max_retries=0)
+    for name, call in calls.items():
+        with pytest.raises(openai.AuthenticationError) as refused:
+            call(wrong)
+        assert refused.value.body["code"] == "invalid_api_key" and API_KEY not in str(refused.value.body), name
+        assert call(right), name
+    for method, path, body in [("GET", "/models", None), ("POST", "/completions", {"model": "ensemble", "prompt": "a"}),
+                               ("POST", "/chat/completions", {"model": "ensemble", "messages": chat})]:  # fmt: skip
+        missing = httpx.request(method, keyed_url + path, json=body, timeout=30)  # no Authorization header at all
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key", path
+    assert httpx.get(keyed_url.removesuffix("/v1") + "/health", timeout=30).status_code == 200  # open to probes
