@@ -11,7 +11,7 @@ model repository directory); the committed defaults point at the shipped pair in
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdec.heads import HEAD_METHODS
 from specdec.proposers.model_free import MODEL_FREE_METHODS
@@ -70,6 +70,9 @@ class DraftProposerConfig:
     # draft_model and heads: tokens a sequence may hold (the cache's length); None: the checkpoint's
     # max_position_embeddings (a head: its target's). Unset, target_verifier's in the same repository
     max_model_len: int | None = None
+    # model methods: the most drafts a step asks of this proposer (speculative_decoding's
+    # num_speculative_tokens, or model_num_speculative_tokens behind suffix decoding); None: unknown
+    most_drafts: int | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -91,6 +94,7 @@ class DraftProposerConfig:
             target_model=_head_target(read, method),
             max_model_len=_draft_max_model_len(read, method),
         )
+        config = replace(config, most_drafts=_most_drafts(read, config))
         _refuse_removed_placement(params, "draft_proposer")
         params.check_all_read()
         try:
@@ -179,6 +183,21 @@ def _draft_max_model_len(read: Reader, method: str) -> int | None:
 
     found = model_settings(read.params.repository_dir, "target_verifier")
     return None if found is None else Reader("target_verifier", found[0])("max_model_len")
+
+
+def _most_drafts(read: Reader, config: DraftProposerConfig) -> int | None:
+    """The most drafts one step asks of a model method, read from speculative_decoding in the same repository,
+    so that a head with fewer stages than that is refused when it loads, not at each request."""
+    if config.method in MODEL_FREE_METHODS:
+        return None
+    if config.suffix_first is not None and config.suffix_first.model_num_speculative_tokens:
+        return config.suffix_first.model_num_speculative_tokens
+    if not read.params.repository_dir:
+        return None
+    from specdec_triton.repository_config import model_settings
+
+    found = model_settings(read.params.repository_dir, "speculative_decoding")
+    return None if found is None else Reader("speculative_decoding", found[0])("num_speculative_tokens")
 
 
 def _head_target(read: Reader, method: str) -> str | None:

@@ -17,7 +17,7 @@ from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.fast.checkpoint import read_config
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
-from specdec.proposers import PROPOSERS, NgramProposer, SuffixProposer, describe_model_free
+from specdec.proposers import PROPOSERS, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import DraftProposerConfig
@@ -41,6 +41,7 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     if config.method in HEAD_METHODS:
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
                                        config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len)
+        _check_stages(proposer, config)
         return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, config.draft_model), config))
     _check_draft_window(config)
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
@@ -54,6 +55,22 @@ def _with_suffix_first(description: ModelDescription, config: DraftProposerConfi
     if config.suffix_first is None:
         return description
     return replace(description, settings=config.suffix_first.settings())
+
+
+def _check_stages(proposer, config: DraftProposerConfig) -> None:
+    """An MLP speculator drafts at most its ``n_predict`` stages: a server whose steps ask more would say
+    ready and then fail every request, so the load fails instead, naming both values and the fix."""
+    if not isinstance(proposer, MLPSpeculatorProposer) or config.most_drafts is None:
+        return
+    stages = proposer.model.n_predict
+    if config.most_drafts > stages:
+        setting = ("draft_proposer's model_num_speculative_tokens" if config.suffix_first is not None
+                   and config.suffix_first.model_num_speculative_tokens else "speculative_decoding's "
+                   "num_speculative_tokens (and the largest k of num_speculative_tokens_per_batch_size)")  # fmt: skip
+        raise ValueError(
+            f"MLP speculator {config.draft_model!r} has n_predict={stages} stages, but a step may ask it for "
+            f"{config.most_drafts} drafts: set {setting} to at most {stages}"
+        )
 
 
 def _check_draft_window(config: DraftProposerConfig) -> None:

@@ -80,3 +80,32 @@ def test_a_draft_trained_for_fewer_positions_than_its_window_is_refused_with_the
                                          r"most 2048"):  # fmt: skip
         build_proposer(config, "cpu")
     assert build_proposer(replace(config, max_model_len=2048), "cpu").description.max_model_len == 2048
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models"
+
+
+def write_mlp_repository(tmp_path, num_speculative_tokens: int, extra: str = ""):
+    for model, parameters in (
+        ("speculative_decoding", f'{{ key: "num_speculative_tokens" value: {{ string_value: "{num_speculative_tokens}" }} }}'),
+        ("target_verifier", f'{{ key: "target_model" value: {{ string_value: "{SHIPPED / "tiny-target"}" }} }}'),
+        ("draft_proposer", f'{{ key: "method" value: {{ string_value: "mlp_speculator" }} }}, '
+                           f'{{ key: "draft_model" value: {{ string_value: "{SHIPPED / "tiny-mlp-speculator"}" }} }}{extra}'),
+    ):  # fmt: skip
+        (tmp_path / model).mkdir(parents=True, exist_ok=True)
+        (tmp_path / model / "config.pbtxt").write_text(f'name: "{model}"\nparameters [ {parameters} ]\n')
+    return DraftProposerConfig.from_parameters(model_settings(tmp_path, "draft_proposer")[0])
+
+
+def test_an_mlp_speculator_with_fewer_stages_than_a_step_asks_fails_its_load_naming_both(tmp_path):
+    """The shipped head has n_predict=3: a repository that drafts 8 would say ready and fail every request."""
+    config = write_mlp_repository(tmp_path, 8)
+    assert config.most_drafts == 8
+    with pytest.raises(ValueError, match=r"has n_predict=3 stages, but a step may ask it for 8 drafts: set "
+                                         r"speculative_decoding's num_speculative_tokens .* to at most 3"):  # fmt: skip
+        build_proposer(config, "cpu")
+    assert build_proposer(write_mlp_repository(tmp_path, 3), "cpu").description.method == "mlp_speculator"
+    behind_suffix = write_mlp_repository(tmp_path, 8, ', { key: "enable_suffix_decoding" value: { string_value: '
+                                                      '"true" } }, { key: "model_num_speculative_tokens" value: '
+                                                      '{ string_value: "2" } }')  # fmt: skip
+    assert behind_suffix.most_drafts == 2 and build_proposer(behind_suffix, "cpu").description.method == "mlp_speculator"
