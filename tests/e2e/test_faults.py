@@ -207,3 +207,19 @@ def test_an_abandoned_http_request_is_cut_at_max_request_seconds_and_a_dead_mode
     print(f"on_stub_failure stop: not ready {unready_after:.1f} s after the kill, "
           f"exited after {time.monotonic() - killed_at:.1f} s")
     assert unready_after < 5 and time.monotonic() - killed_at < STOP_WITHIN_S + 5
+
+
+def test_a_killed_tritonserver_leaves_no_model_process_behind(fault_server):
+    """SIGKILL of tritonserver under load: every stub sees its server gone and ends, with what it started."""
+    server = fault_server
+    lines = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.process.pid)],
+                           capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+    stubs = [int(line.split()[0]) for line in lines if "/1/model.py" in line]
+    assert len(stubs) == 6, lines
+    ends = streams_interrupted(server, lambda: os.kill(server.process.pid, signal.SIGKILL))  # with streams in flight
+    assert all(error != "finished" for _, error in ends)
+    server.process.wait(10)
+    deadline = time.monotonic() + STOP_WITHIN_S
+    while (left := [pid for pid in stubs if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"model processes alive {STOP_WITHIN_S:g} s after the server was killed: {left}"

@@ -10,10 +10,12 @@ from specdec_triton import wire
 from specdec_triton.configs import TokenizerConfig
 from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, bytes_array
 from specdec_triton.text import TextCodec
+from specdec_triton.server_watch import exit_with_server
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config = TokenizerConfig.from_parameters(Parameters.from_args(args))
         self.codec = TextCodec(config.tokenizer_dir)

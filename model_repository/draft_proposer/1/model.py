@@ -23,6 +23,7 @@ from specdec_triton.configs import DraftProposerConfig
 from specdec_triton.drafters import build_proposer
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
+from specdec_triton.server_watch import exit_with_server
 
 
 def _outputs(proposals):
@@ -36,6 +37,7 @@ def _refuse(batch):
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         for warning in config.unread_settings():

@@ -21,10 +21,12 @@ from specdec_triton.configs import RejectionSamplerConfig
 from specdec_triton.health import register_stub
 from specdec_triton.internal import boot_secret
 from specdec_triton.plumbing import ModelLogger, ParameterError, Parameters, answer, instance_device
+from specdec_triton.server_watch import exit_with_server
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config = RejectionSamplerConfig.from_parameters(Parameters.from_args(args))
         self.device = instance_device(args)

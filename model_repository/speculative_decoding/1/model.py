@@ -30,6 +30,7 @@ from specdec_triton.recovery import RecoveryActions, Supervisor
 from specdec_triton.drafters import read_draft_beside_target
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
+from specdec_triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WATCHED = (wire.TOKENIZER, wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER, wire.REJECTION_SAMPLER)
@@ -39,6 +40,7 @@ DRAIN_S = 5.0  # at shutdown, requests in flight this much longer get a final er
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         name = args["model_name"]
         self.logger = ModelLogger(name)
         # SPECDEC_LOG_LEVEL=DEBUG: the step scheduler logs every step's shape to the server's output

@@ -27,6 +27,7 @@ from specdec_triton.internal import boot_secret
 from specdec_triton.drafters import build_proposer, read_draft_beside_target
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
+from specdec_triton.server_watch import exit_with_server
 
 
 def _outputs(results):
@@ -41,6 +42,7 @@ def _requests_of(inputs):
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         lm = build_lm(
