@@ -256,8 +256,10 @@ class DraftLengths:
         at the cap could cost many plain steps where drafts are dear.
         """
         cap = self.speculation.k_for(len(states))
+        if not self.speculation.follows_acceptance:  # the table alone: nothing else to read per step
+            return StepLengths(cap, (cap,) * len(states), True)
         costs = self.fixed_costs or self.meter.costs()
-        if not self.speculation.follows_acceptance or cap == 0 or costs is None:
+        if cap == 0 or costs is None:
             ks = [cap] * len(states)
         else:
             most = cap if self.fixed_costs or self.meter.num_drafts > 0 else 1

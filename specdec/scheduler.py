@@ -239,7 +239,8 @@ class StepScheduler:
             verify_requests = [self._verify_request(s, proposals[s]) for s in alive]
             verified = dict(zip(alive, await self._call("verify", self.stages.verify, verify_requests, calls)))
         results = await self._sample(alive, proposals, verified, calls, failed)
-        fed = sum(s.state.num_fed(len(proposals[s].token_ids)) for s in alive)  # the rows verified
+        follows = self.lengths.speculation.follows_acceptance  # else the table alone: no step is measured
+        fed = sum(s.state.num_fed(len(proposals[s].token_ids)) for s in alive) if follows else 0  # rows verified
         steps, finished = [], []
         for sequence in (s for s in batch if s not in failed):
             try:
