@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdec.tree import check_parents
 from specdec.types import ModelDescription
 
 
@@ -26,6 +27,12 @@ class ForwardCall:
     position: int  # sequence index of token_ids[0]; the cache is cut back to this length first
     token_ids: list[int]
     num_logits: int  # logits wanted for the last num_logits tokens
+    # token_ids[1:] form a tree under token_ids[0] (specdec.tree): each attends to its ancestors
+    # alone, at the position of its depth; None: a chain
+    tree_parents: tuple[int, ...] | None = None
+    # (from, to) cache positions whose keys and values are copied before the call, in order: an
+    # accepted tree path moving down to the positions of its depths
+    moves: tuple[tuple[int, int], ...] = ()
 
 
 @runtime_checkable
@@ -86,6 +93,10 @@ def check_forward_calls(lm: CachedLM, calls: list[ForwardCall], num_fresh: int) 
             )
         if not all(0 <= t < lm.vocab_size for t in call.token_ids):
             raise ValueError(f"seq {call.seq_id!r}: token_ids must be in [0, {lm.vocab_size})")
+        if call.tree_parents is not None:
+            check_parents(call.tree_parents, n - 1, f"seq {call.seq_id!r}: tree_parents")
+        if any(not (0 <= a < cached and 0 <= b < cached) for a, b in call.moves):
+            raise ValueError(f"seq {call.seq_id!r}: moves {list(call.moves)} reach past the {cached} tokens cached")
     if lm.max_num_seqs is None:
         return
     free = lm.max_num_seqs - lm.num_active_sequences

@@ -147,6 +147,10 @@ class CachedCausalLM:
                 f"got {hidden_layers}"
             )
         check_forward_calls(self, calls, sum(1 for c in calls if c.seq_id not in self._caches))
+        trees = [c.seq_id for c in calls if c.tree_parents is not None or c.moves]
+        if trees:
+            raise ValueError(f"seqs {trees}: draft trees are verified by the fast engine (engine 'fast'); "
+                             f"the hf engine verifies chains only")  # fmt: skip
         outs = [self._forward_one(call, hidden_layers) for call in calls]
         return [logits for logits, _ in outs], [hidden for _, hidden in outs]
 

@@ -86,6 +86,9 @@ class Proposal:
     # which of several proposers drafted it, where one step may take either (suffix decoding in
     # front of a model: "suffix" or "model", specdec.suffix_first); None where one proposer drafts
     source: str | None = None
+    # a tree (specdec.tree): each draft's parent among the drafts, ROOT (-1) for a child of the
+    # sequence's last token; breadth-first, so parents come first. None: a chain
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,11 @@ class VerifyRequest:
     # set: the drafts are token_ids[-(num_logits - 1):]; the result carries the sampler's
     # verdict (VerifyResult.sampled) instead of p
     sample_here: SampleHere | None = None
+    # the drafts (token_ids[1:]) form a tree (Proposal.parents): each attends to its ancestors alone
+    tree_parents: tuple[int, ...] | None = None
+    # the previous step fed a tree and accepted these nodes (indices into its drafts, root first):
+    # their cached keys and values move down to the positions of their depths before this call runs
+    accepted_path: tuple[int, ...] = ()
 
 
 @dataclass
@@ -135,6 +143,8 @@ class SampleResult:
     # the target's log probability of each output token, when asked (VerifyRequest.log_probs)
     # and sampled where p is: p does not travel, so they are worked out there
     log_probs: list[float] | None = None
+    # a tree's accepted path: node indices into its drafts, root's child first; None for a chain
+    accepted_nodes: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -159,6 +169,7 @@ class SampleCall:
     # output index of row 0: row i draws from (seed, position + i), so an output position's
     # draws do not depend on the step that reaches it; None: every row from the one seed
     position: int | None = None
+    parents: tuple[int, ...] | None = None  # the drafts form a tree (Proposal.parents)
 
     def to(self, device: str | torch.device) -> SampleCall:
         probs = self.verify.probs

@@ -19,8 +19,9 @@ from dataclasses import replace
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
-from specdec.penalties import apply_penalties, log_kept_mass
+from specdec.penalties import NO_PENALTIES, apply_penalties, log_kept_mass
 from specdec.sampling import check_banned, greedy_tokens, process_logits
+from specdec.tree import node_depths, path_to
 from specdec.types import GREEDY_TEMPERATURE_BELOW, VerifyRequest, VerifyResult
 
 
@@ -30,6 +31,8 @@ def verify_result(
     tokens: list[int] | None = None,  # the whole sequence through the last row's token; needed for penalties
 ) -> VerifyResult:
     """``argmax`` always; ``p`` only for sampled requests; penalties and min_tokens bans applied to both."""
+    if request.tree_parents is not None:
+        logits, request = _tree_rows(logits, request, tokens)
     if request.penalties.active:
         logits = apply_penalties(logits, tokens, request.num_prompt_tokens, request.penalties)
     banned = (request.num_banned_rows, request.banned_token_ids)
@@ -44,6 +47,31 @@ def verify_result(
     return VerifyResult(argmax=argmax, probs=probs, log_mass=log_mass)
 
 
+def _tree_rows(
+    logits: torch.Tensor,  # [n + 1, vocab]: the root's row, then each node's
+    request: VerifyRequest,
+    tokens: list[int] | None,  # the sequence through the root, then the tree's nodes in order
+) -> tuple[torch.Tensor, VerifyRequest]:
+    """A tree's rows with penalties (each row's context is its own path) and min_tokens bans (by depth)
+    applied, and the request without them, for ``verify_result`` to finish as for a chain."""
+    parents = request.tree_parents
+    depths = [0, *node_depths(parents)]  # row j emits output index (row 0's) + depths[j]
+    if request.penalties.active:
+        before = tokens[: len(tokens) - len(parents)]  # through the root
+        drafts = tokens[len(before) :]
+        rows = [apply_penalties(logits[:1], before, request.num_prompt_tokens, request.penalties)]
+        for node in range(len(parents)):
+            context = before + [drafts[i] for i in path_to(parents, node)]
+            rows.append(apply_penalties(logits[node + 1 : node + 2], context, request.num_prompt_tokens,
+                                        request.penalties))  # fmt: skip
+        logits = torch.cat(rows)
+    banned = [j for j, depth in enumerate(depths) if depth < request.num_banned_rows]
+    if banned and request.banned_token_ids:
+        logits = logits.float().clone()
+        logits[torch.tensor(banned)[:, None], torch.tensor(request.banned_token_ids)[None, :]] = float("-inf")
+    return logits, replace(request, penalties=NO_PENALTIES, num_banned_rows=0, banned_token_ids=())
+
+
 def asked_hidden_layers(requests: Sequence[VerifyRequest]) -> tuple[int, ...]:
     """The hidden layers the requests of one verify call ask for: those of any that asks.
 
@@ -56,6 +84,28 @@ def asked_hidden_layers(requests: Sequence[VerifyRequest]) -> tuple[int, ...]:
     if len(asked) > 1:
         raise ValueError(f"the requests of one verify call must ask for the same hidden_layers, got {asked}")
     return asked.pop() if asked else ()
+
+
+def path_moves(request: VerifyRequest) -> tuple[tuple[int, int], ...]:
+    """Cache moves that put the previous step's accepted tree path at the positions of its depths.
+
+    That step fed its root at ``P = position - len(path) - 1`` and node ``j`` at ``P + 1 + j``;
+    the path's i-th node (depth ``i``) belongs at ``P + i``.
+    """
+    path = request.accepted_path
+    root = request.position - len(path) - 1
+    return tuple((root + 1 + node, root + depth) for depth, node in enumerate(path, 1) if node + 1 != depth)
+
+
+def kept_path_tokens(held: list[int], request: VerifyRequest) -> list[int]:
+    """``held`` with the previous step's accepted tree path moved as ``path_moves`` moves the cache."""
+    moves = path_moves(request)
+    if not moves:
+        return held
+    held = list(held)
+    for source, target in moves:  # ascending: a source always lies at or past every earlier target
+        held[target] = held[source]
+    return held
 
 
 def _with_bans(logits: torch.Tensor, num_banned_rows: int, banned_token_ids: tuple[int, ...]) -> torch.Tensor:
@@ -80,7 +130,8 @@ class TargetVerifier(OwnsOneModel):
         for r in requests:
             check_banned(r.banned_token_ids, self.lm.vocab_size)
         tokens = [self._sequence_tokens(r) for r in requests]
-        calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits) for r in requests]
+        calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits, r.tree_parents, path_moves(r))
+                 for r in requests]  # fmt: skip
         hidden_layers = asked_hidden_layers(requests)
         if not hidden_layers:
             return [verify_result(logits, r, t) for logits, r, t in zip(self.lm.forward(calls), requests, tokens)]
@@ -98,6 +149,7 @@ class TargetVerifier(OwnsOneModel):
                 f"{request.position} lies past the {len(held)} tokens sent with penalties"
             )
         request.penalties.validate()
+        held = kept_path_tokens(held, request)
         sequence = held[: request.position] + list(request.token_ids)
         self._tokens[request.seq_id] = sequence
         return sequence

@@ -80,6 +80,17 @@ class StaticKVCache:
             raise ValueError(f"seq {seq_id!r}: length must be in [0, {self.max_model_len}], got {length}")
         self._lengths[self._check(seq_id)] = length
 
+    def move(self, seq_id: str, moves: tuple[tuple[int, int], ...]) -> None:
+        """Copy the keys and values at each ``from`` position to its ``to`` (an accepted tree path moving down).
+
+        The sources are read before any destination is written, so overlapping moves are safe.
+        """
+        if not moves:
+            return
+        slot = self.slot(self._check(seq_id))
+        index = torch.tensor(moves, dtype=torch.long).to(self.kv.device, non_blocking=True)  # [m, 2]
+        self.kv[:, :, slot, :, index[:, 1]] = self.kv[:, :, slot, :, index[:, 0]]
+
     def release(self, seq_id: str) -> None:
         """Free the slot of ``seq_id``; a no-op for unknown ids."""
         slot = self._slots.pop(seq_id, None)

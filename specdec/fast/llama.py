@@ -239,20 +239,45 @@ class BatchIndex:
         scratch_slot: int,
         max_model_len: int,
         with_mask: bool = True,  # False: the Triton attention kernel masks by position itself
+        tree: TreeAttention | None = None,  # draft trees in the pass: who sees whom, and rotary positions
     ):
         offsets = torch.arange(num_tokens, device=starts.device)  # [S]
-        self.positions = starts[:, None] + offsets  # [B, S]
+        self.positions = starts[:, None] + offsets  # [B, S]: where each token's key and value are written
         real = offsets[None, :] < num_new[:, None]  # [B, S]
         self.write_slot = torch.where(real, slots[:, None], scratch_slot)  # [B, S]: padding goes to scratch
         self.write_pos = self.positions.clamp(max=max_model_len - 1)  # [B, S]
+        self.rope_positions = self.positions if tree is None else tree.positions  # [B, S]
         self.slots = slots  # [B]
         self.kv_len = kv_len
         # [B, 1, S, kv_len]: key j is visible to the query at position p iff j <= p (built here, not lazily:
-        # torch.compile traces no cached_property)
+        # torch.compile traces no cached_property); in a tree, by tree.visible
         self.mask: torch.Tensor | None = None
-        if with_mask:
+        if with_mask or tree is not None:
             key_pos = torch.arange(kv_len, device=starts.device)  # [kv_len]
-            self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
+            if tree is None:
+                self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
+            else:
+                self.mask = tree.mask(key_pos)[:, None]
+
+
+class TreeAttention:
+    """Attention over draft trees (``specdec.tree``): each token sees the cache before ``base`` and, of the
+    ``W`` positions from ``base`` on, those ``visible`` marks; it rotates at ``positions`` (its depth)."""
+
+    def __init__(
+        self,
+        base: torch.Tensor,  # [B] int64: the first tree position of each row (the root, for a verify)
+        positions: torch.Tensor,  # [B, S] int64: rotary position of each token
+        visible: torch.Tensor,  # [B, S, W] bool: token s sees the key at base + w
+    ):
+        self.base, self.positions, self.visible = base, positions, visible
+
+    def mask(self, key_pos: torch.Tensor) -> torch.Tensor:  # key_pos: [kv_len] -> [B, S, kv_len] bool
+        b, s, w = self.visible.shape
+        rel = key_pos[None, :] - self.base[:, None]  # [B, kv_len]
+        inside = (rel >= 0) & (rel < w)
+        seen = self.visible.gather(2, rel.clamp(0, w - 1)[:, None, :].expand(b, s, rel.shape[1]))  # [B, S, kv_len]
+        return (rel < 0)[:, None, :] | (inside[:, None, :] & seen)
 
 
 class FastLlama(nn.Module):
@@ -283,6 +308,7 @@ class FastLlama(nn.Module):
         logit_rows: torch.Tensor | None = None,  # [R] int64 indices into the flattened [B * S] rows; None = all
         hidden_layers: tuple[int, ...] = (),
         hidden_rows: torch.Tensor | None = None,  # [N] int64 indices into the flattened [B * S] rows; None = all
+        tree: TreeAttention | None = None,  # draft trees in the pass (specdec.tree); None: causal by position
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[R, vocab]`` in the model dtype; with ``hidden_layers``, also ``[N, len(layers) * hidden]``.
 
@@ -291,8 +317,8 @@ class FastLlama(nn.Module):
         """
         b, s = input_ids.shape
         with_mask = not kernel_attends(self.triton_attention, kv_len, kv.shape[4])
-        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], with_mask)
-        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], with_mask, tree)
+        freqs = batch.rope_positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, 1, S, head_dim]

@@ -16,9 +16,10 @@ from specdec.cached_lm import ForwardCall, check_forward_calls
 from specdec.fast.cpu_compile import compile_forward, warm_up
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, StaticShapeRunner
 from specdec.fast.kv_cache import StaticKVCache
-from specdec.fast.llama import check_hidden_layers, default_triton_attention, load_fast_llama
+from specdec.fast.llama import TreeAttention, check_hidden_layers, default_triton_attention, load_fast_llama
 from specdec.models import resolve_dtype
 from specdec.progress import Log, timed_phase
+from specdec.tree import node_depths, tree_visibility
 
 
 PAD_SLACK_TOKENS = 32  # padding a pass may always carry, however few its real tokens
@@ -49,6 +50,27 @@ def padding_bounded_passes(lengths: list[int]) -> list[list[int]]:
     if group:
         passes.append(group)
     return passes
+
+
+def tree_attention(calls: list[ForwardCall], width: int, device: torch.device) -> TreeAttention | None:
+    """Who sees whom in a pass that holds a draft tree (``ForwardCall.tree_parents``); None for chains alone.
+
+    A chain's or a prompt's tokens see those before them, as without a tree; a tree's root
+    (``token_ids[0]``) sees the cache, and each node the root and its ancestors, rotating at
+    the root's position plus its depth.
+    """
+    if all(c.tree_parents is None for c in calls):
+        return None
+    visible = torch.ones(len(calls), width, width, dtype=torch.bool).tril_()  # [B, S, S]: causal by default
+    depths = torch.arange(width).repeat(len(calls), 1)  # [B, S]
+    for i, call in enumerate(calls):
+        if call.tree_parents is not None:
+            n = len(call.tree_parents) + 1
+            visible[i, :n] = tree_visibility(call.tree_parents, width)
+            depths[i, 1:n] = torch.tensor(node_depths(call.tree_parents))
+    base = torch.tensor([c.position for c in calls], dtype=torch.long)  # [B]
+    to = dict(device=device, non_blocking=True)
+    return TreeAttention(base.to(**to), (base[:, None] + depths).to(**to), visible.to(**to))
 
 
 class FastCausalLM:
@@ -143,6 +165,7 @@ class FastCausalLM:
         check_forward_calls(self, calls, len(fresh))
         for call in calls:
             if call.seq_id in self.cache:
+                self.cache.move(call.seq_id, call.moves)  # an accepted tree path, to the positions of its depths
                 self.cache.set_length(call.seq_id, call.position)  # rollback: only a length moves
             else:
                 self.cache.allocate(call.seq_id)
@@ -198,7 +221,8 @@ class FastCausalLM:
         starts = torch.tensor([c.position for c in calls], dtype=torch.long)  # [B]
         num_new = torch.tensor([len(c.token_ids) for c in calls], dtype=torch.long)  # [B]
         slots = torch.tensor([self.cache.slot(c.seq_id) for c in calls], dtype=torch.long)  # [B]
-        graphs = self._graphs_for(hidden_layers)
+        tree = tree_attention(calls, s, self.device)
+        graphs = self._graphs_for(hidden_layers) if tree is None else None  # a tree pass runs eagerly
         bucket = graphs.bucket(b, s) if graphs is not None else None
         width = bucket[1] if bucket is not None else s  # padded tokens per row of the pass that runs
         rows = torch.tensor(
@@ -221,6 +245,7 @@ class FastCausalLM:
             out = self._forward(
                 input_ids.to(**to), starts.to(**to), num_new.to(**to), slots.to(**to),
                 self.cache.kv, kv_len=kv_len, logit_rows=rows, hidden_layers=hidden_layers, hidden_rows=hidden_rows,
+                tree=tree,
             )  # [R, vocab], or ([R, vocab], [N, n * hidden])
             logits, hidden = out if hidden_layers else (out, None)
         logits = list(logits.float().split([c.num_logits for c in calls]))

@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 from specdec.fast.checkpoint import LlamaArchConfig
-from specdec.fast.llama import MLP, Attention, BatchIndex, DecoderLayer, RMSNorm, attend, kernel_attends, rope_inv_freq
+from specdec.fast.llama import (
+    MLP, Attention, BatchIndex, DecoderLayer, RMSNorm, TreeAttention, attend, kernel_attends, rope_inv_freq,
+)
 
 EAGLE3 = "eagle3"
 
@@ -131,11 +133,12 @@ class Eagle3Head(nn.Module):
         slots: torch.Tensor,  # [B] int64
         kv: torch.Tensor,  # [num_layers, 2, num_slots, kv_heads, max_model_len, head_dim]
         kv_len: int,
+        tree: TreeAttention | None = None,  # a draft tree's level (``specdec.proposers.eagle3_tree``); None: a chain
     ) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [B, S, draft_vocab], pre-norm [B, S, h]
         b, s = input_ids.shape
         with_mask = not kernel_attends(self.triton_attention, kv_len, kv.shape[4])
-        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], with_mask)
-        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
+        batch = BatchIndex(starts, num_new, slots, s, kv_len, kv.shape[2] - 1, kv.shape[4], with_mask, tree)
+        freqs = batch.rope_positions[..., None].float() * self.inv_freq  # [B, S, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, head_dim]
         embeds = self.embed_tokens(input_ids)  # [B, S, h]
         cos, sin = emb.cos().to(embeds.dtype), emb.sin().to(embeds.dtype)
