@@ -43,7 +43,8 @@ from specdec.types import (
 PROPOSE_STREAM = 0  # derive_seed stream of the proposer's draws in a step
 SAMPLE_STREAM = 1  # derive_seed stream of the rejection sampler's draws in a step
 
-# (draft_token_ids [k], draft_probs [k, vocab] | None, verify result, seed) -> accepted + recovered/bonus
+# (draft_token_ids [k], draft_probs [k, vocab] | None, verify result, seed; position=, parents=) -> accepted +
+# recovered/bonus
 Sampler = Callable[[torch.Tensor, torch.Tensor | None, VerifyResult, int], SampleResult]
 
 
@@ -135,6 +136,7 @@ class SequenceState:
         self._num_hidden_sent = 0  # positions whose hidden states the proposer has been sent
         self._hidden_rows_stay = hidden_rows_stay
         self._num_hidden_kept = 0  # rows kept, where they stay with the verifier
+        self._accepted_path: tuple[int, ...] = ()  # the last step's accepted tree nodes, for the next verify
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
@@ -214,6 +216,8 @@ class SequenceState:
             num_prompt_tokens=len(self.prompt_ids),
             log_probs=self.params.return_log_probs,
             hidden_layers=self.hidden_layers,
+            tree_parents=proposal.parents if proposal is not None and drafts else None,
+            accepted_path=self._accepted_path,
         )
 
     def _num_banned(self, num_positions: int) -> int:
@@ -243,15 +247,18 @@ class SequenceState:
                 f"seq {self.seq_id!r}: sampler returned {len(tokens)} tokens with num_accepted="
                 f"{result.num_accepted} for {num_drafts} drafts"
             )
+        kept = _kept_rows(proposal, result, num_drafts)  # the verified rows of tokens that stay, when a tree
+        self._accepted_path = result.accepted_nodes if kept is not None else ()
         if self.hidden_layers and self._hidden_rows_stay:
             self._num_hidden_kept += self.num_fed(num_drafts) - (num_drafts - result.num_accepted)
         elif self.hidden_layers:
-            self._keep_hidden(verified.hidden_states if verified is not None else None, num_drafts, result.num_accepted)
+            self._keep_hidden(verified.hidden_states if verified is not None else None, num_drafts, result.num_accepted,
+                              kept)  # fmt: skip
         if self._step > 0:
             self._record(num_drafts, result.num_accepted)
         self._step += 1
         new_token_ids: list[int] = []
-        log_probs = self._log_probs(tokens, verified, result)
+        log_probs = self._log_probs(tokens, verified if kept is None else _rows_of(verified, kept), result)
         for token in tokens:
             self.output_ids.append(token)
             new_token_ids.append(token)
@@ -275,8 +282,10 @@ class SequenceState:
             raise ValueError(f"seq {self.seq_id!r}: return_log_probs needs the verifier's log_mass, got none")
         return emitted_log_probs(tokens, verified.log_mass, verified.probs, verified.argmax)
 
-    def _keep_hidden(self, hidden_states: torch.Tensor | None, num_drafts: int, num_accepted: int) -> None:
-        """The rows of the tokens that stay in the sequence (all but the rejected drafts') await the proposer."""
+    def _keep_hidden(self, hidden_states: torch.Tensor | None, num_drafts: int, num_accepted: int,
+                     kept: list[int] | None = None) -> None:  # fmt: skip
+        """The rows of the tokens that stay in the sequence (all but the rejected drafts', or a tree's ``kept``
+        rows: the root's and its accepted path's) await the proposer."""
         if hidden_states is None:
             raise ValueError(
                 f"seq {self.seq_id!r}: the verify result carries no hidden states, but the proposer reads "
@@ -287,6 +296,9 @@ class SequenceState:
             raise ValueError(
                 f"seq {self.seq_id!r}: {hidden_states.shape[0]} hidden-state rows for {fed} tokens verified"
             )
+        if kept is not None:
+            self._hidden.append(hidden_states[kept])  # [1 + num_accepted, features]
+            return
         self._hidden.append(hidden_states[: fed - (num_drafts - num_accepted)])  # [kept, features]
 
     def num_fed(self, num_drafts: int) -> int:
@@ -324,6 +336,24 @@ class SequenceState:
     def _check_running(self) -> None:
         if self.finished:
             raise RuntimeError(f"seq {self.seq_id!r} has already finished ({self.finish_reason})")
+
+
+def _kept_rows(proposal: Proposal | None, result: SampleResult, num_drafts: int) -> list[int] | None:
+    """A tree step's verified rows whose tokens stay (the root's, then its accepted nodes'); None for a chain."""
+    if proposal is None or proposal.parents is None or not num_drafts:
+        return None
+    if result.accepted_nodes is None or len(result.accepted_nodes) != result.num_accepted:
+        raise ValueError(f"a tree of {num_drafts} drafts was judged without its accepted path: {result.accepted_nodes}")
+    return [0, *(node + 1 for node in result.accepted_nodes)]
+
+
+def _rows_of(verified: VerifyResult | None, rows: list[int]) -> VerifyResult | None:
+    """The verify result of the rows on a tree's accepted path, for the log probs of the tokens emitted there."""
+    if verified is None or verified.log_mass is None:
+        return verified
+    pick = torch.tensor(rows, device=verified.argmax.device)
+    return VerifyResult(verified.argmax[pick], None if verified.probs is None else verified.probs[pick],
+                        verified.log_mass[pick])  # fmt: skip
 
 
 def check_token_ids(prompt_ids: list[int], params: GenerationParams, vocab_size: int) -> None:
@@ -366,7 +396,7 @@ def generate(
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
             result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed(),
-                             position=state.sample_position())  # fmt: skip
+                             position=state.sample_position(), parents=proposal.parents)  # fmt: skip
             output = state.commit(proposal, result, verify_result)
             completed = state.finished
             yield output

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.sampling import derive_seed, make_generator
+from specdec.tree_sampler import sample_tree
 from specdec.types import PLACEHOLDER_TOKEN_ID, SampleResult, VerifyResult
 
 METHODS = ("strict", "probabilistic", "synthetic")
@@ -355,7 +356,11 @@ class RejectionSampler:
         seed: int,
         method: str | None = None,
         position: int | None = None,  # output index of row 0: draws keyed by position; None: by seed alone
+        parents: Sequence[int] | None = None,  # the drafts form a tree (specdec.tree): judged by specdec.tree_sampler
     ) -> SampleResult:
+        if parents is not None:
+            return sample_tree(draft_token_ids.tolist(), parents, verify, seed, position, method or self.method,
+                               self.synthetic_acceptance_rate)  # fmt: skip
         device = verify.argmax.device if verify.probs is None else verify.probs.device
         return _sample_one(
             self._batch_sampler, draft_token_ids, draft_probs, verify.probs, verify.argmax,

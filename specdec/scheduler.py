@@ -40,6 +40,7 @@ from specdec.draft_beside_target import NO_PROPOSAL, ProposeVerify
 from specdec.engine import SequenceState, StepOutput
 from specdec.follow_acceptance import DraftLengths
 from specdec.rejection_sampler import match_greedy
+from specdec.tree_sampler import match_greedy_tree
 from specdec.speculation_length import SpeculationLength
 from specdec.types import (
     Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, StepCapabilities, VerifyRequest, VerifyResult,
@@ -322,7 +323,7 @@ class StepScheduler:
             elif outcome.sampled is not None:
                 results[sequence] = outcome.sampled
             elif outcome.probs is None and self.match_greedy_here:
-                results[sequence] = match_greedy(proposal.token_ids.tolist(), outcome.argmax.tolist())
+                results[sequence] = match_greedy_either(proposal, outcome)
             elif self.samples_in_verify or proposal.probs_held:  # the sampler reads q where it was held
                 failed[sequence] = RuntimeError(f"seq {sequence.state.seq_id!r}: the verify call returned no "
                                                 "rejection-sampling verdict for a sequence it was asked to sample")
@@ -331,7 +332,8 @@ class StepScheduler:
         if not to_sample:  # stages that sample in verify have no sample call to name
             return results
         sample_calls = [SampleCall(proposals[s].token_ids, proposals[s].probs, verified[s], s.state.sample_seed(),
-                                   position=s.state.sample_position()) for s in to_sample]  # fmt: skip
+                                   position=s.state.sample_position(), parents=proposals[s].parents)
+                        for s in to_sample]  # fmt: skip
         for sequence, outcome in zip(to_sample, await self._call("sample", self.stages.sample, sample_calls, calls)):
             if isinstance(outcome, Exception):
                 failed[sequence] = outcome
@@ -382,6 +384,13 @@ class StepScheduler:
             if (error or release_error) is not None:
                 sequence.deliver(error or release_error)
             sequence.deliver(_RELEASED)
+
+
+def match_greedy_either(proposal: Proposal, verified: VerifyResult) -> SampleResult:
+    """A greedy target's verdict on a chain or a tree (``Proposal.parents``), without a call."""
+    if proposal.parents is not None and len(proposal.token_ids):
+        return match_greedy_tree(proposal.token_ids.tolist(), proposal.parents, verified.argmax.tolist())
+    return match_greedy(proposal.token_ids.tolist(), verified.argmax.tolist())
 
 
 def _one_each(stage: str, asked: list, answered: list) -> list:

@@ -121,7 +121,8 @@ class LocalStages:
     async def sample(self, calls):
         await asyncio.sleep(0)
         self.sent.append(("sample", len(calls)))
-        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, c.method, c.position) for c in calls]
+        return [self.sampler(c.draft_token_ids, c.draft_probs, c.verify, c.seed, c.method, c.position, c.parents)
+                for c in calls]
 
     async def release(self, ended):
         for seq_id, response in ended.items():
