@@ -178,7 +178,8 @@ def check_supported(request: _Sampling) -> None:
         if not request.stream:
             raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if request.stream_options.continuous_usage_stats:
-            raise RequestError("unsupported parameter 'stream_options.continuous_usage_stats'", "stream_options")
+            raise RequestError("unsupported parameter 'stream_options.continuous_usage_stats': usage is given once, "
+                               "at the end", "stream_options")  # fmt: skip
 
 
 def stop_words(stop: str | list[str] | None) -> tuple[str, ...]:
