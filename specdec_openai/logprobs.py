@@ -51,9 +51,13 @@ class Vocabulary:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._bytes_of = _byte_decoder() if self._byte_level else {}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()))
         self._cache: dict[int, bytes] = {}
 
     def token_bytes(self, token_id: int) -> bytes:
+        """The token's UTF-8 bytes; none for a special token (an EOS), which the output text leaves out too."""
+        if token_id in self._special:
+            return b""
         if token_id not in self._cache:
             self._cache[token_id] = self._bytes(self.tokenizer.convert_ids_to_tokens(token_id) or "")
         return self._cache[token_id]

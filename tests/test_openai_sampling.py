@@ -176,3 +176,4 @@ def test_token_log_places_multibyte_tokens_and_hands_each_out_once():
     first = log.release(2)
     assert all(token.start < 2 for token in first) and first
     assert log.release(None) and log.release(None) == []
+    assert vocabulary.token(TOKENIZER.eos_token_id) == ""  # left out of the text, as the detokenizer leaves it
