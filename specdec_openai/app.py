@@ -1,6 +1,7 @@
 """The FastAPI app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
 
-Each request becomes one streamed Triton request (:mod:`specdec_openai.triton`). Its
+Each choice of a request becomes one streamed Triton request (:mod:`specdec_openai.triton`),
+run together (:mod:`specdec_openai.generation`). Each one's
 first response is awaited before the HTTP response starts, so a request Triton refuses
 (a prompt past ``max_model_len``, a bad ``top_p``) gets a 400 with Triton's message in
 OpenAI's error shape, streamed or not. A client that goes away cancels the Triton
@@ -29,16 +30,12 @@ from starlette.exceptions import HTTPException
 from specdec_openai.auth import ApiKeyMiddleware
 from specdec_openai.chat import ChatTemplate
 from specdec_openai.metrics import LatencyMetrics, RequestTimer
+from specdec_openai.generation import ChoiceStream, Generation, error_of
+from specdec_openai.logprobs import Vocabulary
 from specdec_openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateParams,
-    RequestError,
-    chat_params,
-    completion_params,
-)
-from specdec_openai.responses import Envelope, error_body, sse
-from specdec_openai.stops import StopTrimmer
+    ChatCompletionRequest, CompletionRequest, Plan, RequestError, chat_plan, completion_plan,
+)  # fmt: skip
+from specdec_openai.responses import Envelope, error_body
 from specdec_openai.triton import CONNECT_TIMEOUT_S, Backend, Step, TritonBackend, TritonUnavailable
 
 MODELS = ("ensemble", "speculative_decoding")
@@ -66,6 +63,7 @@ class OpenAIServer:
         self.config, self.backend = config, backend
         self.metrics = LatencyMetrics()
         self._template: ChatTemplate | None = None
+        self._vocabulary: Vocabulary | None = None
         self._k: int | None = None
         self._lock = asyncio.Lock()
 
@@ -113,71 +111,52 @@ class OpenAIServer:
                 "model", status=404, code="model_not_found",
             )  # fmt: skip
 
-    async def answer(self, request: Request, envelope: Envelope, params: GenerateParams, stream: bool,
+    async def vocabulary(self) -> Vocabulary:
+        """Token ids -> OpenAI's token texts and bytes, for logprobs: the chat template's tokenizer, or the same."""
+        async with self._lock:
+            if self._vocabulary is None:
+                tokenizer = getattr(self._template, "tokenizer", None)
+                if tokenizer is None:
+                    from specdec.models import load_tokenizer
+
+                    directory = self.config.tokenizer_dir or await self.backend.tokenizer_dir()
+                    tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+                self._vocabulary = Vocabulary(tokenizer)
+            return self._vocabulary
+
+    async def answer(self, request: Request, envelope: Envelope, plan: Plan, stream: bool,
                      include_usage: bool) -> Response:  # fmt: skip
-        timer = self.metrics.timer(envelope.model)
-        steps = self.backend.generate(envelope.model, params.triton_inputs())
+        """Start every choice's Triton request, await each one's first response, then answer."""
+        vocabulary = await self.vocabulary() if plan.needs_tokens else None
+        timers = [self.metrics.timer(envelope.model) for _ in plan.choices]
+        streams = [self.backend.generate(envelope.model, params.triton_inputs()) for params in plan.choices]
         try:
-            first = await _unless_disconnected(request, anext(steps, None))
+            firsts = await _unless_disconnected(request, _first_responses(streams))
         except BaseException:
-            await steps.aclose()
+            await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)
             raise
-        if first is None:
+        if any(first is None for first in firsts):
+            await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)
             raise TritonUnavailable(f"{envelope.model} answered no response")
-        k = await self.num_spec_tokens()
-        generation = Generation(envelope, StopTrimmer(params.stop_words), timer, k)
+        choices = [ChoiceStream(params, first, steps, timer, vocabulary)
+                   for params, first, steps, timer in zip(plan.choices, firsts, streams, timers)]  # fmt: skip
+        generation = Generation(envelope, plan, choices, vocabulary, await self.num_spec_tokens())
         if stream:
-            events = generation.events(first, steps, include_usage)
+            events = generation.events(include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        body = await _unless_disconnected(request, generation.whole(first, steps))
+        body = await _unless_disconnected(request, generation.whole())
         return JSONResponse(body)
 
 
-class Generation:
-    """One request's Triton steps turned into OpenAI text: stop strings cut, latencies timed."""
-
-    def __init__(self, envelope: Envelope, trimmer: StopTrimmer, timer: RequestTimer, k: int | None):
-        self.envelope, self.trimmer, self.timer, self.k = envelope, trimmer, timer, k
-
-    async def _steps(self, first: Step, rest: AsyncIterator[Step]) -> AsyncIterator[tuple[str, Step]]:
-        """(text that may be sent now, step) per step; the last step's text includes what was held back."""
-        try:
-            step = first
-            while True:
-                self.timer.on_response(step.num_output_tokens)
-                text = self.trimmer.push(step.text)
-                if step.finish_reason is not None:
-                    yield text + self.trimmer.finish(step.finish_reason), step
-                    self.timer.finish(step.finish_reason)
-                    return
-                yield text, step
-                step = await anext(rest, None)
-                if step is None:
-                    raise TritonUnavailable("the Triton stream ended without a final response")
-        finally:
-            await rest.aclose()  # early exit (disconnect, error): cancels the Triton request
-
-    async def whole(self, first: Step, rest: AsyncIterator[Step]) -> dict[str, Any]:
-        pieces, last = [], first
-        async for text, last in self._steps(first, rest):
-            pieces.append(text)
-        return self.envelope.response("".join(pieces), last.finish_reason, last, self.k)
-
-    async def events(self, first: Step, rest: AsyncIterator[Step], include_usage: bool) -> AsyncIterator[bytes]:
-        opening = self.envelope.first_chunk()
-        if opening is not None:
-            yield sse(opening)
-        try:
-            async for text, step in self._steps(first, rest):
-                if step.finish_reason is not None:
-                    yield sse(self.envelope.final_chunk(text, step.finish_reason, step, self.k))
-                    if include_usage:
-                        yield sse(self.envelope.usage_chunk(step))
-                elif text:
-                    yield sse(self.envelope.chunk(text))
-        except (RequestError, TritonUnavailable) as err:  # after the stream started: the error is an event
-            yield sse(_error_of(err)[1])
-        yield sse("[DONE]")
+async def _first_responses(streams: list[AsyncIterator[Step]]) -> list[Step | None]:
+    """Each stream's first response, awaited together; one failing cancels the rest's wait."""
+    tasks = [asyncio.ensure_future(anext(steps, None)) for steps in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
@@ -201,12 +180,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _error_of(err: Exception) -> tuple[int, dict[str, Any]]:
-    if isinstance(err, RequestError):
-        return err.status, error_body(err.message, param=err.param, code=err.code)
-    return 503, error_body(str(err), "server_error", code="triton_unavailable")
-
-
 def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = None) -> FastAPI:
     """The app; ``backend`` defaults to a gRPC client of ``config.triton_url``."""
     server = OpenAIServer(config, backend or TritonBackend(config.triton_url, config.connect_timeout_s))
@@ -228,7 +201,7 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
     @app.exception_handler(RequestError)
     @app.exception_handler(TritonUnavailable)
     async def _request_error(_: Request, err: Exception) -> JSONResponse:
-        status, body = _error_of(err)
+        status, body = error_of(err)
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -254,18 +227,18 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        params = completion_params(body)
+        plan = completion_plan(body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await server.answer(request, Envelope.new("completion", body.model), params, body.stream, include_usage)
+        return await server.answer(request, Envelope.new("completion", body.model), plan, body.stream, include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         template = await server.chat_template()
         prompt = template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
-        params = chat_params(body, prompt)
+        plan = chat_plan(body, prompt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await server.answer(request, Envelope.new("chat", body.model), params, body.stream, include_usage)
+        return await server.answer(request, Envelope.new("chat", body.model), plan, body.stream, include_usage)
 
     @app.get("/health")
     async def health() -> Response:

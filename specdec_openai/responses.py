@@ -6,7 +6,8 @@ outputs carry exactly is given: draft and accepted token counts and their ratio,
 the configured k (``num_spec_tokens``). vLLM's step-based fields
 (``num_spec_steps``, ``mean_acceptance_length``, ``acceptance_histogram``) are left
 out: a streamed Triton response covers one step only when that step produced text, so
-counting responses would miscount steps.
+counting responses would miscount steps. With several choices the response's figures
+sum over them; each choice's last chunk carries its own.
 """
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
-
-from specdec_openai.triton import Step
 
 
 @dataclass(frozen=True)
@@ -36,56 +35,49 @@ class Envelope:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish_reason: str, last: Step, num_spec_tokens: int | None) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}  # fmt: skip
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": usage(last), "metrics": acceptance(last, num_spec_tokens)}
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int], metrics: dict[str, Any]) -> dict[str, Any]:
+        """The whole (non-streamed) response; ``choices`` from :meth:`whole_choice`."""
+        body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        return {**body, "choices": choices, "usage": usage, "metrics": metrics}
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role, as OpenAI's do; completions need nothing."""
+    def whole_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def first_chunk(self, index: int) -> dict[str, Any] | None:
+        """Chat streams open each choice with the assistant's role, as OpenAI's do; completions need nothing."""
         if self.kind != "chat":
             return None
         delta = {"role": "assistant", "content": ""}
-        return {**self._head("chat.completion.chunk"), "choices": [_chunk_choice("chat", delta, None)]}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None,
+              metrics: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        """One piece of choice ``index``; the one with the finish reason carries the choice's acceptance figures."""
         if self.kind == "chat":
             content = {"content": text} if text or finish_reason is None else {}
-            return {**self._head("chat.completion.chunk"), "choices": [_chunk_choice("chat", content, finish_reason)]}
-        return {**self._head("text_completion"), "choices": [_chunk_choice("completion", text, finish_reason)]}
+            choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+            body = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            body = {**self._head("text_completion"), "choices": [choice]}
+        return body if metrics is None else {**body, "metrics": metrics}
 
-    def final_chunk(self, text: str, finish_reason: str, last: Step, num_spec_tokens: int | None) -> dict[str, Any]:
-        """The chunk with the finish reason; it carries the acceptance figures."""
-        return {**self.chunk(text, finish_reason), "metrics": acceptance(last, num_spec_tokens)}
-
-    def usage_chunk(self, last: Step) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(last)}
+        return {**self._head(obj), "choices": [], "usage": usage}
 
 
-def _chunk_choice(kind: str, content: Any, finish_reason: str | None) -> dict[str, Any]:
-    if kind == "chat":
-        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def usage(last: Step) -> dict[str, int]:
-    return {
-        "prompt_tokens": last.num_input_tokens,
-        "completion_tokens": last.num_output_tokens,
-        "total_tokens": last.num_input_tokens + last.num_output_tokens,
-    }
-
-
-def acceptance(last: Step, num_spec_tokens: int | None) -> dict[str, Any]:
-    drafted, accepted = last.total_draft_tokens, last.total_accepted_draft_tokens
+def acceptance(drafted: int, accepted: int, num_spec_tokens: int | None) -> dict[str, Any]:
     figures = {
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "num_accepted_draft_tokens": accepted,

@@ -23,7 +23,8 @@ from specdec_openai.protocol import RequestError
 INPUT_TYPES = {
     "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
     "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "min_tokens": "INT32",
-    "num_speculative_tokens": "INT32",
+    "num_speculative_tokens": "INT32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
+    "repetition_penalty": "FP32", "return_log_probs": "BOOL",
 }  # fmt: skip
 _NUMPY = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
 ORCHESTRATOR = "speculative_decoding"  # holds num_speculative_tokens; the ensemble's one step
@@ -41,6 +42,9 @@ class Step:
     num_output_tokens: int
     total_draft_tokens: int
     total_accepted_draft_tokens: int
+    token_ids: tuple[int, ...] = ()  # the tokens this response adds (output_token_ids)
+    log_probs: tuple[float, ...] = ()  # theirs, with return_log_probs (output_log_probs)
+    cum_log_prob: float = 0.0  # of the output so far, with return_log_probs (cum_log_probs)
 
 
 class TritonUnavailable(RuntimeError):
@@ -66,7 +70,14 @@ def step_of(outputs: dict[str, Any]) -> Step:
         num_output_tokens=int(_scalar(outputs.get("num_output_tokens", 0))),
         total_draft_tokens=int(_scalar(outputs.get("total_draft_tokens", 0))),
         total_accepted_draft_tokens=int(_scalar(outputs.get("total_accepted_draft_tokens", 0))),
+        token_ids=tuple(int(t) for t in _flat(outputs.get("output_token_ids"))),
+        log_probs=tuple(float(p) for p in _flat(outputs.get("output_log_probs"))),
+        cum_log_prob=float(_scalar(outputs.get("cum_log_probs", 0.0))),
     )
+
+
+def _flat(value: Any) -> list:
+    return [] if value is None else np.asarray(value).reshape(-1).tolist()
 
 
 def _scalar(value: Any) -> Any:

@@ -302,7 +302,7 @@ class Orchestrator:
             raise ServingError(self.unavailable or "the server is recovering a composing model")
         detokenizer = IncrementalDetokenizer(self._codec.tokenizer.backend_tokenizer) if request.stream else None
         sequence = self.scheduler.submit(state, is_cancelled)
-        num_sent = 0  # output tokens whose log probs went out in streamed responses
+        num_sent = 0  # output tokens whose ids and log probs went out in streamed responses
         try:
             async for step in sequence.steps():
                 if detokenizer is None or step.output.finished:  # the last step's text goes in the final response
@@ -352,10 +352,11 @@ class Orchestrator:
         stats = RequestStats(num_draft_tokens=step.num_draft_tokens, num_accepted_tokens=step.num_accepted_tokens)
         log_probs = state.output_log_probs[:step.num_output_tokens]
         return generate_outputs(text, None, len(state.prompt_ids), step.num_output_tokens, stats,
-                                log_probs[num_sent:], sum(log_probs))  # fmt: skip
+                                log_probs[num_sent:], sum(log_probs),
+                                state.output_ids[num_sent:step.num_output_tokens])  # fmt: skip
 
     @staticmethod
     def _final_outputs(state: SequenceState, text: str, num_sent: int = 0) -> dict:
         log_probs = state.output_log_probs
         return generate_outputs(text, state.finish_reason, len(state.prompt_ids), len(state.output_ids), state.stats,
-                                log_probs[num_sent:], sum(log_probs))  # fmt: skip
+                                log_probs[num_sent:], sum(log_probs), state.output_ids[num_sent:])  # fmt: skip

@@ -32,6 +32,7 @@ GENERATE_INPUTS = NATIVE_INPUTS + trtllm.COMPAT_INPUTS
 GENERATE_OUTPUTS = (
     "text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
     "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "cum_log_probs", "output_log_probs",
+    "output_token_ids",
 )  # fmt: skip
 
 
@@ -149,12 +150,16 @@ def generate_outputs(
     stats: RequestStats,
     log_probs: Sequence[float] = (),
     cum_log_prob: float = 0.0,
+    token_ids: Sequence[int] = (),
 ) -> dict[str, np.ndarray]:
     """One public response; the counts are cumulative over the request, ``finish_reason`` is '' until the end.
 
     ``log_probs`` are those of the tokens this response adds (all of them when not
     streaming), ``cum_log_prob`` their running sum over the request; both shaped as
     TensorRT-LLM's, with one beam: ``cum_log_probs`` ``[1]``, ``output_log_probs`` ``[1, tokens]``.
+    ``token_ids`` are the ids of the tokens this response adds, ``[1, tokens]`` like
+    ``output_log_probs`` and paired with it when both are filled: a client that shows
+    each token's log probability (the OpenAI server) needs to know which token it was.
     """
     return {
         "text_output": bytes_array([text_output]),
@@ -166,4 +171,5 @@ def generate_outputs(
         "total_draft_tokens": np.array([stats.num_draft_tokens], dtype=np.int32),
         "cum_log_probs": np.array([cum_log_prob], dtype=np.float32),  # [beams]
         "output_log_probs": np.array([list(log_probs)], dtype=np.float32).reshape(1, -1),  # [beams, tokens]
+        "output_token_ids": np.array([list(token_ids)], dtype=np.int32).reshape(1, -1),  # [beams, tokens]
     }

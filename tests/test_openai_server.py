@@ -113,7 +113,7 @@ def test_streamed_completion_ends_with_done_and_carries_usage_and_acceptance():
 
 
 def test_stop_string_is_left_out_streamed_and_whole():
-    script = steps("one E", "N", "D", finish="stop")  # the model includes the stop word; OpenAI leaves it out
+    script = steps("one E", "N", "D", finish="stop")  # Triton includes the stop word; OpenAI leaves it out
     whole = client_for(FakeBackend(script)).post("/v1/completions", json={"model": "ensemble", "prompt": "a",
                                                                           "stop": "END"})  # fmt: skip
     assert whole.json()["choices"][0]["text"] == "one "
@@ -148,14 +148,22 @@ def test_chat_without_a_template_is_refused_with_the_way_out():
 
 
 @pytest.mark.parametrize("body, status, param, message", [
-    ({"n": 2}, 400, "n", "'n' must be 1"),
+    ({"n": 17}, 400, "n", "less than or equal to 16"),
     ({"max_token": 5}, 400, "max_token", "unknown parameter 'max_token'"),
-    ({"logprobs": 2}, 400, "logprobs", "unsupported parameter 'logprobs'"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty", "unsupported parameter 'presence_penalty'"),
-    ({"echo": True}, 400, "echo", "unsupported parameter 'echo'"),
+    ({"logprobs": 2}, 400, "logprobs", "chosen token only"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty", "'presence_penalty'"),
+    ({"frequency_penalty": -3}, 400, "frequency_penalty", "'frequency_penalty'"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty", "'repetition_penalty'"),
+    ({"logit_bias": {"50256": -100}}, 400, "logit_bias", "no input for it"),
+    ({"echo": True, "logprobs": 0}, 400, "echo", "prompt's tokens"),
+    ({"best_of": 1, "n": 2}, 400, "best_of", "at least 'n'"),
+    ({"best_of": 3, "stream": True}, 400, "best_of", "cannot be streamed"),
+    ({"prompt": ["a"] * 5, "n": 4}, 400, "n", "5 prompt(s) x 4 choices is more than 16"),
+    ({"prompt": [1, 2, 3]}, 400, "prompt", "token ids is not supported"),
+    ({"suffix": "x"}, 400, "suffix", "fill-in-the-middle"),
     ({"temperature": 3}, 400, "temperature", "'temperature'"),
     ({"max_tokens": 0}, 400, "max_tokens", "'max_tokens'"),
-    ({"prompt": ["a", "b"]}, 400, "prompt", "one string"),
+    ({"prompt": []}, 400, "prompt", "empty list"),
     ({"stop": ["x", ""]}, 400, "stop", "empty string"),
     ({"model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist; served models: ensemble, speculative_decoding"),
 ])  # fmt: skip

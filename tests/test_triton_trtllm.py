@@ -101,6 +101,9 @@ def test_streamed_log_probs_add_up_to_the_single_response(codec, models, samplin
     assert out["cum_log_probs"].shape == (1,) and out["cum_log_probs"][0] == pytest.approx(log_probs.sum(), rel=1e-5)
     streamed = np.concatenate([o["output_log_probs"] for o, _ in pieces], axis=1)
     assert np.allclose(streamed, log_probs, atol=1e-6)
+    ids = out["output_token_ids"]  # [beams, tokens], paired with the log probs
+    assert ids.shape == log_probs.shape and codec.decode(ids[0].tolist()) == text_of(whole)
+    assert np.concatenate([o["output_token_ids"] for o, _ in pieces], axis=1).tolist() == ids.tolist()
     cums = [float(o["cum_log_probs"][0]) for o, _ in pieces]
     assert cums == sorted(cums, reverse=True) and cums[-1] == pytest.approx(float(out["cum_log_probs"][0]), rel=1e-5)
     quiet = run(orchestrator, request("Grüße aus München", **sampling))

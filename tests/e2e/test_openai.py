@@ -131,13 +131,53 @@ def test_errors_come_in_openais_shape(openai_server):
     client = openai.OpenAI(base_url=openai_server.openai_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
         client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        client.completions.create(model="ensemble", prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="chosen token only"):
+        client.completions.create(model="ensemble", prompt="hi", logprobs=2)
     with pytest.raises(openai.NotFoundError, match="served models: ensemble, speculative_decoding"):
         client.completions.create(model="gpt-4o", prompt="hi")
     with pytest.raises(openai.BadRequestError, match="exceeds max_model_len"):  # Triton's refusal, streamed or not
         client.completions.create(model="ensemble", prompt="hi", max_tokens=10**5, stream=True)
     assert [m.id for m in client.models.list()] == ["ensemble", "speculative_decoding"]
+
+
+def test_a_stop_string_ends_the_text_and_the_sequence(openai_server):
+    """The stop string is cut out of the greedy text, wherever tokens split it, and the sequence stops with it."""
+    client = openai.OpenAI(base_url=openai_server.openai_url, api_key="unused", max_retries=0)
+    prompt, max_tokens = PROMPTS[0], 1500
+    reference = generate_text(openai_server, prompt)
+    stop = reference[len(reference) // 2 :][:3]  # three characters from the middle, likely inside a token
+    before = output_tokens(openai_server)
+    for stream in (False, True):
+        kwargs = {"model": "speculative_decoding", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                  "stop": [stop], "extra_body": {"num_speculative_tokens": 1}}  # fmt: skip
+        if stream:
+            chunks = list(client.completions.create(**kwargs, stream=True))
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.completions.create(**kwargs).choices[0]
+            text, finish = choice.text, choice.finish_reason
+        assert text == reference[: reference.find(stop)] and finish == "stop", stream
+    wait_until_idle(openai_server, timeout_s=10)
+    generated = output_tokens(openai_server) - before
+    assert generated < max_tokens / 4, f"{generated} tokens generated for two requests that stopped within 32"
+
+
+def test_logprobs_several_choices_penalties_and_echo(openai_server):
+    client = openai.OpenAI(base_url=openai_server.openai_url, api_key="unused", max_retries=0)
+    prompt = PROMPTS[1]
+    completion = client.completions.create(model="speculative_decoding", prompt=prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0, logprobs=0)  # fmt: skip
+    greedy = completion.choices[0]
+    assert greedy.text == generate_text(openai_server, prompt)
+    assert "".join(greedy.logprobs.tokens) == greedy.text and all(lp <= 0 for lp in greedy.logprobs.token_logprobs)
+    assert greedy.logprobs.text_offset[0] == 0 and len(greedy.logprobs.tokens) == completion.usage.completion_tokens
+    sampled = client.completions.create(model="speculative_decoding", prompt=[prompt, PROMPTS[0]], n=2, seed=3,
+                                        max_tokens=8, temperature=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                                        extra_body={"repetition_penalty": 1.1})  # fmt: skip
+    assert [c.index for c in sampled.choices] == [0, 1, 2, 3] and all(c.text for c in sampled.choices)
+    best = client.completions.create(model="ensemble", prompt=prompt, best_of=3, max_tokens=8, temperature=0.9,
+                                     echo=True)  # fmt: skip
+    assert len(best.choices) == 1 and best.choices[0].text.startswith(prompt)
 
 
 def test_a_client_that_goes_away_cancels_the_sequence(openai_server):
