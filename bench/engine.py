@@ -23,19 +23,22 @@ from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepCapabilities, StepReport, StepScheduler
 from specdec.speculation_length import SpeculationLength
+from specdec.tree import DraftTree
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, VerifyRequest, VerifyResult
 
 
-def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cuda_graphs: bool | None):
+def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cuda_graphs: bool | None,
+                   tree: DraftTree | None = None):  # fmt: skip
     """The proposer of ``method`` from the checkpoints ``args`` names (``draft``, ``eagle3``,
-    ``mlp_speculator``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is."""
+    ``mlp_speculator``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is;
+    ``tree``: the static tree a head drafts (``speculative_token_tree``)."""
     if method == "draft_model":
         return DraftModelProposer(FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len,
                                                cuda_graphs=cuda_graphs))  # fmt: skip
     if method in HEAD_METHODS:
         path = args.eagle3 if method == "eagle3" else args.mlp_speculator
         return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
-                                   cuda_graphs=cuda_graphs if args.device != "cpu" else None)  # fmt: skip
+                                   cuda_graphs=cuda_graphs if args.device != "cpu" else None, tree=tree)  # fmt: skip
     return NgramProposer() if method == "ngram" else SuffixProposer()
 
 
@@ -64,7 +67,8 @@ class LocalStages:
     async def sample(self, calls: list[SampleCall]) -> list[SampleResult]:
         return [
             self.sampler(c.draft_token_ids, c.draft_probs, c.verify,
-                         c.seed if c.seed is not None else secrets.randbits(63), c.method, c.position)  # fmt: skip
+                         c.seed if c.seed is not None else secrets.randbits(63), c.method, c.position,
+                         c.parents)  # fmt: skip
             for c in calls
         ]
 

@@ -56,6 +56,7 @@ from specdec.heads import HEAD_METHODS  # noqa: E402
 from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
 from specdec.proposers.model_free import MODEL_FREE_METHODS  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
+from specdec.tree import parse_token_tree  # noqa: E402
 from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
 
@@ -63,6 +64,7 @@ MODEL_METHODS = ("draft_model", *HEAD_METHODS)
 METHODS = (*MODEL_METHODS, *MODEL_FREE_METHODS, *(m + SUFFIX_FIRST for m in MODEL_METHODS))
 HF_PLAIN = "hf plain"
 FOLLOW = "+follow"  # a configuration whose k follows each sequence's acceptance, under K
+TREE = "+tree"  # a head drafting --token-tree's first K nodes instead of a chain of K
 
 
 def parse_configs(text: str) -> list[tuple[str, int]]:
@@ -73,13 +75,18 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
             configs.append(("k0", 0))
             continue
         method, _, k = item.partition(":")
-        if method.removesuffix(FOLLOW) not in METHODS or not k.isdigit() or int(k) < 1:
-            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0, METHOD:K or METHOD{FOLLOW}:K with METHOD "
-                                             f"in {METHODS}, K >= 1")  # fmt: skip
+        if _base(method) not in METHODS or not k.isdigit() or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0, METHOD:K, METHOD{FOLLOW}:K or "
+                                             f"METHOD{TREE}:K with METHOD in {METHODS}, K >= 1")  # fmt: skip
         configs.append((method, int(k)))
     if ("k0", 0) not in configs:
         configs.insert(0, ("k0", 0))  # every ratio is against it
     return configs
+
+
+def _base(method: str) -> str:
+    """The method a configuration runs, without its ``+follow`` or ``+tree``."""
+    return method.removesuffix(FOLLOW).removesuffix(TREE)
 
 
 def parse_args() -> argparse.Namespace:
@@ -105,6 +112,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--suffix-min-score", type=float, default=DEFAULT_MIN_SCORE,
                    help="METHOD+suffix: the score at which suffix decoding's draft is taken")
     p.add_argument("--model-k", type=int, default=0, help="METHOD+suffix: the model's drafts per step (0: K)")
+    p.add_argument("--token-tree", default="[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]",
+                   help="METHOD+tree:K: the static tree (vLLM's speculative_token_tree) whose first K nodes are drafted")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--commit", default=None, help="the checkout's commit, recorded as given (default: git's; a copy without .git says unknown)")
@@ -172,7 +181,7 @@ class Run:
         print(f"[engine] loading {args.target} ({tag}) on {args.device}", flush=True)
         lm = FastCausalLM(args.target, args.dtype, args.device, self.max_num_seqs, self.max_model_len, cuda_graphs=graphs)
         verifier = TargetVerifier(lm)
-        proposers = {m: self._proposer(m, graphs) for m, k in args.configs if k}
+        proposers = {m: self._proposer(m, graphs) for m, k in args.configs if k}  # a +tree one is cut to each k
         self.times[tag] = step_times(lm, self.ks, args.prompt_tokens + args.max_tokens // 2, args.timing_repeats)
         self.floor = self.floor or roofline(lm, args.device)
         print(f"[engine] {tag} target step ms: " + ", ".join(f"{n} {ms:.2f}" for n, ms in self.times[tag].items()))
@@ -183,7 +192,7 @@ class Run:
             order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
             for c in args.concurrency:
                 for method, k in order:
-                    if method.removesuffix(FOLLOW) in MODEL_FREE_METHODS:  # a fresh suffix tree: phases repeat prompts
+                    if _base(method) in MODEL_FREE_METHODS:  # a fresh suffix tree: phases repeat prompts
                         proposers[method] = self._proposer(method, graphs)
                     phase = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
                     summary = phase.summary()
@@ -215,13 +224,13 @@ class Run:
         return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless}
 
     def _proposer(self, method: str, graphs: bool):
-        served = method_of(method.removesuffix(FOLLOW))
-        return build_proposer(served, self.args, self.max_num_seqs, self.max_model_len, graphs)
+        tree = parse_token_tree(self.args.token_tree) if method.endswith(TREE) else None
+        return build_proposer(method_of(_base(method)), self.args, self.max_num_seqs, self.max_model_len, graphs, tree)
 
     def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):
         """One phase of ``method``'s stages; a METHOD+suffix one with a fresh router (the phases repeat the prompts)."""
         stages = LocalStages(verifier, self.sampler, proposer)
-        if suffix_first(method.removesuffix(FOLLOW)):
+        if suffix_first(_base(method)):
             config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
             stages = SuffixFirstStages(stages, SuffixFirst(config))
         layers = getattr(proposer, "hidden_state_layers", ())

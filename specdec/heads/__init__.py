@@ -15,6 +15,7 @@ from specdec.methods import HEAD, names_of
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 from specdec.fast.llama import default_triton_attention
 from specdec.models import resolve_dtype
+from specdec.tree import DraftTree
 from specdec.types import ModelDescription
 
 HEAD_METHODS = names_of(HEAD)
@@ -48,8 +49,11 @@ def build_head_proposer(
     cpu_compile: bool = False,
     cuda_graphs: bool | None = None,
     max_model_len: int | None = None,
+    tree: DraftTree | None = None,
 ):
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
+
+    ``tree``: the static draft tree it drafts (``specdec.tree``; None or a chain: a chain).
 
     ``max_model_len``: the tokens a sequence may hold in the head's cache and feature buffer
     (None: the target's ``max_position_embeddings``, as vLLM sizes a head).
@@ -75,7 +79,9 @@ def build_head_proposer(
         if max_model_len is not None and max_model_len > positions:
             raise ValueError(f"max_model_len {max_model_len} exceeds target {str(target_path)!r}'s "
                              f"max_position_embeddings {positions}")  # fmt: skip
-        return Eagle3Proposer(head, max_num_seqs, max_model_len or positions, compiled, cuda_graphs)
+        return Eagle3Proposer(head, max_num_seqs, max_model_len or positions, compiled, cuda_graphs, tree)
+    if tree is not None and not tree.is_chain:
+        raise ValueError(f"speculative_token_tree: method {method!r} drafts a chain only; trees are drafted by eagle3")
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 

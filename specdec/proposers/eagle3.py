@@ -24,7 +24,7 @@ few sequences.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -36,7 +36,9 @@ from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.proposers.eagle3_tree import draft_tree
 from specdec.sampling import make_generator, process_logits, sample_from_probs
+from specdec.tree import DraftTree
 from specdec.types import Proposal, ProposeRequest, SamplingParams
 
 
@@ -51,12 +53,14 @@ class Eagle3Proposer:
     method = "eagle3"
 
     def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 cpu_compile: bool = False, cuda_graphs: bool | None = None):  # fmt: skip
+                 cpu_compile: bool = False, cuda_graphs: bool | None = None, tree: DraftTree | None = None):  # fmt: skip
         """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only);
         ``cuda_graphs``: passes of up to ``DEFAULT_GRAPH_NUM_TOKENS`` tokens per row replay captured graphs
-        (None: wherever the head is on CUDA)."""
+        (None: wherever the head is on CUDA); ``tree``: draft this static tree (``eagle3_tree``), cut to
+        each request's ``num_tokens`` nodes, instead of a chain."""
         config = head.config
         self.head = head
+        self.tree = tree if tree is not None and not tree.is_chain else None
         self.device = head.device
         self.max_model_len = max_model_len or config.layer.max_position_embeddings
         self.max_num_seqs = max_num_seqs
@@ -145,7 +149,11 @@ class Eagle3Proposer:
             for r in drafting:  # the next call rebuilds the rows from the features kept
                 self._seqs[r.seq_id].rows = 0
             raise
-        return proposals_in_order(requests, drafting, drafts, q_rows)
+        proposals = proposals_in_order(requests, drafting, drafts, q_rows)
+        if self.tree is None:
+            return proposals
+        return [replace(p, parents=self.tree.first(len(p.token_ids)).parents) if len(p.token_ids) else p
+                for p in proposals]  # fmt: skip
 
     def _check(self, requests: list[ProposeRequest]) -> None:
         """Refuse, before any state moves, features that do not fit the head or leave a gap."""
@@ -256,6 +264,9 @@ class Eagle3Proposer:
         for seq in seqs:
             seq.rows = len(seq.tokens) - 1
         bans = self._ban_masks(requests)
+        if self.tree is not None:
+            bases = [len(seq.tokens) - 2 for seq in seqs]
+            return draft_tree(self, requests, bases, logits, prenorm, bans, self.tree), [[] for _ in requests]
         if self._uniform_greedy(requests):
             return self._draft_greedy_on_device(requests, seqs, logits, prenorm, bans), [[] for _ in requests]
         generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]

@@ -1,0 +1,111 @@
+"""EAGLE-3 drafting a static token tree (``specdec.tree``), one head pass per level of the tree.
+
+After the head has caught up on a sequence's verified rows (``Eagle3Proposer._draft``), the
+last row's logits rank the root's children: the node whose path ends in rank ``r`` takes
+the ``r``-th most probable token (EAGLE-2's and vLLM's static-tree rule: the drafter's
+top-k at every node). To rank a node's own children the head runs that node as a row, fed
+its token and the pre-norm output of its parent's row, as a chain step feeds the token
+drafted before; every node of one depth runs in one pass, for every sequence at once.
+
+A level's rows are written to the head's cache at distinct positions, node ``j`` at
+``base + 1 + j`` (``base``: the last verified row), and rotate at ``base + depth``; each
+row attends to the verified rows and to its own ancestors' rows (``TreeAttention``), so it
+sees what the same node would see as the last draft of a chain. The rows past ``base`` are
+never kept: the next call cuts the cache back to the rows built from the target's features,
+as after a chain. Leaves need no pass, so a tree of depth ``D`` costs ``D - 1`` passes.
+
+Children are chosen, not sampled, for greedy and sampled requests alike: the tree's
+verification (``specdec.tree_sampler``) is lossless for any choice, so no ``q`` is sent.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.fast.llama import TreeAttention
+from specdec.tree import DraftTree, tree_visibility
+from specdec.types import ProposeRequest
+
+
+def draft_tree(proposer, requests: list[ProposeRequest], bases: list[int], logits: torch.Tensor,
+               prenorm: torch.Tensor, bans, tree: DraftTree) -> list[list[int]]:  # fmt: skip
+    """Each request's tree tokens, breadth-first: ``tree`` cut to its ``num_tokens`` nodes.
+
+    ``proposer`` is the ``Eagle3Proposer`` (its head, cache and id maps); ``logits``
+    ``[B, draft_vocab]`` and ``prenorm`` ``[B, h]`` are each sequence's last verified row's.
+    """
+    trees = [tree.first(r.num_tokens) for r in requests]
+    ranks = max(t.max_rank for t in trees)
+    b = len(requests)
+    tokens: list[list[int]] = [[] for _ in requests]  # target ids, node order
+    # per sequence, per node that has run: the target ids its children rank from, and its row's pre-norm
+    node_logits: list[dict[int, torch.Tensor]] = [{} for _ in requests]
+    node_prenorm: list[dict[int, torch.Tensor]] = [{} for _ in requests]
+    root_top = _top_targets(proposer, logits, ranks, 0, bans).tolist()  # [B][ranks] target ids
+    for depth in range(1, max(t.max_depth for t in trees) + 1):
+        level = [[j for j, d in enumerate(t.depths) if d == depth] for t in trees]
+        for i, t in enumerate(trees):  # this depth's tokens, ranked under each node's parent
+            parents = t.parents
+            for j in level[i]:
+                parent = parents[j]
+                top = root_top[i] if parent < 0 else node_logits[i][parent]
+                tokens[i].append(int(top[t.paths[j][-1]]))
+        running = [i for i in range(b) if any(_has_children(trees[i], j) for j in level[i])]
+        if not running:
+            continue
+        out_logits, out_prenorm = _level_pass(proposer, requests, bases, trees, level, tokens, prenorm, node_prenorm,
+                                              running, depth)  # fmt: skip
+        width = out_logits.shape[1]
+        top = _top_targets(proposer, out_logits.flatten(0, 1), ranks, depth, bans,
+                           rows=[i for i in running for _ in range(width)])  # fmt: skip
+        top = top.view(len(running), width, ranks).tolist()  # the level's one copy to the host
+        for row, i in enumerate(running):
+            for s, j in enumerate(level[i]):
+                node_logits[i][j] = top[row][s]
+                node_prenorm[i][j] = out_prenorm[row, s]
+    return tokens
+
+
+def _has_children(tree: DraftTree, node: int) -> bool:
+    return node in tree.parents
+
+
+def _level_pass(proposer, requests, bases, trees, level, tokens, root_prenorm, node_prenorm, running, depth):
+    """One head pass over the nodes of ``depth`` of each running sequence: logits ``[R, S, draft_vocab]``
+    and pre-norm ``[R, S, h]``, row ``s`` of a sequence being its ``s``-th node of the level."""
+    device = proposer.device
+    width = max(len(level[i]) for i in running)
+    span = max(trees[i].num_nodes for i in running)  # tree positions a row may see
+    ids = torch.zeros(len(running), width, dtype=torch.long)
+    hidden = torch.zeros(len(running), width, root_prenorm.shape[-1], dtype=root_prenorm.dtype, device=device)
+    visible = torch.zeros(len(running), width, span, dtype=torch.bool)
+    starts, num_new, slots, tree_base = [], [], [], []
+    for row, i in enumerate(running):
+        t, nodes = trees[i], level[i]
+        parents = t.parents
+        ids[row, : len(nodes)] = torch.tensor([tokens[i][j] for j in nodes])
+        for s, j in enumerate(nodes):
+            parent = parents[j]
+            hidden[row, s] = root_prenorm[i] if parent < 0 else node_prenorm[i][parent]
+        seen = tree_visibility(parents)[1:, 1:]  # [n, n]: node sees node (the root's row is verified, below base)
+        visible[row, : len(nodes), : t.num_nodes] = seen[nodes[0] : nodes[-1] + 1]
+        visible[row, len(nodes) :, 0] = True  # padding rows see something: no empty softmax
+        starts.append(bases[i] + 1 + nodes[0])
+        num_new.append(len(nodes))
+        slots.append(proposer.cache.slot(requests[i].seq_id))
+        tree_base.append(bases[i] + 1)
+    host = torch.tensor([starts, num_new, slots, tree_base], dtype=torch.long)
+    starts_t, num_new_t, slots_t, base_t = host.to(device, non_blocking=True)  # [R] each
+    positions = (base_t + depth - 1)[:, None].expand(len(running), width)  # [R, S]: a depth-d node rotates at base + d
+    tree = TreeAttention(base_t, positions.contiguous(), visible.to(device, non_blocking=True))
+    kv_len = max(bases[i] + 1 + trees[i].num_nodes for i in running)
+    return proposer._head_forward(ids.to(device, non_blocking=True), hidden, starts_t, num_new_t, slots_t,
+                                  proposer.cache.kv, kv_len, tree)  # fmt: skip
+
+
+def _top_targets(proposer, logits: torch.Tensor, ranks: int, depth: int, bans, rows: list[int] | None = None):
+    """The ``ranks`` most probable target ids of each row of ``logits`` ``[n, draft_vocab]``, banned ids masked
+    where ``min_tokens`` binds the draft at this depth (output index ``depth`` past the step's first)."""
+    if bans is not None:
+        mask, num_banned = bans if rows is None else (bans[0][rows], bans[1][rows])
+        logits = logits.masked_fill(mask & (depth < num_banned)[:, None], float("-inf"))
+    return proposer._draft_targets[logits.topk(ranks, dim=-1).indices]  # [n, ranks]
