@@ -395,8 +395,9 @@ def generate(
             verify_result = verifier.verify([state.verify_request(proposal)])[0]
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
+            tree = {} if proposal.parents is None else {"parents": proposal.parents}  # a chain's sampler needs no more
             result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed(),
-                             position=state.sample_position(), parents=proposal.parents)  # fmt: skip
+                             position=state.sample_position(), **tree)  # fmt: skip
             output = state.commit(proposal, result, verify_result)
             completed = state.finished
             yield output

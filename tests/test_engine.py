@@ -170,7 +170,7 @@ def test_release_on_finish_early_close_and_errors(target_model, draft_model):
     run(proposer, verifier, PROMPT, params)
     assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
 
-    def failing_sampler(draft_ids, draft_probs, verify, seed, position=None, parents=None):
+    def failing_sampler(draft_ids, draft_probs, verify, seed, position=None):
         if len(draft_ids):
             raise RuntimeError("sampler failed")
         return RejectionSampler()(draft_ids, draft_probs, verify, seed)
