@@ -16,6 +16,12 @@ every ``interval_s``, and at once when a request's error names a dead stub
    and an orchestrator such as Kubernetes restarts it. A server that stays up with a
    dead stub would answer ``/v2/health/ready`` with 200 and fail every request.
 
+The same thread asks, at each check, whether the server is stopping
+(:class:`~specdec_triton.server_stop.ServerStopWatch`). Once it is, every request in flight
+ends at once with UNAVAILABLE ("the server is shutting down"), whichever way it came
+in, and nothing more is recovered: Triton unloads its models only once no request is
+in flight through an ``ensemble``, so the drain cannot wait for ``finalize``.
+
 Nothing here imports Triton: the reload and stop actions are given to it.
 """
 from __future__ import annotations
@@ -26,8 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec_triton.health import StubWatch, dead_stub_in
+from specdec_triton.server_stop import SERVER_NOT_READY
 
 ON_STUB_FAILURE = ("reload", "stop")
+SHUTTING_DOWN = "the server is shutting down"  # why requests end once the server stops
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class RecoveryActions:
     stop_server: Callable[[], None]  # asks the server to shut down
     log: Callable[[str], None]
     log_error: Callable[[str], None]
+    server_stopping: Callable[[], bool] = lambda: False  # the server was told to stop (SIGTERM, SIGINT)
 
 
 class Supervisor:
@@ -64,8 +73,8 @@ class Supervisor:
         self._thread.join(timeout_s)
 
     def poke(self, error_message: str) -> None:
-        """A request failed with ``error_message``: check now if it names a dead stub."""
-        if dead_stub_in(error_message) is not None:
+        """A request failed with ``error_message``: check now if it names a dead stub or a stopping server."""
+        if dead_stub_in(error_message) is not None or SERVER_NOT_READY in error_message:
             self._wake.set()
 
     def _run(self) -> None:
@@ -73,6 +82,9 @@ class Supervisor:
             self._wake.wait(self.interval_s)
             self._wake.clear()
             if self._closed.is_set() or self.stopping:
+                continue
+            if self.actions.server_stopping():
+                self.drain()
                 continue
             dead = self.watch.dead()
             if dead:
@@ -97,6 +109,12 @@ class Supervisor:
                 self.actions.log_error(f"{', '.join(still_dead)} still not running after a reload; stopping the server")
         self.stopping = True
         self.actions.stop_server()
+
+    def drain(self) -> None:
+        """The server is stopping: end every request now, refuse new ones, recover nothing more."""
+        self.stopping = True
+        self.actions.log("the server is shutting down: ending every request in flight")
+        self.call_on_loop(self.orchestrator.stop_serving, SHUTTING_DOWN)
 
     def call_on_loop(self, function: Callable, *args) -> None:
         """Run ``function`` on the orchestrator's loop and wait for it; directly when no loop serves yet."""
