@@ -5,12 +5,14 @@ Four long greedy streams decode through ``ensemble`` (what clients use) or throu
 Each stream must get a final answer from the model (its text, or UNAVAILABLE "the
 server is shutting down"), Triton must unload every model by itself, well within its
 exit timeout rather than by its forced exit ("Exit timeout expired"), and no process
-of the server may remain 20 s after the signal.
+of the server may remain 20 s after the signal, nor any file it kept: its secret, its
+models' process ids and configurations, their socket directories.
 """
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,6 +42,13 @@ def session_processes(session: int) -> list[int]:
         if int(fields[3]) == session and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
+
+
+def files_of(server_pid: int, stub_pids: list[int]) -> list[str]:
+    """What the server keeps in the temporary directory: ``specdec-<its pid>-*`` files, its stubs' socket directories."""
+    names = os.listdir(tempfile.gettempdir())
+    return [name for name in names if name.startswith(f"specdec-{server_pid}-")
+            or any(name.startswith("specdec-") and f"-{pid}-" in name for pid in stub_pids)]  # fmt: skip
 
 
 def streams_stopped(server, model: str) -> tuple[list[tuple[float | None, str]], float, list[int]]:
@@ -95,6 +104,8 @@ def stopped_server(tmp_path):
 def test_sigterm_answers_every_stream_and_leaves_no_process(stopped_server, model):
     server = stopped_server
     generate_grpc(server.grpc_url, model, PROMPTS[0], {"max_tokens": 8})  # warm up every model
+    stubs = [pid for pid in session_processes(server.pid) if pid != server.pid]
+    assert files_of(server.pid, stubs), "the server keeps no file where this test looks"
     ends, exited, left = streams_stopped(server, model)
     code, log = server.process.returncode, server.log_path.read_text(errors="replace")
     print(f"{model}: tritonserver exited {exited:.1f} s after SIGTERM (code {code}); stream ends: "
@@ -104,3 +115,5 @@ def test_sigterm_answers_every_stream_and_leaves_no_process(stopped_server, mode
     assert "Exit timeout expired" not in log, server.log_tail()
     assert code == 0, server.log_tail()
     assert not left, f"processes of the server alive {GONE_WITHIN_S:g} s after SIGTERM: {left}"
+    assert not files_of(server.pid, stubs), "files left by a server that stopped cleanly"
+

@@ -19,7 +19,7 @@ from specdec_triton import wire
 from specdec_triton.model_stages import ModelStages
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.health import StubWatch, reload_config
-from specdec_triton.internal import boot_secret
+from specdec_triton.internal import boot_secret, remove_server_files
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
 from specdec_triton.orchestrator import Orchestrator
 from specdec_triton.plumbing import (
@@ -118,4 +118,6 @@ class TritonPythonModel:
             self.logger.info(f"shutting down: ending {self.orchestrator.num_active_requests} request(s) in flight")
             self.supervisor.call_on_loop(self.orchestrator.stop_serving, SHUTTING_DOWN)
         self.model_stages.close()
+        if self.stop_watch.check():  # not on an unload by the repository API: the models keep using them
+            remove_server_files()
         self.logger.info("unloaded")
