@@ -7,7 +7,8 @@ every ``interval_s``, and at once when a request's error names a dead stub
 1. fails every request in flight with UNAVAILABLE and refuses new ones
    (:meth:`~specdec_triton.orchestrator.Orchestrator.stage_failed`, run on the
    orchestrator's event loop), so no client waits for a model that will not answer;
-2. reloads the dead models (``pb_utils.load_model``; Triton allows it under
+2. reloads the dead models (``pb_utils.unload_model``, then ``load_model``, so that
+   Triton's strict readiness answers not ready while they load; Triton allows it under
    ``--model-control-mode=explicit``, which ``scripts/serve.sh`` sets) and, once they
    answer, serves again with a fresh scheduler;
 3. where it cannot reload (another model control mode, or the load fails), or with

@@ -58,13 +58,20 @@ class TritonPythonModel:
         self.stop_watch = ServerStopWatch(http_liveness())  # Triton's HTTP liveness: refused once stopping
         if not self.stop_watch.watching:
             self.logger.info("no HTTP endpoint to watch: streams through ensemble end only at the exit timeout")
-        actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=reload_config(m)),
+        actions = RecoveryActions(reload=self._reload,
                                   stop_server=lambda: os.kill(os.getppid(), signal.SIGTERM),
                                   log=self.logger.info, log_error=self.logger.error,
                                   server_stopping=self.stop_watch.check)  # fmt: skip
         self.supervisor = Supervisor(self.orchestrator, StubWatch(WATCHED), actions, config.on_stub_failure,
                                      config.health_check_interval_s).start()  # fmt: skip
         self.logger.info(str(config))
+
+    @staticmethod
+    def _reload(model):
+        """Unloaded first, so the load is a fresh one: Triton counts the model loading, and strict readiness
+        (``/v2/health/ready``) answers not ready until it serves; a reload of a loaded model would keep it ready."""
+        pb_utils.unload_model(model)  # returns at once; the dead process's instance unloads in the background
+        pb_utils.load_model(model_name=model, config=reload_config(model))
 
     def _stages(self, repository_dir, stage_calls):
         """Requests to the composing models; with run_with_target, target_verifier holds the draft too."""
