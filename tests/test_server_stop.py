@@ -5,6 +5,8 @@ import http.server
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 from bench.server import free_port
 from specdec_triton.server_stop import ServerStopWatch, http_liveness
@@ -32,8 +34,12 @@ class Live(http.server.BaseHTTPRequestHandler):
 
 
 def a_server_process(*args: str) -> subprocess.Popen:
-    """A process whose command line reads as tritonserver's, with ``args``."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    """A process whose command line reads as tritonserver's, with ``args``; returned once it does (after exec)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    deadline = time.monotonic() + 10
+    while args[-1].encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process
 
 
 def test_the_question_goes_to_the_servers_http_port_with_its_health_key():
