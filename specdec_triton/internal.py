@@ -16,6 +16,12 @@ processes of this server can read:
 * the orchestrator sends it with every BLS call; a request without it, or with another
   value, is refused with an error that names the model as internal.
 
+Nothing is left per boot: the model that creates the secret removes what servers that
+no longer run left (:func:`remove_dead_servers_files`: their secrets, their models'
+``.pid`` and ``.json`` files, their models' socket directories), and the orchestrator
+removes this server's own files when the server stops cleanly (:func:`remove_server_files`).
+A live server's files are never touched: each name carries its process's identity.
+
 A describe request needs no secret: it only reports the model's limits. The stateless
 models (tokenizer, detokenizer, rejection_sampler) stay callable on their own. This is
 a guard against clients of the public ports, not against code running as the server's
@@ -25,7 +31,9 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import secrets
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +78,47 @@ def remove_dead_servers_files(directory: Path, keep: Path | None = None) -> None
         dead = process_identity(int(pid)) != identity if start else proc and not Path(f"/proc/{pid}").exists()
         if dead and path.is_file() and path != keep:
             path.unlink(missing_ok=True)
+    remove_dead_socket_directories()
+
+
+# a model's socket directory (specdec_triton.socket_calls): specdec-<model>-<its process id>-<mkdtemp's random characters>
+_SOCKET_DIRECTORY = re.compile(r"specdec-(?P<model>.+)-(?P<pid>\d+)-[A-Za-z0-9_]+")
+
+
+def remove_dead_socket_directories(model: str | None = None, directory: Path | None = None) -> None:
+    """Delete the socket directories of model processes that are gone (``model``'s only, if given).
+
+    A stub that stopped cleanly removed its own; a killed one, or one of a killed server,
+    could not.
+    """
+    directory = directory or Path(tempfile.gettempdir())
+    for entry in os.scandir(directory):
+        match = _SOCKET_DIRECTORY.fullmatch(entry.name)
+        if not match or (model is not None and match.group("model") != model):
+            continue
+        if entry.is_dir(follow_symlinks=False) and not _exists(int(match.group("pid"))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def remove_server_files(server_pid: int | None = None) -> None:
+    """Delete this server's secret and its models' files: called once the server is stopping, by the orchestrator.
+
+    Never before: a model reloaded after a fault reads the secret and writes its process id again.
+    """
+    secret = secret_path(server_pid)
+    for path in secret.parent.glob(f"{secret.stem}.*"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's process
+        pass
+    return True
 
 
 def boot_secret(path: Path | None = None) -> str:

@@ -7,7 +7,8 @@ every ``interval_s``, and at once when a request's error names a dead stub
 1. fails every request in flight with UNAVAILABLE and refuses new ones
    (:meth:`~specdec_triton.orchestrator.Orchestrator.stage_failed`, run on the
    orchestrator's event loop), so no client waits for a model that will not answer;
-2. reloads the dead models (``pb_utils.load_model``; Triton allows it under
+2. reloads the dead models (``pb_utils.unload_model``, then ``load_model``, so that
+   Triton's strict readiness answers not ready while they load; Triton allows it under
    ``--model-control-mode=explicit``, which ``scripts/serve.sh`` sets) and, once they
    answer, serves again with a fresh scheduler;
 3. where it cannot reload (another model control mode, or the load fails), or with
@@ -15,6 +16,12 @@ every ``interval_s``, and at once when a request's error names a dead stub
    then reports not ready at once and exits, so a load balancer stops routing to it
    and an orchestrator such as Kubernetes restarts it. A server that stays up with a
    dead stub would answer ``/v2/health/ready`` with 200 and fail every request.
+
+The same thread asks, at each check, whether the server is stopping
+(:class:`~specdec_triton.server_stop.ServerStopWatch`). Once it is, every request in flight
+ends at once with UNAVAILABLE ("the server is shutting down"), whichever way it came
+in, and nothing more is recovered: Triton unloads its models only once no request is
+in flight through an ``ensemble``, so the drain cannot wait for ``finalize``.
 
 Nothing here imports Triton: the reload and stop actions are given to it.
 """
@@ -26,8 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec_triton.health import StubWatch, dead_stub_in
+from specdec_triton.server_stop import SERVER_NOT_READY
 
 ON_STUB_FAILURE = ("reload", "stop")
+SHUTTING_DOWN = "the server is shutting down"  # why requests end once the server stops
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class RecoveryActions:
     stop_server: Callable[[], None]  # asks the server to shut down
     log: Callable[[str], None]
     log_error: Callable[[str], None]
+    server_stopping: Callable[[], bool] = lambda: False  # the server was told to stop (SIGTERM, SIGINT)
 
 
 class Supervisor:
@@ -64,8 +74,8 @@ class Supervisor:
         self._thread.join(timeout_s)
 
     def poke(self, error_message: str) -> None:
-        """A request failed with ``error_message``: check now if it names a dead stub."""
-        if dead_stub_in(error_message) is not None:
+        """A request failed with ``error_message``: check now if it names a dead stub or a stopping server."""
+        if dead_stub_in(error_message) is not None or SERVER_NOT_READY in error_message:
             self._wake.set()
 
     def _run(self) -> None:
@@ -73,6 +83,9 @@ class Supervisor:
             self._wake.wait(self.interval_s)
             self._wake.clear()
             if self._closed.is_set() or self.stopping:
+                continue
+            if self.actions.server_stopping():
+                self.drain()
                 continue
             dead = self.watch.dead()
             if dead:
@@ -97,6 +110,12 @@ class Supervisor:
                 self.actions.log_error(f"{', '.join(still_dead)} still not running after a reload; stopping the server")
         self.stopping = True
         self.actions.stop_server()
+
+    def drain(self) -> None:
+        """The server is stopping: end every request now, refuse new ones, recover nothing more."""
+        self.stopping = True
+        self.actions.log("the server is shutting down: ending every request in flight")
+        self.call_on_loop(self.orchestrator.stop_serving, SHUTTING_DOWN)
 
     def call_on_loop(self, function: Callable, *args) -> None:
         """Run ``function`` on the orchestrator's loop and wait for it; directly when no loop serves yet."""

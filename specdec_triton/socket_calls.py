@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from specdec_triton.internal import remove_dead_socket_directories
 from specdec_triton.plumbing import ModelLogger, RequestError, ServingError
 
 _LENGTH = struct.Struct("<I")  # the header's length
@@ -102,7 +103,7 @@ class SocketCallServer:
 
     def __init__(self, name: str, handler: Handler, logger: ModelLogger):
         self.name, self.handler, self.logger = name, handler, logger
-        _remove_stale_directories(name)
+        remove_dead_socket_directories(name)  # earlier processes of this model that died without close
         # mode 0700: the server's user only; named by this process, so a successor can tell it is gone
         self._directory = tempfile.mkdtemp(prefix=f"specdec-{name}-{os.getpid()}-")
         self.address = os.path.join(self._directory, "calls.sock")
@@ -178,25 +179,6 @@ class SocketCallServer:
             kind = "unavailable" if isinstance(err, ServingError) else "invalid" if isinstance(err, ValueError) else "internal"
             message = str(err) if kind != "internal" else f"{type(err).__name__}: {err}"
             return encode({"error": message, "kind": kind})
-
-
-def _remove_stale_directories(name: str) -> None:
-    """The socket directories of this model's earlier processes that died without ``close`` (a killed stub)."""
-    prefix = f"specdec-{name}-"
-    for entry in os.scandir(tempfile.gettempdir()):
-        pid = entry.name[len(prefix):].split("-", 1)[0] if entry.name.startswith(prefix) else ""
-        if pid.isdigit() and entry.is_dir(follow_symlinks=False) and not _alive(int(pid)):
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # no signal: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, as another user's process
-        pass
-    return True
 
 
 def _receive(connection: socket.socket) -> tuple[dict | None, bytearray]:

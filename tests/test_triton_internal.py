@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from specdec_triton import wire
-from specdec_triton.internal import boot_secret, is_authorized, process_identity, secret_path
+from specdec_triton.internal import (
+    boot_secret, is_authorized, process_identity, remove_dead_socket_directories, remove_server_files, secret_path,
+)  # fmt: skip
 from specdec_triton.plumbing import RequestError
 
 
@@ -43,6 +45,32 @@ def test_files_of_servers_that_stopped_are_removed_when_a_server_boots(tmp_path)
         path.write_text("1")
     boot_secret(tmp_path / f"specdec-{mine}.secret")
     assert all(p.exists() for p in keep) and not any(p.exists() for p in drop)
+
+
+def test_socket_directories_of_processes_that_are_gone_are_removed(tmp_path):
+    gone = 2**22 + 1
+    keep = [tmp_path / f"specdec-target_verifier-{os.getpid()}-abcd_123", tmp_path / f"specdec-x-{gone}"]
+    drop = [tmp_path / f"specdec-target_verifier-{gone}-abcd_123", tmp_path / f"specdec-draft_proposer-{gone}-zz9_0000"]
+    for path in keep + drop:
+        path.mkdir()
+        (path / "calls.sock").write_text("")
+    remove_dead_socket_directories("target_verifier", tmp_path)  # one model's, as a model at load
+    assert all(p.exists() for p in keep + drop[1:]) and not drop[0].exists()
+    remove_dead_socket_directories(directory=tmp_path)  # every model's, as a booting server
+    assert all(p.exists() for p in keep) and not any(p.exists() for p in drop)
+
+
+def test_a_server_that_stops_removes_its_own_files_and_no_others(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_SECRET_DIR", str(tmp_path))
+    mine = secret_path(os.getpid())
+    boot_secret(mine)
+    files = [mine.with_name(f"{mine.stem}.{model}.pid") for model in ("tokenizer", "target_verifier")]
+    files.append(files[0].with_suffix(".json"))
+    other = tmp_path / f"specdec-{os.getppid()}-{process_identity(os.getppid()).split('-')[-1]}.secret"  # a live one
+    for path in files + [other]:
+        path.write_text("1")
+    remove_server_files(os.getpid())
+    assert not mine.exists() and not any(p.exists() for p in files) and other.exists()
 
 
 def test_an_empty_secret_file_is_an_error_not_an_open_door(tmp_path, monkeypatch):

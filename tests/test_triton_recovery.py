@@ -130,6 +130,9 @@ class FakeOrchestrator:
     def recovered(self):
         self.events.append(("recovered",))
 
+    def stop_serving(self, why):
+        self.events.append(("stopped", why))
+
 
 class FixedWatch:
     def __init__(self, *answers):
@@ -187,6 +190,25 @@ def test_the_supervisor_thread_reacts_to_a_death(tmp_path):
     finally:
         supervisor.close()
     assert orchestrator.events == [("failed", ("rejection_sampler",)), ("recovered",)] and not stopped
+
+
+def test_a_stopping_server_ends_every_request_and_recovers_nothing_more():
+    orchestrator, stopping = FakeOrchestrator(), [False]
+    actions = RecoveryActions(reload=lambda model: None, stop_server=lambda: None, log=lambda m: None,
+                              log_error=lambda m: None, server_stopping=lambda: stopping[0])  # fmt: skip
+    watch = FixedWatch([])
+    supervisor = Supervisor(orchestrator, watch, actions, "reload", interval_s=0.01).start()
+    try:
+        time.sleep(0.05)
+        stopping[0] = True
+        deadline = time.monotonic() + 5
+        while not orchestrator.events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        watch.answers = [["target_verifier"]]  # a stub that exits with the server is not reloaded
+        time.sleep(0.05)
+    finally:
+        supervisor.close()
+    assert orchestrator.events == [("stopped", "the server is shutting down")] and supervisor.stopping
 
 
 def test_unknown_on_stub_failure_is_refused():

@@ -120,6 +120,19 @@ def test_a_killed_stub_fails_its_requests_at_once_and_is_reloaded(fault_server, 
     assert stop_seconds(server) < STOP_WITHIN_S
 
 
+def test_readiness_is_false_while_a_killed_model_reloads(fault_server, reference):
+    """Triton's strict readiness turns false while the dead model loads again, and true once it serves."""
+    server = fault_server
+    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
+    os.kill(stub_pid(server, "target_verifier"), signal.SIGKILL)
+    seconds, unready = serves_again(server, reference, RECOVERY_TIMEOUT_S)
+    deadline = time.monotonic() + 30
+    while not server.is_ready() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print(f"serving again {seconds:.1f} s after the kill; readiness false meanwhile: {unready}")
+    assert unready and server.is_ready()
+
+
 @pytest.fixture
 def beside_server(tmp_path):
     """The shipped EAGLE-3 head in target_verifier's process (draft_proposer's run_with_target)."""

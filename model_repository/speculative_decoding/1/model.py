@@ -19,23 +19,23 @@ from specdec_triton import wire
 from specdec_triton.model_stages import ModelStages
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.health import StubWatch, reload_config
-from specdec_triton.internal import boot_secret
+from specdec_triton.internal import boot_secret, remove_server_files
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
 from specdec_triton.orchestrator import Orchestrator
 from specdec_triton.plumbing import (
     BlsError, ModelLogger, ParameterError, Parameters, ServingError, cancellation_check, error_response, make_response,
     request_inputs,
 )  # fmt: skip
-from specdec_triton.recovery import RecoveryActions, Supervisor
+from specdec_triton.recovery import SHUTTING_DOWN, RecoveryActions, Supervisor
 from specdec_triton.drafters import read_draft_beside_target
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
+from specdec_triton.server_stop import SERVER_NOT_READY, ServerStopWatch, http_liveness
 from specdec_triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WATCHED = (wire.TOKENIZER, wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER, wire.REJECTION_SAMPLER)
-SERVER_STOPPING = "Server not ready"  # how Triton answers a BLS call after SIGTERM
-DRAIN_S = 5.0  # at shutdown, requests in flight this much longer get a final error; within Triton's exit timeout
+DRAIN_S = 5.0  # in finalize, requests still in flight this much longer get a final error; within the exit timeout
 
 
 class TritonPythonModel:
@@ -55,12 +55,23 @@ class TritonPythonModel:
             ActiveSequences(name), log=self.logger.info,
             suffix_gauges=SuffixCacheGauges(name),  # method suffix runs here (specdec.proposers.model_free)
         )
-        actions = RecoveryActions(reload=lambda m: pb_utils.load_model(model_name=m, config=reload_config(m)),
+        self.stop_watch = ServerStopWatch(http_liveness())  # Triton's HTTP liveness: refused once stopping
+        if not self.stop_watch.watching:
+            self.logger.info("no HTTP endpoint to watch: streams through ensemble end only at the exit timeout")
+        actions = RecoveryActions(reload=self._reload,
                                   stop_server=lambda: os.kill(os.getppid(), signal.SIGTERM),
-                                  log=self.logger.info, log_error=self.logger.error)  # fmt: skip
+                                  log=self.logger.info, log_error=self.logger.error,
+                                  server_stopping=self.stop_watch.check)  # fmt: skip
         self.supervisor = Supervisor(self.orchestrator, StubWatch(WATCHED), actions, config.on_stub_failure,
                                      config.health_check_interval_s).start()  # fmt: skip
         self.logger.info(str(config))
+
+    @staticmethod
+    def _reload(model):
+        """Unloaded first, so the load is a fresh one: Triton counts the model loading, and strict readiness
+        (``/v2/health/ready``) answers not ready until it serves; a reload of a loaded model would keep it ready."""
+        pb_utils.unload_model(model)  # returns at once; the dead process's instance unloads in the background
+        pb_utils.load_model(model_name=model, config=reload_config(model))
 
     def _stages(self, repository_dir, stage_calls):
         """Requests to the composing models; with run_with_target, target_verifier holds the draft too."""
@@ -97,8 +108,8 @@ class TritonPythonModel:
             self.supervisor.poke(str(err))
             if isinstance(err, SequenceCancelled) and time.monotonic() > deadline:
                 err = SequenceCancelled(f"{err}: it ran longer than max_request_seconds={limit:g}")
-            elif isinstance(err, BlsError) and SERVER_STOPPING in str(err):  # Triton refuses BLS calls once stopping
-                err = ServingError(f"the server is shutting down; the request was not finished ({err})")
+            elif isinstance(err, BlsError) and SERVER_NOT_READY in str(err):  # Triton refuses BLS calls once stopping
+                err = ServingError(f"{SHUTTING_DOWN}; the request was not finished ({err})")
             if not isinstance(err, (ValueError, BlsError, SequenceCancelled, ServingError)):
                 self.logger.error(f"request failed: {err!r}")
             if not finished:
@@ -112,6 +123,8 @@ class TritonPythonModel:
             time.sleep(0.05)
         if self.orchestrator.num_active_requests:
             self.logger.info(f"shutting down: ending {self.orchestrator.num_active_requests} request(s) in flight")
-            self.supervisor.call_on_loop(self.orchestrator.stop_serving, "the server is shutting down")
+            self.supervisor.call_on_loop(self.orchestrator.stop_serving, SHUTTING_DOWN)
         self.model_stages.close()
+        if self.stop_watch.check():  # not on an unload by the repository API: the models keep using them
+            remove_server_files()
         self.logger.info("unloaded")
