@@ -19,7 +19,7 @@ from bench.stats import Acceptance, RequestTiming, latency_summary, source_figur
 from specdec.engine import GenerationParams, SequenceState
 from specdec.fast import FastCausalLM
 from specdec.heads import HEAD_METHODS, build_head_proposer
-from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
+from specdec.proposers import DraftModelProposer, NgramProposer, SuffixConfig, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepCapabilities, StepReport, StepScheduler
 from specdec.speculation_length import SpeculationLength
@@ -39,7 +39,9 @@ def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cud
         path = args.eagle3 if method == "eagle3" else args.mlp_speculator
         return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
                                    cuda_graphs=cuda_graphs if args.device != "cpu" else None, tree=tree)  # fmt: skip
-    return NgramProposer() if method == "ngram" else SuffixProposer()
+    if method == "ngram":
+        return NgramProposer()
+    return SuffixProposer(SuffixConfig(use_tree_spec=tree is not None))  # a tree: its own speculation tree
 
 
 class LocalStages:

@@ -15,6 +15,8 @@ size stays the sum of what it holds. Plain Python: a node is a count and a child
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +50,8 @@ class Draft:
     token_ids: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     match_len: int = 0  # how many recent tokens were found in the tree
+    # a speculation tree (specdec.tree): each token's parent among them, -1 under the last token; None: a path
+    parents: list[int] | None = None
 
     @property
     def score(self) -> float:
@@ -123,13 +127,15 @@ class SuffixTree:
         max_tokens: int,
         max_spec_factor: float,
         min_token_prob: float,
+        tree: bool = False,
     ) -> Draft:
         """The best draft over every suffix of ``context`` found in the tree (the highest score).
 
         For each match length m (1 up to the longest suffix found), follow the most
         frequent continuation while the path's probability stays >= ``min_token_prob``,
         for at most ``min(max_tokens, floor(m * max_spec_factor))`` tokens: a short
-        match earns a short draft. Among equal scores the longer match wins.
+        match earns a short draft. Among equal scores the longer match wins. ``tree``: a
+        speculation tree of at most ``max_tokens`` nodes instead of one path (``_follow_tree``).
         """
         best = Draft()
         context = list(context)[-self.max_depth :]
@@ -138,7 +144,10 @@ class SuffixTree:
             if node is None:
                 break  # a longer suffix contains this one: it cannot occur either
             limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6))
-            draft = _follow(node, limit, min_token_prob)
+            if tree:
+                draft = _follow_tree(node, _node_children, max_tokens, limit, min_token_prob)
+            else:
+                draft = _follow(node, limit, min_token_prob)
             draft.match_len = match_len
             if draft.score >= best.score:
                 best = draft
@@ -168,6 +177,7 @@ def speculate_in_sequence(
     max_tokens: int,
     max_spec_factor: float,
     min_token_prob: float,
+    tree: bool = False,
 ) -> Draft:
     """What ``SuffixTree(max_depth)`` holding only ``tokens`` drafts for their own tail, without a tree.
 
@@ -193,7 +203,10 @@ def speculate_in_sequence(
             break
         # the tree's paths stop at max_depth tokens
         limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6), max_depth - match_len)
-        draft = _follow_in_sequence(seq, ends, limit, min_token_prob)
+        if tree:
+            draft = _follow_tree(ends, lambda state: _occurrence_children(seq, state), max_tokens, limit, min_token_prob)
+        else:
+            draft = _follow_in_sequence(seq, ends, limit, min_token_prob)
         draft.match_len = match_len
         if draft.score >= best.score:
             best = draft
@@ -236,6 +249,52 @@ def _follow(node: _Node, limit: int, min_token_prob: float) -> Draft:
         draft.probs.append(prob)
         node = child
     return draft
+
+
+def _follow_tree(start, children_of, max_nodes: int, max_depth: int, min_token_prob: float) -> Draft:
+    """A speculation tree grown best first (Arctic Inference's tree speculation): of every continuation of the
+    nodes taken so far, take the most probable path next, while it stays >= ``min_token_prob``, for at most
+    ``max_nodes`` nodes of depth <= ``max_depth``.
+
+    A path's probability only falls as it grows, so each node is taken after its parent, and the nodes
+    taken are the ``max_nodes`` most probable paths: the most expected matches (``Draft.score``) a tree
+    of that size can hold. ``children_of(state)`` lists ``(token, share, child state)`` in order of first
+    occurrence; ties go to the continuation found first.
+    """
+    draft = Draft(parents=[])
+    if max_depth <= 0:
+        return draft
+    order = itertools.count()
+    frontier = [(-share, next(order), -1, 1, token, child) for token, share, child in children_of(start)]
+    heapq.heapify(frontier)
+    while frontier and len(draft.token_ids) < max_nodes:
+        neg_prob, _, parent, depth, token, state = heapq.heappop(frontier)
+        if -neg_prob < min_token_prob:
+            break  # every other path is as improbable or more
+        index = len(draft.token_ids)
+        draft.token_ids.append(token)
+        draft.probs.append(-neg_prob)
+        draft.parents.append(parent)
+        if depth < max_depth:
+            for child_token, share, child in children_of(state):
+                heapq.heappush(frontier, (neg_prob * share, next(order), index, depth + 1, child_token, child))
+    return draft
+
+
+def _node_children(node: _Node) -> list[tuple[int, float, _Node]]:
+    """A tree node's continuations and each one's share of its count."""
+    if not node.children:
+        return []
+    return [(token, child.count / node.count, child) for token, child in node.children.items()]
+
+
+def _occurrence_children(seq: list[int], ends: list[int]) -> list[tuple[int, float, list[int]]]:
+    """The continuations of the occurrences ending at ``ends``: each next token, its share, and where it ends."""
+    after: dict[int, list[int]] = {}
+    for e in ends:
+        if e + 1 < len(seq):
+            after.setdefault(seq[e + 1], []).append(e + 1)
+    return [(token, len(found) / len(ends), found) for token, found in after.items()]
 
 
 def _size(node: _Node) -> int:

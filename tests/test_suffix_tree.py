@@ -110,3 +110,27 @@ def test_matching_in_the_sequence_drafts_what_its_tree_would(seed):
     got = speculate_in_sequence(tokens, depth, max_tokens, factor, min_prob)
     assert (got.token_ids, got.match_len) == (expected.token_ids, expected.match_len)
     assert got.probs == pytest.approx(expected.probs)
+
+
+def test_a_speculation_tree_holds_the_most_probable_continuations_branches_included():
+    """After 'a b' came 'c' twice and 'd' once: a path takes c alone, a tree takes d beside it."""
+    a, b, c, d, x = 1, 2, 3, 4, 5
+    seq = [a, b, c, a, b, d, a, b, c, x, a, b]  # 'x a b' is found nowhere else: the match is 'a b'
+    path = speculate_in_sequence(seq, 8, 4, 2.0, 0.1)
+    assert path.parents is None and path.token_ids[0] == c
+    tree = speculate_in_sequence(seq, 8, 4, 2.0, 0.1, tree=True)
+    assert tree.parents is not None and len(tree.token_ids) <= 4
+    nodes = list(zip(tree.token_ids, tree.parents))
+    assert (c, -1) in nodes and (d, -1) in nodes  # both continuations of 'a b', under the last token
+    assert all(p < i for i, p in enumerate(tree.parents))  # parents first
+    assert tree.probs == sorted(tree.probs, reverse=True)  # taken most probable first
+    assert tree.score >= path.score
+
+
+def test_the_global_tree_speculates_a_tree_too():
+    tree = SuffixTree(8)
+    tree.extend("x", [1, 2, 3, 4])
+    tree.extend("y", [1, 2, 5, 6])
+    draft = tree.speculate([9, 1, 2], 4, 2.0, 0.1, tree=True)
+    assert sorted(t for t, p in zip(draft.token_ids, draft.parents) if p == -1) == [3, 5]
+    assert len(draft.token_ids) == 4 and all(p < i for i, p in enumerate(draft.parents))

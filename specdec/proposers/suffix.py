@@ -40,6 +40,9 @@ class SuffixConfig:
     max_cached_requests: int = 10000  # responses the global tree keeps, oldest evicted first; 0: no global tree
     max_spec_factor: float = 1.0  # a match of m tokens drafts at most m * factor: short matches are weak evidence
     min_token_prob: float = 0.1  # stop drafting where the continuation's estimated probability falls below
+    # draft a speculation tree (Arctic Inference's use_tree_spec): the num_speculative_tokens most probable
+    # continuations, branches included, verified as a tree (specdec.tree); False: the most frequent path alone
+    use_tree_spec: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -110,6 +113,8 @@ class SuffixProposer:
         del tokens[request.position :]  # nothing, unless a request is sent again
         tokens.extend(request.token_ids)
         draft = self._speculate(tokens, request.num_tokens)
+        if draft.parents is not None:
+            return _tree_proposal(draft, request)
         drafts = draft.token_ids
         if request.num_banned_tokens:  # min_tokens: a banned draft is sure to be rejected, and all after it
             banned = set(request.banned_token_ids)
@@ -123,8 +128,30 @@ class SuffixProposer:
         if num_tokens <= 0:
             return Draft()
         config = self.config
-        args = (num_tokens, config.max_spec_factor, config.min_token_prob)
+        args = (num_tokens, config.max_spec_factor, config.min_token_prob, config.use_tree_spec)
         from_local = speculate_in_sequence(tokens, config.max_tree_depth, *args)
         context = tokens[-config.max_tree_depth :]
         from_global = self._global.speculate(context, *args) if self._cached else Draft()
         return from_local if from_local.score >= from_global.score else from_global
+
+
+def _tree_proposal(draft: Draft, request: ProposeRequest) -> tuple[Proposal, float]:
+    """A speculation tree's proposal and score; under ``min_tokens`` a banned node goes with its subtree.
+
+    A tree that grew as one path is sent as a chain (``parents`` None), which verifies on the chain's path.
+    """
+    keep, kept_index, parents = [], {}, []
+    banned = set(request.banned_token_ids) if request.num_banned_tokens else set()
+    depths: list[int] = []
+    for i, (token, parent) in enumerate(zip(draft.token_ids, draft.parents)):
+        depth = 1 if parent < 0 else depths[parent] + 1
+        depths.append(depth)
+        if (parent >= 0 and parent not in kept_index) or (depth <= request.num_banned_tokens and token in banned):
+            continue
+        kept_index[i] = len(keep)
+        keep.append(i)
+        parents.append(-1 if parent < 0 else kept_index[parent])
+    tokens = torch.tensor([draft.token_ids[i] for i in keep], dtype=torch.long)
+    score = sum(draft.probs[i] for i in keep)
+    is_chain = parents == list(range(-1, len(parents) - 1))
+    return Proposal(token_ids=tokens, probs=None, parents=None if is_chain else tuple(parents)), score
