@@ -23,6 +23,8 @@ MODEL, HEAD, MODEL_FREE = "model", "head", "model_free"
 class Method:
     name: str  # draft_proposer's ``method``, vLLM's ``speculative_config`` ``method``
     kind: str  # MODEL | HEAD | MODEL_FREE
+    # drafts a static ``speculative_token_tree`` (``specdec.tree``); suffix decoding grows its own trees instead
+    drafts_static_trees: bool = False
 
     def __post_init__(self):
         if self.kind not in (MODEL, HEAD, MODEL_FREE):
@@ -35,7 +37,7 @@ METHODS = {
         Method("draft_model", MODEL),
         Method("ngram", MODEL_FREE),
         Method("suffix", MODEL_FREE),
-        Method("eagle3", HEAD),
+        Method("eagle3", HEAD, drafts_static_trees=True),
         Method("mlp_speculator", HEAD),
     )
 }

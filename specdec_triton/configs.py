@@ -14,11 +14,13 @@ import re
 from dataclasses import dataclass, replace
 
 from specdec.heads import HEAD_METHODS
+from specdec.methods import METHODS
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.ngram import NgramConfig
 from specdec.proposers.suffix import SuffixConfig
 from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec.suffix_first import SuffixFirstConfig
+from specdec.tree import DraftTree, parse_token_tree
 from specdec_triton.leases import MIN_IDLE_TIMEOUT_S
 from specdec_triton.parameters import SEQUENCE_IDLE_TIMEOUT_S, Reader, default
 from specdec_triton.plumbing import ParameterError, Parameters
@@ -73,6 +75,8 @@ class DraftProposerConfig:
     # model methods: the most drafts a step asks of this proposer (speculative_decoding's
     # num_speculative_tokens, or model_num_speculative_tokens behind suffix decoding); None: unknown
     most_drafts: int | None = None
+    # speculative_token_tree: the static tree a head drafts (specdec.tree); None: a chain
+    token_tree: DraftTree | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -95,6 +99,7 @@ class DraftProposerConfig:
             max_model_len=_draft_max_model_len(read, method),
         )
         config = replace(config, most_drafts=_most_drafts(read, config))
+        config = replace(config, token_tree=_token_tree(read, config))
         _refuse_removed_placement(params, "draft_proposer")
         params.check_all_read()
         try:
@@ -183,6 +188,28 @@ def _draft_max_model_len(read: Reader, method: str) -> int | None:
 
     found = model_settings(read.params.repository_dir, "target_verifier")
     return None if found is None else Reader("target_verifier", found[0])("max_model_len")
+
+
+def _token_tree(read: Reader, config: DraftProposerConfig) -> DraftTree | None:
+    """``speculative_token_tree``, parsed and checked against the method, the placement and the step's k."""
+    text = read("speculative_token_tree").strip()
+    if not text:
+        return None
+    method = METHODS.get(config.method)
+    if method is None or not method.drafts_static_trees:
+        drafting = [m.name for m in METHODS.values() if m.drafts_static_trees]
+        raise ParameterError(f"draft_proposer: parameter 'speculative_token_tree' is for methods {drafting}, not "
+                             f"{config.method!r}" + (" (suffix decoding grows its own trees: "
+                             "suffix_decoding_use_tree_spec)" if config.method == "suffix" else ""))  # fmt: skip
+    if config.run_with_target:
+        raise ParameterError("draft_proposer: parameter 'speculative_token_tree' needs the drafter in its own model: "
+                             "run_with_target true drafts chains only")  # fmt: skip
+    try:
+        return parse_token_tree(text, config.most_drafts)
+    except ValueError as err:
+        raise ParameterError(f"draft_proposer: parameter {err}" + (
+            " (speculative_decoding's num_speculative_tokens)" if "num_speculative_tokens" in str(err) else ""
+        )) from None  # fmt: skip
 
 
 def _most_drafts(read: Reader, config: DraftProposerConfig) -> int | None:

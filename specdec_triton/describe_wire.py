@@ -74,14 +74,12 @@ def settings_outputs(desc: ModelDescription) -> dict[str, np.ndarray]:
 
 
 def with_described_settings(desc: ModelDescription, outputs: Mapping[str, np.ndarray]) -> ModelDescription:
-    """``desc`` with the settings the draft proposer described; refuses anything but names with numbers."""
+    """``desc`` with the settings the draft proposer described; refuses anything but names with numbers or flags."""
     described = text(outputs, "describe_settings")
     try:
         settings = json.loads(described)
     except json.JSONDecodeError:
         settings = None
-    if not isinstance(settings, dict) or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in settings.values()
-    ):
-        raise ValueError(f"describe_settings must be a JSON object of numbers, got {described!r}")
+    if not isinstance(settings, dict) or not all(isinstance(v, (int, float)) for v in settings.values()):
+        raise ValueError(f"describe_settings must be a JSON object of numbers and booleans, got {described!r}")
     return replace(desc, settings=tuple(settings.items()))

@@ -40,7 +40,8 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
         return LoadedDraft(proposer, describe_model_free(proposer))
     if config.method in HEAD_METHODS:
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
-                                       config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len)
+                                       config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len,
+                                       tree=config.token_tree)  # fmt: skip
         _check_stages(proposer, config)
         return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, config.draft_model), config))
     _check_draft_window(config)

@@ -154,6 +154,14 @@ DRAFT_PROPOSER = (
     Parameter("suffix_decoding_min_token_prob", "float", _SUFFIX.min_token_prob,
               "`suffix` (or `enable_suffix_decoding`): drafting stops where the continuation's estimated "
               "probability falls below this", allowed="in [0, 1]"),  # fmt: skip
+    Parameter("suffix_decoding_use_tree_spec", "bool", _SUFFIX.use_tree_spec,
+              "`suffix` (or `enable_suffix_decoding`): draft the speculation tree (the most probable "
+              "continuations, branches included; Arctic Inference's `use_tree_spec`), verified as a tree "
+              "([trees](drafters.md#draft-trees)); false: the most frequent path alone"),  # fmt: skip
+    Parameter("speculative_token_tree", "str", "",
+              "heads that draft trees (`eagle3`): vLLM's static tree, the path of child ranks of each node, e.g. "
+              "`[(0,), (1,), (0, 0)]` ([trees](drafters.md#draft-trees)); as in vLLM its node count must equal "
+              "`num_speculative_tokens`", unset="a chain"),  # fmt: skip
     Parameter("enable_suffix_decoding", "bool", False,
               "with `draft_model`, `eagle3` or `mlp_speculator`: suffix decoding first, the model only for a "
               "sequence whose suffix draft scores under `suffix_decoding_min_score` "

@@ -31,6 +31,7 @@ from specdec.held_draft_probs import HeldDraftProbs
 from specdec.penalties import emitted_log_probs
 from specdec.types import Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, VerifyRequest, VerifyResult
 from specdec_triton import wire
+from specdec_triton.tree_wire import SAMPLE_TREE_OUTPUTS, lists_of, lists_out
 from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.packing import cut, each, each_optional_position, flat, i32, one, optional_positions, split
 from specdec_triton.bls import bls_blocking
@@ -39,7 +40,7 @@ from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, tex
 PROPOSE_HOLD_INPUTS = ("hold_draft_probs",)  # [1] bool: send q to rejection_sampler, not back
 PROPOSE_HOLD_OUTPUTS = ("draft_probs_held",)  # [S] bool: this sequence's q waits in rejection_sampler
 VERIFY_SAMPLE_INPUTS = ("sample_here", "sample_seed", "sample_position", "draft_probs_held")  # [S] each
-VERIFY_SAMPLE_OUTPUTS = ("num_accepted", "output_token_ids", "output_log_probs")
+VERIFY_SAMPLE_OUTPUTS = ("num_accepted", "output_token_ids", "output_log_probs", *SAMPLE_TREE_OUTPUTS)
 SAMPLER_SEQUENCE_INPUTS = ("seq_id", "hold_draft_probs", "draft_probs_held", SECRET_INPUT)
 
 Send = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]  # one request to rejection_sampler
@@ -89,10 +90,11 @@ def attach_sampled(
     tokens = split(outputs, "output_token_ids", lengths, len(requests))
     with_log_probs = [n if s and r.log_probs else 0 for n, s, r in zip(lengths, sampled, requests)]
     log_probs = _split_floats(outputs, "output_log_probs", with_log_probs)
+    paths = lists_of(outputs, "accepted_nodes", len(requests))
     return [
-        replace(result, sampled=SampleResult(torch.tensor(ids, dtype=torch.long), n, lp if r.log_probs else None))
+        replace(result, sampled=SampleResult(torch.tensor(ids, dtype=torch.long), n, lp if r.log_probs else None, path))
         if s else result
-        for result, r, s, n, ids, lp in zip(results, requests, sampled, accepted, tokens, log_probs)
+        for result, r, s, n, ids, lp, path in zip(results, requests, sampled, accepted, tokens, log_probs, paths)
     ]  # fmt: skip
 
 
@@ -166,7 +168,7 @@ def sample_in_sampler(requests: Sequence[VerifyRequest], results: list[VerifyRes
     for i, verdict in zip(chosen, verdicts):
         request, result = requests[i], results[i]
         tokens = verdict.output_token_ids.tolist()
-        log_probs = emitted_log_probs(tokens, result.log_mass, result.probs, result.argmax) if request.log_probs else None
+        log_probs = _log_probs(tokens, result, verdict) if request.log_probs else None
         out[i] = replace(result, probs=None, sampled=replace(verdict, log_probs=log_probs))
     return out
 
@@ -178,7 +180,18 @@ def _sample_call(request: VerifyRequest, result: VerifyResult, draft_probs: torc
                            f"among its {len(request.token_ids)} token_ids to sample")  # fmt: skip
     drafts = request.token_ids[len(request.token_ids) - num_drafts :]
     return SampleCall(torch.tensor(drafts, dtype=torch.long), draft_probs, VerifyResult(result.argmax, result.probs),
-                      request.sample_here.seed, position=request.sample_here.position)  # fmt: skip
+                      request.sample_here.seed, position=request.sample_here.position,
+                      parents=request.tree_parents)  # fmt: skip
+
+
+def _log_probs(tokens: list[int], result: VerifyResult, verdict: SampleResult) -> list[float]:
+    """The emitted tokens' log probs, from the rows they were drawn at: a tree's root and accepted path."""
+    rows = None if verdict.accepted_nodes is None else [0, *(node + 1 for node in verdict.accepted_nodes)]
+    if rows is None:
+        return emitted_log_probs(tokens, result.log_mass, result.probs, result.argmax)
+    pick = torch.tensor(rows, device=result.argmax.device)
+    return emitted_log_probs(tokens, result.log_mass[pick], None if result.probs is None else result.probs[pick],
+                             result.argmax[pick])  # fmt: skip
 
 
 def sampled_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
@@ -188,6 +201,7 @@ def sampled_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
         "num_accepted": i32([s.num_accepted if s else -1 for s in sampled]),  # [S]
         "output_token_ids": flat([s.output_token_ids.tolist() if s else () for s in sampled]),
         "output_log_probs": np.array([v for s in sampled if s and s.log_probs for v in s.log_probs], np.float32),
+        **lists_out("accepted_nodes", [s.accepted_nodes if s else None for s in sampled]),  # tree_wire
     }
 
 

@@ -46,7 +46,7 @@ class Setting:
 _SUFFIX = {
     f"suffix_decoding_{name}": Setting("draft_proposer", f"suffix_decoding_{name}", kind, ("",))
     for name, kind in (("max_tree_depth", int), ("max_cached_requests", int), ("max_spec_factor", float),
-                       ("min_token_prob", float))
+                       ("min_token_prob", float), ("use_tree_spec", bool))  # the last: Arctic Inference's
 }  # fmt: skip
 SETTINGS = {
     "method": Setting("draft_proposer", "method", str, ("", "suffix")),
@@ -58,6 +58,7 @@ SETTINGS = {
     # Arctic Inference's key: suffix decoding in front of the model method (specdec.suffix_first)
     "enable_suffix_decoding": Setting("draft_proposer", "enable_suffix_decoding", bool, ("", "false")),
     "rejection_sample_method": Setting("rejection_sampler", "rejection_sample_method", str, ("", "probabilistic")),
+    "speculative_token_tree": Setting("draft_proposer", "speculative_token_tree", str, ("",)),  # checked at load
     **_SUFFIX,
 }
 # set by any speculative_config: vLLM has no per-batch-size table, k is fixed
@@ -67,7 +68,7 @@ _IMPLIED = {Setting(ORCHESTRATOR, "num_speculative_tokens_per_batch_size", str, 
 NEUTRAL = {"draft_tensor_parallel_size": (None, 1), "disable_logprobs": (None, True, False),
            "disable_log_stats": (None, True, False)}  # fmt: skip
 # vLLM keys (or methods) known and not built
-NOT_SUPPORTED_KEYS = ("quantization", "max_model_len", "revision", "code_revision", "speculative_token_tree",
+NOT_SUPPORTED_KEYS = ("quantization", "max_model_len", "revision", "code_revision",
                       "disable_padded_drafter_batch", "enforce_eager", "acceptance_method", "posterior_threshold",
                       "posterior_alpha", "draft_model_config", "target_model_config")  # fmt: skip
 NOT_SUPPORTED_METHODS = ("eagle", "medusa", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp")

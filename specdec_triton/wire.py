@@ -24,6 +24,7 @@ the orchestrator's start.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -47,6 +48,9 @@ from specdec_triton.penalty_wire import (
     LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs,
 )  # fmt: skip
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
+from specdec_triton.tree_wire import (
+    PROPOSAL_TREE_OUTPUTS, SAMPLE_TREE_INPUTS, SAMPLE_TREE_OUTPUTS, VERIFY_TREE_INPUTS, lists_in, lists_of, lists_out,
+)  # fmt: skip
 from specdec_triton.describe_wire import (  # noqa: F401  (part of this module's interface)
     DESCRIBE_OUTPUTS, DESCRIBE_SETTINGS_OUTPUTS, DESCRIBE_SOCKET_OUTPUTS, describe_inputs, description_of,
     description_outputs, is_describe, settings_outputs, socket_of, socket_outputs, with_described_settings,
@@ -62,16 +66,17 @@ SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
 PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
-PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs")
-GREEDY_PROPOSE_OUTPUTS = PROPOSE_OUTPUTS[:2]  # what a request of greedy sequences needs back: no q
+PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", *PROPOSAL_TREE_OUTPUTS)
+GREEDY_PROPOSE_OUTPUTS = (*PROPOSE_OUTPUTS[:2], *PROPOSAL_TREE_OUTPUTS)  # what greedy sequences need back: no q
 VERIFY_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
-                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS)  # fmt: skip
+                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS, *VERIFY_TREE_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + LOG_PROB_OUTPUTS when asked
 DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
 SAMPLE_INPUTS = ("describe", "draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", "target_probs",
-                 "has_target_probs", "target_token_ids", "seed", "sample_position", "rejection_sample_method")  # fmt: skip
-SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", "rejection_sample_method")
+                 "has_target_probs", "target_token_ids", "seed", "sample_position", "rejection_sample_method",
+                 *SAMPLE_TREE_INPUTS)  # fmt: skip
+SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", *SAMPLE_TREE_OUTPUTS, "rejection_sample_method")
 TOKENIZE_INPUTS = ("text_input", "stop_words", "describe")
 TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
 DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
@@ -219,6 +224,7 @@ def proposal_outputs(proposals: Sequence[Proposal]) -> dict[str, np.ndarray]:
         "num_draft_tokens": i32([len(p.token_ids) for p in proposals]),  # [S]: k' of each sequence
         "draft_probs": probs,  # [sum of k' over has_draft_probs, vocab] q; one-hot q has no rows
         "has_draft_probs": has_probs,  # [S]
+        **lists_out("draft_parents", [p.parents for p in proposals]),  # trees' parents (tree_wire)
     }
 
 
@@ -226,7 +232,9 @@ def proposals_of(outputs: Mapping[str, np.ndarray]) -> list[Proposal]:
     count = np.asarray(outputs["num_draft_tokens"]).size
     token_ids = split(outputs, "draft_token_ids", "num_draft_tokens", count)
     probs = unstack_probs(outputs, "draft_probs", [len(ids) for ids in token_ids])
-    return [Proposal(token_ids=torch.tensor(ids, dtype=torch.long), probs=q) for ids, q in zip(token_ids, probs)]
+    parents = lists_of(outputs, "draft_parents", count)
+    return [Proposal(token_ids=torch.tensor(ids, dtype=torch.long), probs=q, parents=tree)
+            for ids, q, tree in zip(token_ids, probs, parents)]  # fmt: skip
 
 
 # --- target_verifier ---------------------------------------------------------------------------
@@ -243,6 +251,8 @@ def verify_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
         **_ban_inputs("num_banned_rows", [r.num_banned_rows for r in requests],
                       [r.banned_token_ids for r in requests]),  # fmt: skip
         **penalty_inputs(requests),
+        **lists_in("tree_parents", [r.tree_parents for r in requests]),  # tree_wire
+        **lists_in("accepted_path", [r.accepted_path or None for r in requests]),
     }
 
 
@@ -259,10 +269,14 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
         _bans_of(inputs, "num_banned_rows", count),
         penalties_of(inputs, count),
     )
-    return [
+    requests = [
         VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned, *penalties)
         for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned), penalties in fields
     ]
+    trees, paths = lists_of(inputs, "tree_parents", count), lists_of(inputs, "accepted_path", count)
+    if not any(trees) and not any(paths):
+        return requests
+    return [replace(r, tree_parents=tree, accepted_path=path or ()) for r, tree, path in zip(requests, trees, paths)]
 
 
 def verify_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
@@ -306,6 +320,7 @@ def sample_inputs(calls: Sequence[SampleCall]) -> dict[str, np.ndarray]:
         inputs.update(draft_probs=draft_probs, has_draft_probs=has_draft_probs)
     if has_target_probs.any():
         inputs.update(target_probs=target_probs, has_target_probs=has_target_probs)
+    inputs.update(lists_in("draft_parents", [call.parents for call in calls]))  # tree_wire
     (method,) = methods
     if method is not None:
         inputs["rejection_sample_method"] = bytes_array([method])
@@ -329,10 +344,10 @@ def sample_calls_of(inputs: Mapping[str, np.ndarray]) -> list[SampleCall]:
         raise RequestError(f"input 'rejection_sample_method' must be one of {METHODS}, got {method!r}")
     positions = each_optional_position(inputs, "sample_position", count)
     fields = zip(drafts, unstack_probs(inputs, "draft_probs", [len(d) for d in drafts]), argmax, target_probs,
-                 each(inputs, "seed", count, int, None), positions)  # fmt: skip
+                 each(inputs, "seed", count, int, None), positions, lists_of(inputs, "draft_parents", count))  # fmt: skip
     return [
-        SampleCall(torch.tensor(d, dtype=torch.long), q, VerifyResult(argmax=a, probs=p), seed, method, position)
-        for d, q, a, p, seed, position in fields
+        SampleCall(torch.tensor(d, dtype=torch.long), q, VerifyResult(argmax=a, probs=p), seed, method, position, tree)
+        for d, q, a, p, seed, position, tree in fields
     ]
 
 
@@ -341,6 +356,7 @@ def sample_result_outputs(results: Sequence[SampleResult], configured_method: st
     return {
         "output_token_ids": flat([r.output_token_ids.cpu().tolist() for r in results]),  # [sum of accepted + 1]
         "num_accepted": i32([r.num_accepted for r in results]),  # [S]
+        **lists_out("accepted_nodes", [r.accepted_nodes for r in results]),  # a tree's path (tree_wire)
         "rejection_sample_method": bytes_array([configured_method]),  # [1]
     }
 
@@ -348,7 +364,9 @@ def sample_result_outputs(results: Sequence[SampleResult], configured_method: st
 def sample_results_of(outputs: Mapping[str, np.ndarray]) -> list[SampleResult]:
     accepted = i32(outputs["num_accepted"]).tolist()
     tokens = split(outputs, "output_token_ids", [n + 1 for n in accepted], len(accepted))
-    return [SampleResult(torch.tensor(ids, dtype=torch.long), n) for ids, n in zip(tokens, accepted)]
+    paths = lists_of(outputs, "accepted_nodes", len(accepted))
+    return [SampleResult(torch.tensor(ids, dtype=torch.long), n, accepted_nodes=path)
+            for ids, n, path in zip(tokens, accepted, paths)]  # fmt: skip
 
 
 # --- detokenizer: one text per sequence ------------------------------------------------------------

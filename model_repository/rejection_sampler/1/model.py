@@ -62,6 +62,6 @@ class TritonPythonModel:
             call = call.to(self.device)
             seed = call.seed if call.seed is not None else secrets.randbits(63)
             results.append(self.sampler(call.draft_token_ids, call.draft_probs, call.verify, seed, call.method,
-                                        call.position))  # fmt: skip
+                                        call.position, call.parents))  # fmt: skip
         self.held.discard(taken)  # only now: a request that failed and is sent again finds its q
         return wire.sample_result_outputs(results, self.sampler.method)

@@ -1,0 +1,73 @@
+"""Draft trees served: suffix decoding's speculation tree and EAGLE-3's static tree, lossless end to end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from client.generate import generate_grpc
+from triton_server import models_dir, repository_copy, server_on_free_ports
+
+pytestmark = pytest.mark.server
+
+MAX_TOKENS = 32
+PROMPTS = [
+    "Once upon a time",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "abababababababab",
+    "The mitochondria is the powerhouse of the cell. The mitochondria is",
+    "Hello, world! Hello, world! Hello,",
+    "1, 2, 3, 4, 5, 6, 7,",
+]
+TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
+# suffix decoding's tree set by vLLM-style JSON; EAGLE-3's static tree in config.pbtxt (the shipped k is 8)
+SUFFIX_JSON = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
+EAGLE3_PARAMETERS = {"draft_model": "tiny-eagle3", "speculative_token_tree": TREE,
+                     "speculation_follows_acceptance": "false"}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["suffix", "eagle3"])
+def tree_server(request, tmp_path_factory):
+    models = models_dir()
+    if not (models / "tiny-eagle3").is_dir():
+        pytest.skip(f"shipped models not found under {models}")
+    workdir = tmp_path_factory.mktemp(f"server_tree_{request.param}")
+    if request.param == "suffix":
+        repository = repository_copy(workdir, models, "")
+        serve_args = (f"--speculative-config={json.dumps(SUFFIX_JSON)}",)
+    else:
+        parameters = {**EAGLE3_PARAMETERS, "draft_model": str(models / "tiny-eagle3")}
+        repository, serve_args = repository_copy(workdir, models, "eagle3", parameters=parameters), ()
+    server = server_on_free_ports(workdir, repository, serve_args=serve_args)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _generate(server, prompt, **params):
+    return generate_grpc(server.grpc_url, "ensemble", prompt,
+                         {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, **params})  # fmt: skip
+
+
+def test_greedy_output_with_trees_equals_the_targets(tree_server, reference):
+    failures, drafted, accepted = [], 0, 0
+    for _ in range(2):  # suffix decoding drafts the second round from the first's responses
+        for prompt in PROMPTS:
+            result = _generate(tree_server, prompt, stream=True)
+            drafted += result.total_draft_tokens
+            accepted += result.total_accepted_draft_tokens
+            failure = reference.greedy_mismatch(prompt, result.text, MAX_TOKENS)
+            if failure:
+                failures.append(failure)
+    assert not failures, "\n".join(failures)
+    assert accepted > 0 and drafted > accepted  # trees ran, and their other branches were drafted too
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.9, "top_p": 0.95, "seed": 1234}])
+def test_seeded_sampling_with_trees_equals_plain_decoding(tree_server, sampling):
+    """A tree's verdict draws the target's own token from the numbers of its output position: k = 0's text."""
+    for prompt in PROMPTS[:4]:
+        plain = _generate(tree_server, prompt, stream=False, num_speculative_tokens=0, **sampling)
+        streamed = _generate(tree_server, prompt, stream=True, **sampling)
+        whole = _generate(tree_server, prompt, stream=False, **sampling)
+        assert streamed.text == whole.text == plain.text, prompt
+        assert plain.total_draft_tokens == 0
