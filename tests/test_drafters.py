@@ -109,3 +109,41 @@ def test_an_mlp_speculator_with_fewer_stages_than_a_step_asks_fails_its_load_nam
                                                       '"true" } }, { key: "model_num_speculative_tokens" value: '
                                                       '{ string_value: "2" } }')  # fmt: skip
     assert behind_suffix.most_drafts == 2 and build_proposer(behind_suffix, "cpu").description.method == "mlp_speculator"
+
+
+def write_tree_repository(tmp_path, method: str, tree: str, num_speculative_tokens: int, extra: str = ""):
+    draft = {"eagle3": "tiny-eagle3", "mlp_speculator": "tiny-mlp-speculator"}.get(method, "tiny-draft")
+    for model, parameters in (
+        ("speculative_decoding", f'{{ key: "num_speculative_tokens" value: {{ string_value: "{num_speculative_tokens}" }} }}'),
+        ("target_verifier", f'{{ key: "target_model" value: {{ string_value: "{SHIPPED / "tiny-target"}" }} }}'),
+        ("draft_proposer", f'{{ key: "method" value: {{ string_value: "{method}" }} }}, '
+                           f'{{ key: "draft_model" value: {{ string_value: "{SHIPPED / draft}" }} }}, '
+                           f'{{ key: "speculative_token_tree" value: {{ string_value: "{tree}" }} }}{extra}'),
+    ):  # fmt: skip
+        (tmp_path / model).mkdir(parents=True, exist_ok=True)
+        (tmp_path / model / "config.pbtxt").write_text(f'name: "{model}"\nparameters [ {parameters} ]\n')
+    return lambda: DraftProposerConfig.from_parameters(model_settings(tmp_path, "draft_proposer")[0])
+
+
+TREE = "[(0,), (1,), (0, 0)]"
+
+
+def test_a_static_tree_loads_for_eagle3_and_reaches_its_proposer(tmp_path):
+    config = write_tree_repository(tmp_path, "eagle3", TREE, 3)()
+    assert config.token_tree.parents == (-1, -1, 0)
+    assert build_proposer(config, "cpu").proposer.tree == config.token_tree
+
+
+@pytest.mark.parametrize("method, tree, k, extra, named", [
+    ("eagle3", "[(0,), (0, 0, 0)]", 2, "", "not closed under prefixes"),
+    ("eagle3", TREE, 8, "", "has 3 nodes, but num_speculative_tokens is 8"),
+    ("eagle3", "[(0,), (1,)", 2, "", "Python literal"),
+    ("ngram", TREE, 3, "", "is for methods ['eagle3'], not 'ngram'"),
+    ("suffix", TREE, 3, "", "suffix_decoding_use_tree_spec"),
+    ("draft_model", TREE, 3, "", "not 'draft_model'"),
+    ("eagle3", TREE, 3, ', { key: "run_with_target" value: { string_value: "true" } }', "run_with_target"),
+])  # fmt: skip
+def test_a_bad_tree_fails_the_load_naming_the_key(tmp_path, method, tree, k, extra, named):
+    with pytest.raises(ParameterError, match="speculative_token_tree") as err:
+        write_tree_repository(tmp_path, method, tree, k, extra)()
+    assert named in str(err.value)

@@ -61,6 +61,9 @@ class Eagle3Proposer:
         config = head.config
         self.head = head
         self.tree = tree if tree is not None and not tree.is_chain else None
+        if self.tree is not None and self.tree.max_rank > config.draft_vocab_size:
+            raise ValueError(f"speculative_token_tree asks for a node's child of rank {self.tree.max_rank - 1}, but "
+                             f"the EAGLE-3 head ranks {config.draft_vocab_size} draft tokens")  # fmt: skip
         self.device = head.device
         self.max_model_len = max_model_len or config.layer.max_position_embeddings
         self.max_num_seqs = max_num_seqs
