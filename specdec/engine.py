@@ -201,14 +201,15 @@ class SequenceState:
         )
 
     def constrain(self, proposal: Proposal | None) -> Proposal | None:
-        """``proposal`` cut to the drafts the grammar allows (a forbidden draft could only be rejected).
+        """``proposal`` cut where the grammar forbids a draft (it could only be rejected: ``specdec.grammar``).
 
         With a grammar, call it on every proposal before ``verify_request``, and pass what it
         returns on to the sampler and ``commit``.
         """
         if self.grammar is None or proposal is None or not len(proposal.token_ids):
             return proposal
-        kept = self.grammar.allowed_drafts(proposal.token_ids.tolist(), proposal.parents)
+        sampled_q = proposal.probs is not None or proposal.probs_held  # its forbidden draft stays, to be rejected
+        kept = self.grammar.allowed_drafts(proposal.token_ids.tolist(), proposal.parents, sampled_q)
         return cut_proposal(proposal, kept)
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:

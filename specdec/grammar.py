@@ -9,9 +9,15 @@ every verified row gets the mask of its own prefix:
 * row 0, after the committed tokens; row ``i``, after drafts ``1 .. i`` (a tree's node
   rows after their paths): ``GrammarState.masks`` walks the drafts through the matcher
   and rolls it back, so the sequence's matcher is only ever advanced by tokens that stay;
-* a draft the grammar forbids has ``p = 0`` and could only be rejected, so it is cut
-  before verification (``GrammarState.allowed_drafts``, ``cut_proposal``): the target
-  never scores what it cannot emit;
+* a draft the grammar forbids has ``p = 0`` and could only be rejected, so the drafts
+  after it are cut before verification (``GrammarState.allowed_drafts``,
+  ``cut_proposal``): the target never scores what it cannot reach. The forbidden draft
+  itself is cut too where ``q`` is one-hot (deterministic drafts, every tree): the
+  recovered token is then drawn from ``(p - q)+ = p`` either way. Where the drafts were
+  sampled from ``q`` it stays, as the last draft: cutting it would draw the token from
+  ``p`` exactly when ``q`` drew a forbidden draft, instead of from the residual
+  ``(p - q)+``, and the output would no longer follow ``p`` (Leviathan et al. 2023,
+  Theorem 1 needs the draft rejected, not withdrawn);
 * ``GrammarState.accept`` advances the matcher by the tokens the sampler emitted.
 
 EOS is allowed only where the grammar accepts termination (the request's EOS ids are
@@ -23,6 +29,7 @@ per 32 tokens (``VerifyRequest.allowed_tokens``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -37,6 +44,7 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 # it anywhere can spend its whole max_tokens on it; values are separated as json.dumps does
 # (", " and ": ")
 _JSON_OPTIONS = {"any_whitespace": False}
+_ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " before a message
 _ANY_OBJECT = '{"type": "object"}'  # JSON mode: any JSON object (OpenAI's response_format json_object)
 
 
@@ -57,10 +65,13 @@ class GrammarCompiler:
     """Compiles guides for one tokenizer and one logit width (the target's ``vocab_size``)."""
 
     def __init__(self, tokenizer, vocab_size: int):
+        """``tokenizer``: a Hugging Face tokenizer, or an ``xgrammar.TokenizerInfo`` (a vocabulary made up)."""
         import xgrammar  # imported here: only servers and tests that constrain output need it
 
-        self._xgr = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        info = tokenizer
+        if not isinstance(tokenizer, xgrammar.TokenizerInfo):
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.tokenizer_info = info
         self._compiler = xgrammar.GrammarCompiler(info)
         self.vocab_size = vocab_size
 
@@ -79,7 +90,7 @@ class GrammarCompiler:
             else:
                 compiled = self._compiler.compile_grammar(guide)
         except (RuntimeError, ValueError, TypeError) as err:  # xgrammar raises RuntimeError for bad guides
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            reason = _ENGINE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
             raise GrammarError(f"{guide_type} guide does not compile: {reason}") from None
         return Grammar(guide_type, compiled, self.vocab_size)
 
@@ -112,8 +123,10 @@ class GrammarState:
             if not self._matcher.accept_token(int(token)):
                 raise ValueError(f"token {int(token)} was emitted where the grammar forbids it")
 
-    def allowed_drafts(self, drafts: Sequence[int], parents: Sequence[int] | None = None) -> list[int]:
-        """Indices of the drafts whose whole path the grammar allows; a chain's are a prefix.
+    def allowed_drafts(self, drafts: Sequence[int], parents: Sequence[int] | None = None,
+                       keep_first_forbidden: bool = False) -> list[int]:  # fmt: skip
+        """Indices of the drafts whose whole path the grammar allows; a chain's are a prefix, followed by its
+        first forbidden draft if ``keep_first_forbidden`` (a chain sampled from ``q``: see the module's docstring).
 
         A draft after a stop token is cut too: the sequence would end at the stop token.
         """
@@ -129,12 +142,13 @@ class GrammarState:
             if ok[-1]:
                 kept.append(node)
             elif parents is None:
-                break
+                return kept + [node] if keep_first_forbidden else kept
         return kept
 
     def masks(self, drafts: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
         """``[len(drafts) + 1, ceil(vocab / 32)]`` int32 bitmask: row 0 after the committed tokens, row ``j + 1``
-        after draft ``j``'s path. Every draft must be allowed (``allowed_drafts``); the matcher is rolled back."""
+        after draft ``j``'s path; the matcher is rolled back. A row after a forbidden draft (kept as a chain's
+        last, ``allowed_drafts``) or after a stop token is never read: it allows everything."""
         import xgrammar
 
         rows = xgrammar.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)  # [n + 1, words] int32
@@ -142,10 +156,10 @@ class GrammarState:
         for node in range(len(drafts)):
             path = _path(parents, node)
             accepted = self._advance(drafts, path)
-            if accepted != len(path):
-                self._matcher.rollback(accepted)
-                raise ValueError(f"draft {node} is forbidden by the grammar; cut the drafts first")
-            self._fill(rows, node + 1)
+            if accepted == len(path):
+                self._fill(rows, node + 1)
+            else:
+                rows[node + 1] = -1
             self._matcher.rollback(accepted)
         return rows
 
