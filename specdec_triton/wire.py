@@ -43,6 +43,7 @@ from specdec_triton.packing import (
     unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
+from specdec_triton.grammar_wire import GRAMMAR_INPUTS, grammar_inputs, with_allowed_tokens
 from specdec_triton.penalty_wire import (
     LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs,
 )  # fmt: skip
@@ -65,7 +66,7 @@ PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "posit
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs")
 GREEDY_PROPOSE_OUTPUTS = PROPOSE_OUTPUTS[:2]  # what a request of greedy sequences needs back: no q
 VERIFY_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
-                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS)  # fmt: skip
+                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS, *GRAMMAR_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + LOG_PROB_OUTPUTS when asked
 DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
@@ -243,6 +244,7 @@ def verify_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
         **_ban_inputs("num_banned_rows", [r.num_banned_rows for r in requests],
                       [r.banned_token_ids for r in requests]),  # fmt: skip
         **penalty_inputs(requests),
+        **grammar_inputs(requests),
     }
 
 
@@ -259,10 +261,10 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
         _bans_of(inputs, "num_banned_rows", count),
         penalties_of(inputs, count),
     )
-    return [
+    return with_allowed_tokens([
         VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned, *penalties)
         for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned), penalties in fields
-    ]
+    ], inputs)  # fmt: skip
 
 
 def verify_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
