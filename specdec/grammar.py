@@ -38,14 +38,14 @@ import torch
 from specdec.tree import ROOT
 from specdec.types import Proposal
 
-# What a guide describes; TensorRT-LLM's guided_decoding_guide_type names.
+# What a guide describes; TensorRT-LLM's guided_decoding_guide_type names ("json": any JSON value, no guide).
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 # JSON without free whitespace: whitespace is no part of a value, and a model that may emit
 # it anywhere can spend its whole max_tokens on it; values are separated as json.dumps does
 # (", " and ": ")
 _JSON_OPTIONS = {"any_whitespace": False}
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " before a message
-_ANY_OBJECT = '{"type": "object"}'  # JSON mode: any JSON object (OpenAI's response_format json_object)
+_ANY_VALUE = "{}"  # the schema every JSON value meets: guide type "json", as TensorRT-LLM's
 
 
 class GrammarError(ValueError):
@@ -81,7 +81,7 @@ class GrammarCompiler:
             raise GrammarError(f"guide type must be one of {', '.join(GUIDE_TYPES)}, got {guide_type!r}")
         try:
             if guide_type == "json":
-                compiled = self._compiler.compile_json_schema(guide or _ANY_OBJECT, **_JSON_OPTIONS)
+                compiled = self._compiler.compile_json_schema(_ANY_VALUE, **_JSON_OPTIONS)
             elif guide_type == "json_schema":
                 json.loads(guide)  # a clearer message than the engine's for text that is not JSON at all
                 compiled = self._compiler.compile_json_schema(guide, **_JSON_OPTIONS)

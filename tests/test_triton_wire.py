@@ -35,6 +35,7 @@ TRTLLM_NATIVE = {
     "bad_words": ("TYPE_STRING", [-1]), "repetition_penalty": ("TYPE_FP32", [1]),
     "presence_penalty": ("TYPE_FP32", [1]), "frequency_penalty": ("TYPE_FP32", [1]),
     "return_log_probs": ("TYPE_BOOL", [1]),
+    "guided_decoding_guide_type": ("TYPE_STRING", [1]), "guided_decoding_guide": ("TYPE_STRING", [1]),
 }  # fmt: skip
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in float32, the wire type
