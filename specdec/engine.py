@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from specdec.follow_acceptance import AcceptanceEstimate
+from specdec.grammar import Grammar, GrammarState, cut_proposal
 from specdec.penalties import NO_PENALTIES, Penalties, emitted_log_probs
 from specdec.proposers.base import Proposer
 from specdec.sampling import derive_seed
@@ -69,6 +70,7 @@ class GenerationParams:
     stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # output includes the stop sequence
     penalties: Penalties = NO_PENALTIES  # applied to the target's distribution (specdec.penalties)
     return_log_probs: bool = False  # SequenceState.output_log_probs: the target's log probability of each token
+    grammar: Grammar | None = None  # structured output: every token follows it (specdec.grammar)
 
     def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> None:
         if self.max_tokens < 1:
@@ -79,6 +81,8 @@ class GenerationParams:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         self.sampling.validate()
         self.penalties.validate()
+        if self.grammar is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a grammar: the grammar decides where the output ends")
         if any(t < 0 for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be non-negative token ids, got {self.eos_token_ids}")
         if any(len(s) == 0 or min(s) < 0 for s in self.stop_token_sequences):
@@ -140,6 +144,7 @@ class SequenceState:
         single_token_stops = [s[0] for s in params.stop_token_sequences if len(s) == 1]
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
+        self.grammar = GrammarState(params.grammar, params.eos_token_ids) if params.grammar is not None else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -195,9 +200,22 @@ class SequenceState:
             hidden_position=hidden_position,
         )
 
+    def constrain(self, proposal: Proposal | None) -> Proposal | None:
+        """``proposal`` cut where the grammar forbids a draft (it could only be rejected: ``specdec.grammar``).
+
+        With a grammar, call it on every proposal before ``verify_request``, and pass what it
+        returns on to the sampler and ``commit``.
+        """
+        if self.grammar is None or proposal is None or not len(proposal.token_ids):
+            return proposal
+        sampled_q = proposal.probs is not None or proposal.probs_held  # its forbidden draft stays, to be rejected
+        kept = self.grammar.allowed_drafts(proposal.token_ids.tolist(), proposal.parents, sampled_q)
+        return cut_proposal(proposal, kept)
+
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
         self._check_running()
         drafts = self._draft_ids(proposal)
+        parents = proposal.parents if proposal is not None and drafts else None
         num_logits = len(drafts) + 1
         banned_rows = self._num_banned(num_logits)  # row i predicts output index len(output_ids) + i
         if self._step == 0:
@@ -216,8 +234,9 @@ class SequenceState:
             num_prompt_tokens=len(self.prompt_ids),
             log_probs=self.params.return_log_probs,
             hidden_layers=self.hidden_layers,
-            tree_parents=proposal.parents if proposal is not None and drafts else None,
+            tree_parents=parents,
             accepted_path=self._accepted_path,
+            allowed_tokens=self.grammar.masks(drafts, parents) if self.grammar is not None else None,
         )
 
     def _num_banned(self, num_positions: int) -> int:
@@ -262,6 +281,8 @@ class SequenceState:
         for token in tokens:
             self.output_ids.append(token)
             new_token_ids.append(token)
+            if self.grammar is not None:
+                self.grammar.accept([token])
             self.finish_reason = self._finish_reason()
             if self.finish_reason is not None:
                 self.finished = True
@@ -316,6 +337,8 @@ class SequenceState:
     def _finish_reason(self) -> str | None:
         """Checked after each appended token; the token at output index i may stop only if i >= min_tokens."""
         out = self.output_ids
+        if self.grammar is not None and self.grammar.terminated:
+            return "stop"
         if len(out) > self.params.min_tokens:
             if out[-1] in self.params.eos_token_ids:
                 return "stop"
@@ -392,6 +415,7 @@ def generate(
         while not state.finished:
             propose_request = state.propose_request()
             proposal = proposer.propose([propose_request])[0] if propose_request is not None else None
+            proposal = state.constrain(proposal)
             verify_result = verifier.verify([state.verify_request(proposal)])[0]
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))

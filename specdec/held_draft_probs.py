@@ -7,7 +7,7 @@ Served, ``q`` ``[k, vocab]`` goes from draft_proposer straight to rejection_samp
 step:
 
 * ``hold`` replaces whatever the sequence held (its previous step's ``q`` is stale);
-* ``take`` returns it only for the same drafts, so a ``q`` is never paired with drafts
+* ``take`` returns it only for the same drafts (or the first of them), so a ``q`` is never paired with drafts
   it was not drawn for; the caller ``discard``\\ s what it took once its sampling
   succeeded, so a sample call that fails and is sent again finds the ``q`` still there;
 * an entry older than ``ttl_s`` goes at the next ``hold``: a sequence that failed or was
@@ -40,16 +40,17 @@ class HeldDraftProbs:
         self._held[seq_id] = (drafts, probs, now)
 
     def take(self, seq_id: str, draft_token_ids: Iterable[int]) -> torch.Tensor:
-        """The ``q`` held for these drafts; a ValueError naming the sequence when there is none."""
+        """The ``q`` held for these drafts, or for drafts they begin (a grammar cuts the drafts it forbids:
+        ``specdec.grammar``); a ValueError naming the sequence when there is none."""
         drafts = tuple(int(t) for t in draft_token_ids)
         entry = self._held.get(seq_id)
         if entry is None:
             raise ValueError(f"seq {seq_id!r}: no draft distribution is held for it (it expired after "
                              f"{self.ttl_s:g} s, or its proposer never sent it)")  # fmt: skip
-        if entry[0] != drafts:
+        if entry[0][: len(drafts)] != drafts:
             raise ValueError(f"seq {seq_id!r}: the draft distribution held is for drafts {list(entry[0])}, "
                              f"the sample call is for {list(drafts)}")  # fmt: skip
-        return entry[1]
+        return entry[1] if len(drafts) == len(entry[0]) else entry[1][: len(drafts)]
 
     def discard(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:

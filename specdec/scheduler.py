@@ -282,7 +282,7 @@ class StepScheduler:
             if isinstance(outcome, Exception):
                 failed[sequence] = outcome
             else:
-                proposals[sequence] = outcome
+                proposals[sequence] = sequence.state.constrain(outcome)
         return proposals
 
     async def _propose_and_verify(self, batch, ks: dict, calls: dict) -> tuple[dict, dict]:
@@ -292,7 +292,9 @@ class StepScheduler:
         """
         steps = []
         for sequence in batch:
-            request = sequence.state.propose_request(ks[sequence]) if ks[sequence] else None
+            # drafts made beside the target reach no grammar before their verification: none for a grammar
+            drafts = ks[sequence] and sequence.state.grammar is None
+            request = sequence.state.propose_request(ks[sequence]) if drafts else None
             asked = NO_PROPOSAL if request is None else Proposal(torch.zeros(request.num_tokens, dtype=torch.long))
             steps.append(ProposeVerify(request, self._verify_request(sequence, asked)))
         outcomes = await self._call("propose_verify", self.stages.propose_and_verify, steps, calls)

@@ -134,6 +134,9 @@ class VerifyRequest:
     # the previous step fed a tree and accepted these nodes (indices into its drafts, root first):
     # their cached keys and values move down to the positions of their depths before this call runs
     accepted_path: tuple[int, ...] = ()
+    # structured output (specdec.grammar): bit b of word w allows token 32 w + b in that row; every
+    # row's other tokens get probability 0, before argmax and p. None: no grammar
+    allowed_tokens: torch.Tensor | None = None  # [num_logits, ceil(vocab / 32)] int32
 
 
 @dataclass

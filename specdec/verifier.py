@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
+from specdec.grammar import apply_allowed
 from specdec.penalties import NO_PENALTIES, apply_penalties, log_kept_mass
 from specdec.sampling import check_banned, greedy_tokens, process_logits
 from specdec.tree import node_depths, path_to
@@ -30,11 +31,13 @@ def verify_result(
     request: VerifyRequest,
     tokens: list[int] | None = None,  # the whole sequence through the last row's token; needed for penalties
 ) -> VerifyResult:
-    """``argmax`` always; ``p`` only for sampled requests; penalties and min_tokens bans applied to both."""
+    """``argmax`` always; ``p`` only for sampled requests; penalties, min_tokens bans and a grammar's
+    ``allowed_tokens`` applied to both."""
     if request.tree_parents is not None:
         logits, request = _tree_rows(logits, request, tokens)
     if request.penalties.active:
         logits = apply_penalties(logits, tokens, request.num_prompt_tokens, request.penalties)
+    logits = apply_allowed(logits, request.allowed_tokens)  # [num_logits, vocab]
     banned = (request.num_banned_rows, request.banned_token_ids)
     argmax = greedy_tokens(logits, *banned)  # [num_logits]
     probs = None if request.sampling.greedy else process_logits(logits, request.sampling, *banned)

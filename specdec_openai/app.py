@@ -36,6 +36,7 @@ from specdec_openai.protocol import (
     ChatCompletionRequest, CompletionRequest, Plan, RequestError, chat_plan, completion_plan,
 )  # fmt: skip
 from specdec_openai.responses import Envelope, error_body
+from specdec_openai.structured import Guide, name_guide_field, with_guide
 from specdec_openai.triton import CONNECT_TIMEOUT_S, Backend, Step, TritonBackend, TritonUnavailable
 
 MODELS = ("ensemble", "speculative_decoding")
@@ -125,15 +126,19 @@ class OpenAIServer:
             return self._vocabulary
 
     async def answer(self, request: Request, envelope: Envelope, plan: Plan, stream: bool,
-                     include_usage: bool) -> Response:  # fmt: skip
-        """Start every choice's Triton request, await each one's first response, then answer."""
+                     include_usage: bool, guide: Guide | None = None) -> Response:  # fmt: skip
+        """Start every choice's Triton request, await each one's first response, then answer.
+
+        ``guide``: the request's structured output guide, whose field a refusal of it names."""
         vocabulary = await self.vocabulary() if plan.needs_tokens else None
         timers = [self.metrics.timer(envelope.model) for _ in plan.choices]
         streams = [self.backend.generate(envelope.model, params.triton_inputs()) for params in plan.choices]
         try:
             firsts = await _unless_disconnected(request, _first_responses(streams))
-        except BaseException:
+        except BaseException as err:
             await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)
+            if isinstance(err, RequestError):
+                raise name_guide_field(err, guide) from None
             raise
         if any(first is None for first in firsts):
             await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)
@@ -227,18 +232,19 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        plan = completion_plan(body)
+        plan, guide = with_guide(completion_plan(body), body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await server.answer(request, Envelope.new("completion", body.model), plan, body.stream, include_usage)
+        return await server.answer(request, Envelope.new("completion", body.model), plan, body.stream, include_usage,
+                                   guide)  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         template = await server.chat_template()
         prompt = template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
-        plan = chat_plan(body, prompt)
+        plan, guide = with_guide(chat_plan(body, prompt), body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await server.answer(request, Envelope.new("chat", body.model), plan, body.stream, include_usage)
+        return await server.answer(request, Envelope.new("chat", body.model), plan, body.stream, include_usage, guide)
 
     @app.get("/health")
     async def health() -> Response:

@@ -71,6 +71,13 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
     min_tokens: int | None = Field(default=None, ge=0)
     num_speculative_tokens: int | None = Field(default=None, ge=0)
+    # structured output (specdec_openai.structured): OpenAI's, then vLLM's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -94,7 +101,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # vLLM's extension: the template's assistant header
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: extra template variables
@@ -110,7 +116,6 @@ REFUSED = {
     "tools": (None, _NO_TOOLS),
     "tool_choice": (None, _NO_TOOLS),
     "parallel_tool_calls": (None, _NO_TOOLS),
-    "response_format": (None, "structured output (guided decoding) is not implemented"),
 }  # fmt: skip
 NO_ALTERNATIVES = ("the Triton model returns the log probability of the chosen token only, not the most likely "
                    "alternatives")  # fmt: skip
@@ -133,6 +138,8 @@ class GenerateParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     return_log_probs: bool = False
+    guide_type: str | None = None  # structured output (specdec_openai.structured): the server's guide type
+    guide: str | None = None
 
     def triton_inputs(self) -> dict[str, Any]:
         """Inputs for a streamed request; a ``None`` (or a neutral penalty) is left out: the model's default applies.
@@ -148,6 +155,7 @@ class GenerateParams:
             "num_speculative_tokens": self.num_speculative_tokens,
             "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
             "repetition_penalty": self.repetition_penalty, "return_log_probs": self.return_log_probs or None,
+            "guided_decoding_guide_type": self.guide_type, "guided_decoding_guide": self.guide,
         }  # fmt: skip
         return {name: value for name, value in values.items() if value is not None}
 

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from specdec.detokenize import IncrementalDetokenizer
 from specdec.engine import SequenceState, check_token_ids
+from specdec.grammar import Grammar, GrammarCompiler, GrammarError
 from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers import Proposer, SuffixProposer, check_draft_compatible, model_free_proposer
 from specdec.scheduler import ScheduledStep, StepReport, StepScheduler
@@ -100,6 +101,7 @@ class Orchestrator:
         self.descriptions: Descriptions | None = None
         self.scheduler: StepScheduler | None = None
         self._codec: TextCodec | None = None
+        self._grammars: GrammarCompiler | None = None  # built at the first request with a guide
         self._describing: asyncio.Future | None = None  # the one describe in flight
         self.unavailable: str | None = None  # why requests are refused now: a composing model stopped
         self._background: set[asyncio.Task] = set()  # releases after a fault and the renewals, kept until done
@@ -183,6 +185,7 @@ class Orchestrator:
                 f"has logits for {target.vocab_size}: point tokenizer_dir at the target's tokenizer"
             )
         self._codec = TextCodec(descriptions.tokenizer.model)
+        self._grammars = None  # compiled for the tokenizer just loaded
         self.descriptions = descriptions
         self.scheduler = StepScheduler(
             self._step_stages(),
@@ -251,6 +254,8 @@ class Orchestrator:
             target.vocab_size,
             words.stop_token_sequences[num_stop_words:],
         )
+        if request.guide_type is not None:
+            params = replace(params, grammar=self._grammar(request))
         try:
             params.validate(target.max_model_len, len(tokenized.prompt_ids))
             check_token_ids(tokenized.prompt_ids, params, target.vocab_size)
@@ -263,6 +268,15 @@ class Orchestrator:
         # a head beside the target reads them there (specdec.draft_beside_target): they do not come back
         return SequenceState(uuid.uuid4().hex, tokenized.prompt_ids, params, hidden_layers,
                              hidden_rows_stay=self.scheduler.proposes_in_verify)
+
+    def _grammar(self, request: GenerateRequest) -> Grammar:
+        """The request's guide, compiled for the tokenizer (xgrammar keeps what it compiled for the next request)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self._codec.tokenizer, self.descriptions.target.vocab_size)
+        try:
+            return self._grammars.compile(request.guide_type, request.guide)
+        except GrammarError as err:
+            raise RequestError(f"input 'guided_decoding_guide': {err}") from None
 
     async def generate(self, request: GenerateRequest, send: Send, is_cancelled: Callable[[], bool],
                        client: str | None = None) -> None:  # fmt: skip

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specdec.engine import GenerationParams
+from specdec.grammar import GUIDE_TYPES, Grammar
 from specdec.penalties import Penalties
 from specdec.types import RequestStats, SamplingParams
 from specdec_triton import trtllm
@@ -27,6 +28,7 @@ NATIVE_INPUTS = (
     "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "stop_words",
     "end_id", "min_tokens", "exclude_input_in_output", "num_speculative_tokens",
     "bad_words", "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
+    "guided_decoding_guide_type", "guided_decoding_guide",
 )  # fmt: skip
 GENERATE_INPUTS = NATIVE_INPUTS + trtllm.COMPAT_INPUTS
 GENERATE_OUTPUTS = (
@@ -74,6 +76,10 @@ class GenerateRequest:
     bad_words: tuple[str, ...] = ()  # each tokenized on its own, like stop_words
     penalties: Penalties = Penalties()  # bad_words' token ids are added by generation_params
     return_log_probs: bool = False
+    # structured output, TensorRT-LLM's names: the guide type (specdec.grammar.GUIDE_TYPES) and its text;
+    # compiled by the orchestrator, which holds the tokenizer
+    guide_type: str | None = None
+    guide: str = ""
 
     @classmethod
     def from_inputs(cls, inputs: Mapping[str, np.ndarray]) -> GenerateRequest:
@@ -104,6 +110,7 @@ class GenerateRequest:
                 frequency_penalty=scalar(inputs, "frequency_penalty", float, 0.0),
             ),
             return_log_probs=scalar(inputs, "return_log_probs", bool, False),
+            **_guide(inputs),
         )
 
     def generation_params(
@@ -114,6 +121,7 @@ class GenerateRequest:
         stop_token_sequences: Sequence[Sequence[int]],
         vocab_size: int,
         bad_word_sequences: Sequence[Sequence[int]] = (),
+        grammar: Grammar | None = None,
     ) -> GenerationParams:
         k = max_speculative_tokens if self.num_speculative_tokens is None else self.num_speculative_tokens
         if not 0 <= k <= max_speculative_tokens:
@@ -132,7 +140,27 @@ class GenerateRequest:
             stop_token_sequences=tuple(tuple(seq) for seq in stop_token_sequences),
             penalties=replace(self.penalties, bad_words=tuple(tuple(seq) for seq in bad_word_sequences)),
             return_log_probs=self.return_log_probs,
+            grammar=grammar,
         )
+
+
+def _guide(inputs: Mapping[str, np.ndarray]) -> dict:
+    """The guide's type and text; a guide without its type, or a type it does not take, is refused by name."""
+    guide_type, guide = text(inputs, "guided_decoding_guide_type"), text(inputs, "guided_decoding_guide")
+    if not guide_type:  # TensorRT-LLM's client sends "" for none
+        if guide:
+            raise RequestError("input 'guided_decoding_guide' needs 'guided_decoding_guide_type' (one of "
+                               f"{', '.join(GUIDE_TYPES)})")  # fmt: skip
+        return {}
+    if guide_type not in GUIDE_TYPES:
+        raise RequestError(f"input 'guided_decoding_guide_type' must be one of {', '.join(GUIDE_TYPES)}, "
+                           f"got {guide_type!r}")  # fmt: skip
+    if guide_type == "json" and guide:
+        raise RequestError("input 'guided_decoding_guide' must be empty for guide type 'json' (any JSON value); "
+                           "send a schema with guide type 'json_schema'")  # fmt: skip
+    if guide_type != "json" and not guide:
+        raise RequestError(f"input 'guided_decoding_guide' is required for guide type {guide_type!r}")
+    return {"guide_type": guide_type, "guide": guide or ""}
 
 
 def _words(inputs: Mapping[str, np.ndarray], name: str) -> tuple[str, ...]:

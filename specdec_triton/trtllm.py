@@ -1,7 +1,7 @@
 """TensorRT-LLM's ensemble and ``tensorrt_llm_bls`` inputs: which are ours, aliases, no-ops or refused.
 
 A client written for TensorRT-LLM's repositories sends inputs this server does not
-implement (LoRA, multimodal, prompt tables, guided decoding, beams). Each of them is
+implement (LoRA, multimodal, prompt tables, beams). Each of them is
 declared in the public models' ``config.pbtxt`` with TensorRT-LLM's datatype and shape,
 so that the request reaches the model and is refused by name here
 (``unsupported input 'lora_task_id' ...``) instead of failing in Triton with an unknown
@@ -16,7 +16,7 @@ input or datatype. Every name below has one status:
 * refused whenever present.
 
 The inputs this server implements under TensorRT-LLM's own names (``text_input``,
-``max_tokens``, ``bad_words``, the penalties, ``return_log_probs`` ...) are parsed in
+``max_tokens``, ``bad_words``, the penalties, ``return_log_probs``, guided decoding ...) are parsed in
 :mod:`specdec_triton.request`.
 """
 from __future__ import annotations
@@ -60,8 +60,6 @@ UNSUPPORTED = {
     "lora_task_id": "LoRA adapters are not supported",
     "lora_weights": "LoRA adapters are not supported",
     "lora_config": "LoRA adapters are not supported",
-    "guided_decoding_guide_type": "guided decoding is not supported",
-    "guided_decoding_guide": "guided decoding is not supported",
     "use_draft_logits": "the acceptance rule is the server's (rejection_sampler's rejection_sample_method)",
 }
 
@@ -79,7 +77,6 @@ DECLARED = {
     "embedding_bias_words": ("TYPE_STRING", [-1]), "embedding_bias_weights": ("TYPE_FP32", [-1]),
     "lora_task_id": ("TYPE_UINT64", [1]), "lora_weights": ("TYPE_FP16", [-1, -1]),
     "lora_config": ("TYPE_INT32", [-1, 3]),
-    "guided_decoding_guide_type": ("TYPE_STRING", [1]), "guided_decoding_guide": ("TYPE_STRING", [1]),
     "use_draft_logits": ("TYPE_BOOL", [1]),
 }  # fmt: skip
 COMPAT_INPUTS = tuple(DECLARED)

@@ -44,6 +44,7 @@ from specdec_triton.packing import (
     unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
+from specdec_triton.grammar_wire import GRAMMAR_INPUTS, grammar_inputs, with_allowed_tokens
 from specdec_triton.penalty_wire import (
     LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs,
 )  # fmt: skip
@@ -69,7 +70,8 @@ PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "posit
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", *PROPOSAL_TREE_OUTPUTS)
 GREEDY_PROPOSE_OUTPUTS = (*PROPOSE_OUTPUTS[:2], *PROPOSAL_TREE_OUTPUTS)  # what greedy sequences need back: no q
 VERIFY_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
-                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS, *VERIFY_TREE_INPUTS)  # fmt: skip
+                 *SAMPLING_INPUTS, "num_banned_rows", *BAN_INPUTS, *PENALTY_INPUTS, *VERIFY_TREE_INPUTS,
+                 *GRAMMAR_INPUTS)  # fmt: skip
 VERIFY_OUTPUTS = ("target_token_ids", "target_probs", "has_target_probs")  # + LOG_PROB_OUTPUTS when asked
 DECLARED_VERIFY_OUTPUTS = VERIFY_OUTPUTS + LOG_PROB_OUTPUTS  # what target_verifier answers (describe aside)
 GREEDY_VERIFY_OUTPUTS = VERIFY_OUTPUTS[:1]  # greedy targets: the argmax alone
@@ -253,6 +255,7 @@ def verify_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
         **penalty_inputs(requests),
         **lists_in("tree_parents", [r.tree_parents for r in requests]),  # tree_wire
         **lists_in("accepted_path", [r.accepted_path or None for r in requests]),
+        **grammar_inputs(requests),
     }
 
 
@@ -269,10 +272,10 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
         _bans_of(inputs, "num_banned_rows", count),
         penalties_of(inputs, count),
     )
-    requests = [
+    requests = with_allowed_tokens([
         VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned, *penalties)
         for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned), penalties in fields
-    ]
+    ], inputs)  # fmt: skip
     trees, paths = lists_of(inputs, "tree_parents", count), lists_of(inputs, "accepted_path", count)
     if not any(trees) and not any(paths):
         return requests

@@ -35,6 +35,7 @@ def test_held_probs_are_taken_only_for_the_drafts_they_were_drawn_for():
     q = torch.rand(2, 8)
     held.hold("a", [3, 4], q)
     assert held.take("a", [3, 4]) is q
+    assert torch.equal(held.take("a", [3]), q[:1])  # drafts a grammar cut after the first
     with pytest.raises(ValueError, match=r"'a'.*drafts \[3, 4\].*\[3, 5\]"):
         held.take("a", [3, 5])
     with pytest.raises(ValueError, match=r"'b': no draft distribution"):

@@ -35,6 +35,7 @@ TRTLLM_NATIVE = {
     "bad_words": ("TYPE_STRING", [-1]), "repetition_penalty": ("TYPE_FP32", [1]),
     "presence_penalty": ("TYPE_FP32", [1]), "frequency_penalty": ("TYPE_FP32", [1]),
     "return_log_probs": ("TYPE_BOOL", [1]),
+    "guided_decoding_guide_type": ("TYPE_STRING", [1]), "guided_decoding_guide": ("TYPE_STRING", [1]),
 }  # fmt: skip
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in float32, the wire type
@@ -225,6 +226,20 @@ def test_verify_round_trip_with_penalties_and_log_probs():
     assert torch.equal(back[0].log_mass, mass) and back[1].log_mass is None and back[2].log_mass.tolist() == [-2.0]
     unasked = {k: v for k, v in wire.verify_outputs(results).items() if k not in wire.LOG_PROB_OUTPUTS}
     assert all(r.log_mass is None for r in wire.verify_results_of(unasked, [2, 1, 1]))
+
+
+def test_verify_round_trip_with_grammar_masks():
+    mask = torch.tensor([[-1, 5], [7, 0]], dtype=torch.int32)  # [num_logits, words]
+    requests = [VerifyRequest("a", 9, [5, 6], 2, GREEDY, allowed_tokens=mask), VerifyRequest("b", 0, [1], 1, GREEDY)]
+    inputs = wire.verify_inputs(requests)
+    assert inputs["num_allowed_rows"].tolist() == [2, 0] and inputs["allowed_tokens"].dtype == np.int32
+    back = wire.verify_requests_of(inputs)
+    assert torch.equal(back[0].allowed_tokens, mask) and back[1].allowed_tokens is None
+    assert "allowed_tokens" not in wire.verify_inputs(requests[1:]), "requests without a grammar carry none"
+    with pytest.raises(RequestError, match="'num_allowed_rows' is 1, but num_logits is 2"):
+        wire.verify_requests_of({**inputs, "num_allowed_rows": np.array([1, 0], np.int32)})
+    with pytest.raises(RequestError, match="'allowed_tokens' holds 3 words"):
+        wire.verify_requests_of({**inputs, "allowed_tokens": np.zeros(3, np.int32)})
 
 
 def test_release_inputs():

@@ -1,0 +1,233 @@
+"""Structured output under speculation: a grammar's matcher, owned by the request's state machine.
+
+The constrained target is the target whose logits are set to ``-inf`` wherever the
+grammar forbids the next token (the way vLLM, SGLang and TensorRT-LLM apply
+xgrammar; Dong et al. 2024, "XGrammar: Flexible and Efficient Structured Generation
+Engine for Large Language Models"). Speculation stays lossless with respect to it when
+every verified row gets the mask of its own prefix:
+
+* row 0, after the committed tokens; row ``i``, after drafts ``1 .. i`` (a tree's node
+  rows after their paths): ``GrammarState.masks`` walks the drafts through the matcher
+  and rolls it back, so the sequence's matcher is only ever advanced by tokens that stay;
+* a draft the grammar forbids has ``p = 0`` and could only be rejected, so the drafts
+  after it are cut before verification (``GrammarState.allowed_drafts``,
+  ``cut_proposal``): the target never scores what it cannot reach. The forbidden draft
+  itself is cut too where ``q`` is one-hot (deterministic drafts, every tree): the
+  recovered token is then drawn from ``(p - q)+ = p`` either way. Where the drafts were
+  sampled from ``q`` it stays, as the last draft: cutting it would draw the token from
+  ``p`` exactly when ``q`` drew a forbidden draft, instead of from the residual
+  ``(p - q)+``, and the output would no longer follow ``p`` (Leviathan et al. 2023,
+  Theorem 1 needs the draft rejected, not withdrawn);
+* ``GrammarState.accept`` advances the matcher by the tokens the sampler emitted.
+
+EOS is allowed only where the grammar accepts termination (the request's EOS ids are
+the matcher's stop tokens); a matcher that took its stop token has *terminated*, and the
+request ends with ``stop``. The matcher lives in the process of the sequence's tokens
+(the engine loop, the Triton orchestrator); only the packed masks travel, one int32 word
+per 32 tokens (``VerifyRequest.allowed_tokens``).
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdec.tree import ROOT
+from specdec.types import Proposal
+
+# What a guide describes; TensorRT-LLM's guided_decoding_guide_type names ("json": any JSON value, no guide).
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+# JSON without free whitespace: whitespace is no part of a value, and a model that may emit
+# it anywhere can spend its whole max_tokens on it; values are separated as json.dumps does
+# (", " and ": ")
+_JSON_OPTIONS = {"any_whitespace": False}
+_ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " before a message
+_ANY_VALUE = "{}"  # the schema every JSON value meets: guide type "json", as TensorRT-LLM's
+
+
+class GrammarError(ValueError):
+    """A guide the grammar engine refuses; the message names the guide type and says why."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled guide, shared by every request that sends the same one (the compiler caches them)."""
+
+    guide_type: str
+    compiled: object  # xgrammar.CompiledGrammar
+    vocab_size: int  # width of the masks: the target's logits
+
+
+class GrammarCompiler:
+    """Compiles guides for one tokenizer and one logit width (the target's ``vocab_size``)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        """``tokenizer``: a Hugging Face tokenizer, or an ``xgrammar.TokenizerInfo`` (a vocabulary made up)."""
+        import xgrammar  # imported here: only servers and tests that constrain output need it
+
+        info = tokenizer
+        if not isinstance(tokenizer, xgrammar.TokenizerInfo):
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.tokenizer_info = info
+        self._compiler = xgrammar.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+
+    def compile(self, guide_type: str, guide: str) -> Grammar:
+        """The grammar of ``guide``; a ``GrammarError`` naming ``guide_type`` when it is not one."""
+        if guide_type not in GUIDE_TYPES:
+            raise GrammarError(f"guide type must be one of {', '.join(GUIDE_TYPES)}, got {guide_type!r}")
+        try:
+            if guide_type == "json":
+                compiled = self._compiler.compile_json_schema(_ANY_VALUE, **_JSON_OPTIONS)
+            elif guide_type == "json_schema":
+                json.loads(guide)  # a clearer message than the engine's for text that is not JSON at all
+                compiled = self._compiler.compile_json_schema(guide, **_JSON_OPTIONS)
+            elif guide_type == "regex":
+                compiled = self._compiler.compile_regex(guide)
+            else:
+                compiled = self._compiler.compile_grammar(guide)
+        except (RuntimeError, ValueError, TypeError) as err:  # xgrammar raises RuntimeError for bad guides
+            reason = _ENGINE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+            raise GrammarError(f"{guide_type} guide does not compile: {reason}") from None
+        return Grammar(guide_type, compiled, self.vocab_size)
+
+
+def num_mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarState:
+    """One request's matcher: advanced only by the tokens that stay in its output."""
+
+    def __init__(self, grammar: Grammar, stop_token_ids: Sequence[int] = ()):
+        import xgrammar
+
+        stops = list(stop_token_ids) or None  # none given: the tokenizer's own
+        self._matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=stops)
+        self.vocab_size = grammar.vocab_size
+        self.stop_token_ids = tuple(self._matcher.stop_token_ids)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar took its stop token: the output is complete."""
+        return self._matcher.is_terminated()
+
+    def accept(self, token_ids: Sequence[int]) -> None:
+        """Advance by emitted tokens; one the mask allowed is always accepted, so a refusal is a bug upstream."""
+        for token in token_ids:
+            if self._matcher.is_terminated():
+                return  # the sequence ended at its stop token; the tokens after it are not kept
+            if not self._matcher.accept_token(int(token)):
+                raise ValueError(f"token {int(token)} was emitted where the grammar forbids it")
+
+    def allowed_drafts(self, drafts: Sequence[int], parents: Sequence[int] | None = None,
+                       keep_first_forbidden: bool = False) -> list[int]:  # fmt: skip
+        """Indices of the drafts whose whole path the grammar allows; a chain's are a prefix, followed by its
+        first forbidden draft if ``keep_first_forbidden`` (a chain sampled from ``q``: see the module's docstring).
+
+        A draft after a stop token is cut too: the sequence would end at the stop token.
+        """
+        kept: list[int] = []
+        ok: list[bool] = []
+        for node in range(len(drafts)):
+            parent = node - 1 if parents is None else parents[node]
+            if parent != ROOT and not ok[parent]:
+                ok.append(False)
+                continue
+            path = _path(parents, node)
+            ok.append(self._walk_allows(drafts, path))
+            if ok[-1]:
+                kept.append(node)
+            elif parents is None:
+                return kept + [node] if keep_first_forbidden else kept
+        return kept
+
+    def masks(self, drafts: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
+        """``[len(drafts) + 1, ceil(vocab / 32)]`` int32 bitmask: row 0 after the committed tokens, row ``j + 1``
+        after draft ``j``'s path; the matcher is rolled back. A row after a forbidden draft (kept as a chain's
+        last, ``allowed_drafts``) or after a stop token is never read: it allows everything."""
+        import xgrammar
+
+        rows = xgrammar.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)  # [n + 1, words] int32
+        self._fill(rows, 0)
+        for node in range(len(drafts)):
+            path = _path(parents, node)
+            accepted = self._advance(drafts, path)
+            if accepted == len(path):
+                self._fill(rows, node + 1)
+            else:
+                rows[node + 1] = -1
+            self._matcher.rollback(accepted)
+        return rows
+
+    def _fill(self, rows: torch.Tensor, index: int) -> None:
+        if self._matcher.is_terminated():  # after a stop token: never emitted, any row will do
+            rows[index] = -1
+        else:
+            self._matcher.fill_next_token_bitmask(rows, index)
+
+    def _walk_allows(self, drafts: Sequence[int], path: list[int]) -> bool:
+        accepted = self._advance(drafts, path)
+        self._matcher.rollback(accepted)
+        return accepted == len(path)
+
+    def _advance(self, drafts: Sequence[int], path: list[int]) -> int:
+        """Accept the path's drafts up to the first refused one (or a stop token not last); how many were."""
+        for depth, node in enumerate(path):
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(drafts[node])):
+                return depth
+        return len(path)
+
+
+def _path(parents: Sequence[int] | None, node: int) -> list[int]:
+    if parents is None:
+        return list(range(node + 1))
+    path = []
+    while node != ROOT:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def cut_proposal(proposal: Proposal, kept: list[int]) -> Proposal:
+    """``proposal`` with only the ``kept`` drafts (ascending), its tree re-indexed, ``q`` rows picked.
+
+    A ``q`` held in the sampler (``probs_held``) is read there by its drafts' prefix, so
+    a tree with held ``q`` keeps only its longest prefix of kept nodes.
+    """
+    n = len(proposal.token_ids)
+    if len(kept) == n:
+        return proposal
+    if proposal.probs_held or proposal.parents is None:
+        prefix = 0
+        while prefix < len(kept) and kept[prefix] == prefix:
+            prefix += 1
+        kept = kept[:prefix]
+    index = torch.tensor(kept, dtype=torch.long, device=proposal.token_ids.device)
+    parents = None
+    if proposal.parents is not None:
+        new = {old: i for i, old in enumerate(kept)}
+        parents = tuple(ROOT if proposal.parents[old] == ROOT else new[proposal.parents[old]] for old in kept)
+    probs = None if proposal.probs is None else proposal.probs[index.to(proposal.probs.device)]
+    return replace(proposal, token_ids=proposal.token_ids[index], probs=probs, parents=parents)
+
+
+def allowed_bool(allowed_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [rows, vocab] bool
+    """Unpack ``[rows, ceil(vocab / 32)]`` int32 words (bit ``b`` of word ``w``: token ``32 w + b``)."""
+    bits = torch.arange(32, dtype=torch.int32, device=allowed_tokens.device)
+    unpacked = (allowed_tokens.to(torch.int32)[:, :, None] >> bits) & 1  # [rows, words, 32]
+    return unpacked.reshape(allowed_tokens.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_allowed(logits: torch.Tensor, allowed_tokens: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` at ``-inf`` where the grammar forbids the row's next token (a copy)."""
+    if allowed_tokens is None:
+        return logits
+    if allowed_tokens.shape[0] != logits.shape[0] or allowed_tokens.shape[1] != num_mask_words(logits.shape[-1]):
+        raise ValueError(f"allowed_tokens must be [{logits.shape[0]}, {num_mask_words(logits.shape[-1])}] for "
+                         f"logits {list(logits.shape)}, got {list(allowed_tokens.shape)}")  # fmt: skip
+    allowed = allowed_bool(allowed_tokens.to(logits.device), logits.shape[-1])  # [rows, vocab]
+    return logits.float().masked_fill(~allowed, float("-inf"))
