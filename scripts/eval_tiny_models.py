@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure the shipped pair on held-out code: greedy acceptance of the draft, and of n-gram lookup.
 
-Runs the real engine (``specdec.engine.generate``) with greedy sampling over prompts
+Runs the real engine (``specdec.generate.generate``) with greedy sampling over prompts
 cut from the held-out files of the training corpus (the split the training script
 uses). Every method is lossless, so their greedy outputs must agree; a difference is
 reported. ``--eagle3-head`` and ``--mlp-speculator`` add a learned head on the same prompts
@@ -30,7 +30,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 from bench.workload import held_out_texts  # noqa: E402
-from specdec.engine import GenerationParams, generate  # noqa: E402
+from specdec.engine import GenerationParams  # noqa: E402
+from specdec.generate import generate  # noqa: E402
 from specdec.build import build_lm  # noqa: E402
 from specdec.heads import build_head_proposer  # noqa: E402
 from specdec.models import load_tokenizer  # noqa: E402

@@ -2,8 +2,7 @@
 
 Leviathan et al. 2023 / Chen et al. 2023. ``SequenceState`` is the whole per-request
 state machine and makes no model calls, so the same logic drives the in-process
-``generate`` loop below and the Triton BLS orchestrator, which swaps the local calls
-for BLS requests. One step:
+loop (``specdec.generate``) and the step scheduler the server runs (``specdec.scheduler``). One step:
 
 1. ``propose_request`` asks for ``k_eff = min(k, tokens left - 1)`` drafts, so that
    accepting every draft plus the bonus token never exceeds ``max_tokens``; it sends
@@ -19,17 +18,13 @@ The first step is the prefill: the whole prompt at position 0, no drafts.
 from __future__ import annotations
 
 import secrets
-import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from specdec.follow_acceptance import AcceptanceEstimate
 from specdec.grammar import Grammar, GrammarState, cut_proposal
 from specdec.penalties import NO_PENALTIES, Penalties, emitted_log_probs
-from specdec.proposers.base import Proposer
 from specdec.sampling import derive_seed
 from specdec.types import (
     Proposal,
@@ -43,21 +38,6 @@ from specdec.types import (
 
 PROPOSE_STREAM = 0  # derive_seed stream of the proposer's draws in a step
 SAMPLE_STREAM = 1  # derive_seed stream of the rejection sampler's draws in a step
-
-# (draft_token_ids [k], draft_probs [k, vocab] | None, verify result, seed; position=, parents=) -> accepted +
-# recovered/bonus
-Sampler = Callable[[torch.Tensor, torch.Tensor | None, VerifyResult, int], SampleResult]
-
-
-class Verifier(Protocol):
-    """What the loop needs of a target verifier (``TargetVerifier`` or a batched engine)."""
-
-    vocab_size: int
-    max_model_len: int | None
-
-    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
-
-    def release(self, seq_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -377,57 +357,3 @@ def _rows_of(verified: VerifyResult | None, rows: list[int]) -> VerifyResult | N
     pick = torch.tensor(rows, device=verified.argmax.device)
     return VerifyResult(verified.argmax[pick], None if verified.probs is None else verified.probs[pick],
                         verified.log_mass[pick])  # fmt: skip
-
-
-def check_token_ids(prompt_ids: list[int], params: GenerationParams, vocab_size: int) -> None:
-    """Token ids must index the target's vocabulary; fails before any model call."""
-    named = {"prompt_ids": list(prompt_ids), "eos_token_ids": list(params.eos_token_ids)}
-    named["stop_token_sequences"] = [t for stop in params.stop_token_sequences for t in stop]
-    named["bad_words"] = [t for word in params.penalties.bad_words for t in word]
-    for name, ids in named.items():
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{name} must lie in [0, {vocab_size}), got {bad[:8]}")
-
-
-def generate(
-    proposer: Proposer | None,
-    verifier: Verifier,
-    sampler: Sampler,
-    prompt_ids: list[int],
-    params: GenerationParams,
-    seq_id: str | None = None,
-) -> Iterator[StepOutput]:
-    """Decode one request in-process, yielding the tokens each step emits.
-
-    ``proposer`` may be None when ``params.num_speculative_tokens == 0``. Proposer and
-    verifier state for the sequence is released however the loop ends: finished,
-    raised, or closed early by the caller.
-    """
-    seq_id = seq_id if seq_id is not None else uuid.uuid4().hex
-    params.validate(verifier.max_model_len, len(prompt_ids))
-    check_token_ids(prompt_ids, params, verifier.vocab_size)
-    if proposer is None and params.num_speculative_tokens > 0:
-        raise ValueError("proposer is required when num_speculative_tokens > 0")
-    state = SequenceState(seq_id, prompt_ids, params, getattr(proposer, "hidden_state_layers", ()))
-    completed = False  # a response that ran to its end may teach the proposer (suffix decoding)
-    try:
-        while not state.finished:
-            propose_request = state.propose_request()
-            proposal = proposer.propose([propose_request])[0] if propose_request is not None else None
-            proposal = state.constrain(proposal)
-            verify_result = verifier.verify([state.verify_request(proposal)])[0]
-            if proposal is None:
-                proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))
-            tree = {} if proposal.parents is None else {"parents": proposal.parents}  # a chain's sampler needs no more
-            result = sampler(proposal.token_ids, proposal.probs, verify_result, state.sample_seed(),
-                             position=state.sample_position(), **tree)  # fmt: skip
-            output = state.commit(proposal, result, verify_result)
-            completed = state.finished
-            yield output
-    finally:
-        try:
-            if proposer is not None:
-                proposer.release(seq_id, state.output_ids if completed else None)
-        finally:
-            verifier.release(seq_id)

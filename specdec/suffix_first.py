@@ -188,7 +188,7 @@ class SuffixFirst:
 
 class SuffixFirstProposer:
     """:class:`SuffixFirst` in front of a proposer in this process; itself a ``Proposer``
-    (for ``specdec.engine.generate``)."""
+    (for ``specdec.generate.generate``)."""
 
     def __init__(self, config: SuffixFirstConfig, model):
         self.router = SuffixFirst(config)

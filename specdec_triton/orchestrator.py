@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specdec.detokenize import IncrementalDetokenizer
-from specdec.engine import SequenceState, check_token_ids
+from specdec.engine import SequenceState
+from specdec.generate import check_token_ids
 from specdec.grammar import Grammar, GrammarCompiler, GrammarError
 from specdec.propose_in_process import ProposeInProcess
 from specdec.proposers import Proposer, SuffixProposer, check_draft_compatible, model_free_proposer

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from byte_tokenizer import byte_level_tokenizer
 
-from specdec.engine import generate
+from specdec.generate import generate
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer, describe_model_free
 from specdec.rejection_sampler import RejectionSampler

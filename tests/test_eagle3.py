@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 from eagle3_heads import DRAFT_VOCAB, NUM_NEW_TOKENS, PROMPTS, VOCAB, heads, pair, random_head, two_layer_pair
 from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.cached_lm import ForwardCall
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.fast.checkpoint import read_config
 from specdec.fast.runner import FastCausalLM
 from specdec.fast.cuda_graphs import StaticShapeRunner

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine import GenerationParams, SequenceState, StepOutput, generate
+from specdec.engine import GenerationParams, SequenceState, StepOutput
+from specdec.generate import generate
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.rejection_sampler import RejectionSampler

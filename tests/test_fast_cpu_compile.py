@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specdec.build import build_lm
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.fast import FastCausalLM, ForwardCall
 from specdec.fast import cpu_compile
 from specdec.proposers.draft_model import DraftModelProposer

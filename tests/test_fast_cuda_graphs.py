@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.fast import FastCausalLM, ForwardCall
 from specdec.fast.cuda_graphs import StaticShapeRunner, batch_buckets
 from specdec.proposers import DraftModelProposer

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specdec.models import CachedCausalLM
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.fast import FastCausalLM
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.rejection_sampler import RejectionSampler

@@ -17,7 +17,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.engine import GenerationParams, SequenceState, generate
+from specdec.engine import GenerationParams, SequenceState
+from specdec.generate import generate
 from specdec.grammar import GrammarCompiler, GrammarError, GrammarState, apply_allowed, cut_proposal
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer

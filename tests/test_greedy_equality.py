@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from specdec.models import CachedCausalLM
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import RequestStats

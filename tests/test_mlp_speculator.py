@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.fast.runner import FastCausalLM
 from specdec.heads import build_head_proposer
 from specdec.heads.mlp_speculator import MLPSpeculator, first_stages, load_mlp_speculator, save_mlp_speculator

@@ -16,7 +16,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers import NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.models import CachedCausalLM
 from specdec.penalties import Penalties, apply_penalties
 from specdec.proposers import DraftModelProposer, NgramProposer

@@ -18,7 +18,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.models import CachedCausalLM
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.proposers import DraftModelProposer, SuffixConfig, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.sampling import make_generator, process_logits, sample_from_probs

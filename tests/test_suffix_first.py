@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.fast.runner import FastCausalLM
 from specdec.heads import build_head_proposer
 from specdec.models import CachedCausalLM

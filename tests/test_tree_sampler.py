@@ -7,7 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.fast import FastCausalLM
 from specdec.rejection_sampler import RejectionSampler
 from specdec.sampling import derive_seed

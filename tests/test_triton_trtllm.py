@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.engine import GenerationParams, generate
+from specdec.engine import GenerationParams
+from specdec.generate import generate
 from specdec.penalties import Penalties
 from specdec.rejection_sampler import RejectionSampler
 from specdec_triton import trtllm
