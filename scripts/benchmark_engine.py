@@ -56,7 +56,7 @@ from specdec.heads import HEAD_METHODS  # noqa: E402
 from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
 from specdec.proposers.model_free import MODEL_FREE_METHODS  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
-from specdec.tree import parse_token_tree  # noqa: E402
+from specdec.tree import DynamicTree, parse_token_tree  # noqa: E402
 from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
 
@@ -114,6 +114,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-k", type=int, default=0, help="METHOD+suffix: the model's drafts per step (0: K)")
     p.add_argument("--token-tree", default="[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]",
                    help="METHOD+tree:K: the static tree (vLLM's speculative_token_tree) whose first K nodes are drafted")
+    p.add_argument("--dynamic-tree", default=None, metavar="TOPK,DEPTH",
+                   help="METHOD+tree:K: EAGLE-2's dynamic tree of K nodes instead of --token-tree (specdec.tree.DynamicTree)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--commit", default=None, help="the checkout's commit, recorded as given (default: git's; a copy without .git says unknown)")
@@ -224,7 +226,10 @@ class Run:
         return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless}
 
     def _proposer(self, method: str, graphs: bool):
-        tree = parse_token_tree(self.args.token_tree) if method.endswith(TREE) else None
+        tree = None
+        if method.endswith(TREE):
+            dynamic = self.args.dynamic_tree
+            tree = DynamicTree(*map(int, dynamic.split(","))) if dynamic else parse_token_tree(self.args.token_tree)
         return build_proposer(method_of(_base(method)), self.args, self.max_num_seqs, self.max_model_len, graphs, tree)
 
     def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):

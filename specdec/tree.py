@@ -78,6 +78,26 @@ class DraftTree:
         return str(list(self.paths))
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's context-aware tree (Li et al. 2024, "EAGLE-2"), grown anew for each sequence and step.
+
+    Each level expands the ``topk`` nodes of the level before with the highest cumulative
+    draft probability, ``topk`` children each, for ``depth`` levels; then every candidate is
+    reranked by cumulative probability and the step's ``num_speculative_tokens`` best are
+    kept (closed under ancestry, a child being no likelier than its parent). The keys are
+    SGLang's (``speculative_eagle_topk``, ``speculative_num_steps``); vLLM has no dynamic tree.
+    """
+
+    topk: int
+    depth: int
+
+    def __post_init__(self) -> None:
+        if self.topk < 1 or self.depth < 1:
+            raise ValueError(f"a dynamic tree needs speculative_eagle_topk >= 1 and speculative_num_steps >= 1, "
+                             f"got {self.topk} and {self.depth}")  # fmt: skip
+
+
 def chain(num_nodes: int) -> DraftTree:
     """vLLM's default tree: ``[(0,), (0, 0), ...]``."""
     return DraftTree(tuple((0,) * (i + 1) for i in range(num_nodes)))

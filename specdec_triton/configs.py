@@ -20,7 +20,7 @@ from specdec.proposers.ngram import NgramConfig
 from specdec.proposers.suffix import SuffixConfig
 from specdec.speculation_length import SpeculationLength, parse_per_batch_size
 from specdec.suffix_first import SuffixFirstConfig
-from specdec.tree import DraftTree, parse_token_tree
+from specdec.tree import DraftTree, DynamicTree, parse_token_tree
 from specdec_triton.leases import MIN_IDLE_TIMEOUT_S
 from specdec_triton.parameters import SEQUENCE_IDLE_TIMEOUT_S, Reader, default
 from specdec_triton.plumbing import ParameterError, Parameters
@@ -75,8 +75,9 @@ class DraftProposerConfig:
     # model methods: the most drafts a step asks of this proposer (speculative_decoding's
     # num_speculative_tokens, or model_num_speculative_tokens behind suffix decoding); None: unknown
     most_drafts: int | None = None
-    # speculative_token_tree: the static tree a head drafts (specdec.tree); None: a chain
-    token_tree: DraftTree | None = None
+    # speculative_token_tree, or speculative_eagle_topk and speculative_num_steps: the tree a head drafts
+    # (specdec.tree); None: a chain
+    token_tree: DraftTree | DynamicTree | None = None
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -190,20 +191,30 @@ def _draft_max_model_len(read: Reader, method: str) -> int | None:
     return None if found is None else Reader("target_verifier", found[0])("max_model_len")
 
 
-def _token_tree(read: Reader, config: DraftProposerConfig) -> DraftTree | None:
-    """``speculative_token_tree``, parsed and checked against the method, the placement and the step's k."""
+def _token_tree(read: Reader, config: DraftProposerConfig) -> DraftTree | DynamicTree | None:
+    """``speculative_token_tree`` (or the dynamic tree's two keys), parsed and checked against the method, the
+    placement and the step's k."""
     text = read("speculative_token_tree").strip()
-    if not text:
+    topk, steps = read("speculative_eagle_topk"), read("speculative_num_steps")
+    if bool(topk) != bool(steps):
+        raise ParameterError("draft_proposer: parameters 'speculative_eagle_topk' and 'speculative_num_steps' make "
+                             f"a dynamic tree together; got {topk} and {steps}")  # fmt: skip
+    if topk and text:
+        raise ParameterError("draft_proposer: parameter 'speculative_token_tree' (a static tree) and "
+                             "'speculative_eagle_topk' (a dynamic one) exclude each other")  # fmt: skip
+    if not text and not topk:
         return None
     method = METHODS.get(config.method)
     if method is None or not method.drafts_static_trees:
         drafting = [m.name for m in METHODS.values() if m.drafts_static_trees]
-        raise ParameterError(f"draft_proposer: parameter 'speculative_token_tree' is for methods {drafting}, not "
-                             f"{config.method!r}" + (" (suffix decoding grows its own trees: "
+        raise ParameterError(f"draft_proposer: parameter 'speculative_token_tree' (or a dynamic tree) is for methods "
+                             f"{drafting}, not {config.method!r}" + (" (suffix decoding grows its own trees: "
                              "suffix_decoding_use_tree_spec)" if config.method == "suffix" else ""))  # fmt: skip
     if config.run_with_target:
         raise ParameterError("draft_proposer: parameter 'speculative_token_tree' needs the drafter in its own model: "
                              "run_with_target true drafts chains only")  # fmt: skip
+    if topk:
+        return DynamicTree(topk, steps)
     try:
         return parse_token_tree(text, config.most_drafts)
     except ValueError as err:

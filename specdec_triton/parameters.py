@@ -162,6 +162,12 @@ DRAFT_PROPOSER = (
               "heads that draft trees (`eagle3`): vLLM's static tree, the path of child ranks of each node, e.g. "
               "`[(0,), (1,), (0, 0)]` ([trees](drafters.md#draft-trees)); as in vLLM its node count must equal "
               "`num_speculative_tokens`", unset="a chain"),  # fmt: skip
+    Parameter("speculative_eagle_topk", "int", 0,
+              "`eagle3`: with `speculative_num_steps`, EAGLE-2's dynamic tree: each level expands this many of the "
+              "likeliest nodes, this many children each; the `num_speculative_tokens` likeliest nodes are verified "
+              "([trees](drafters.md#draft-trees)); 0: no dynamic tree", minimum=0),  # fmt: skip
+    Parameter("speculative_num_steps", "int", 0,
+              "`eagle3` with `speculative_eagle_topk`: the dynamic tree's depth (head passes + 1)", minimum=0),
     Parameter("enable_suffix_decoding", "bool", False,
               "with `draft_model`, `eagle3` or `mlp_speculator`: suffix decoding first, the model only for a "
               "sequence whose suffix draft scores under `suffix_decoding_min_score` "

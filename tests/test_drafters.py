@@ -147,3 +147,17 @@ def test_a_bad_tree_fails_the_load_naming_the_key(tmp_path, method, tree, k, ext
     with pytest.raises(ParameterError, match="speculative_token_tree") as err:
         write_tree_repository(tmp_path, method, tree, k, extra)()
     assert named in str(err.value)
+
+
+def test_a_dynamic_tree_loads_from_sglangs_keys_and_refuses_half_of_them(tmp_path):
+    def keys(topk, steps):
+        return (f', {{ key: "speculative_eagle_topk" value: {{ string_value: "{topk}" }} }}, '
+                f'{{ key: "speculative_num_steps" value: {{ string_value: "{steps}" }} }}')  # fmt: skip
+
+    config = write_tree_repository(tmp_path, "eagle3", "", 8, keys(2, 4))()
+    assert (config.token_tree.topk, config.token_tree.depth) == (2, 4)
+    assert build_proposer(config, "cpu").proposer.tree == config.token_tree
+    with pytest.raises(ParameterError, match="make a dynamic tree together; got 2 and 0"):
+        write_tree_repository(tmp_path, "eagle3", "", 8, keys(2, 0))()
+    with pytest.raises(ParameterError, match="exclude each other"):
+        write_tree_repository(tmp_path, "eagle3", TREE, 3, keys(2, 4))()

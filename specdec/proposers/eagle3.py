@@ -36,9 +36,9 @@ from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
-from specdec.proposers.eagle3_tree import draft_tree
+from specdec.proposers.eagle3_tree import draft_dynamic_tree, draft_tree
 from specdec.sampling import make_generator, process_logits, sample_from_probs
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, DynamicTree
 from specdec.types import Proposal, ProposeRequest, SamplingParams
 
 
@@ -53,17 +53,18 @@ class Eagle3Proposer:
     method = "eagle3"
 
     def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 cpu_compile: bool = False, cuda_graphs: bool | None = None, tree: DraftTree | None = None):  # fmt: skip
+                 cpu_compile: bool = False, cuda_graphs: bool | None = None, tree: DraftTree | DynamicTree | None = None):  # fmt: skip
         """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only);
         ``cuda_graphs``: passes of up to ``DEFAULT_GRAPH_NUM_TOKENS`` tokens per row replay captured graphs
         (None: wherever the head is on CUDA); ``tree``: draft this static tree (``eagle3_tree``), cut to
         each request's ``num_tokens`` nodes, instead of a chain."""
         config = head.config
         self.head = head
-        self.tree = tree if tree is not None and not tree.is_chain else None
-        if self.tree is not None and self.tree.max_rank > config.draft_vocab_size:
-            raise ValueError(f"speculative_token_tree asks for a node's child of rank {self.tree.max_rank - 1}, but "
-                             f"the EAGLE-3 head ranks {config.draft_vocab_size} draft tokens")  # fmt: skip
+        self.tree = None if tree is None or (isinstance(tree, DraftTree) and tree.is_chain) else tree
+        ranks = 0 if self.tree is None else self.tree.max_rank if isinstance(self.tree, DraftTree) else self.tree.topk
+        if ranks > config.draft_vocab_size:
+            raise ValueError(f"the draft tree asks for {ranks} children of a node, but the EAGLE-3 head ranks "
+                             f"{config.draft_vocab_size} draft tokens")  # fmt: skip
         self.device = head.device
         self.max_model_len = max_model_len or config.layer.max_position_embeddings
         self.max_num_seqs = max_num_seqs
@@ -147,16 +148,16 @@ class Eagle3Proposer:
         self._store_features(requests)
         drafting = [r for r in requests if r.num_tokens > 0]
         try:
-            drafts, q_rows = self._draft(drafting)
+            drafts, q_rows, parents = self._draft(drafting)
         except BaseException:
             for r in drafting:  # the next call rebuilds the rows from the features kept
                 self._seqs[r.seq_id].rows = 0
             raise
         proposals = proposals_in_order(requests, drafting, drafts, q_rows)
-        if self.tree is None:
+        if parents is None:
             return proposals
-        return [replace(p, parents=self.tree.first(len(p.token_ids)).parents) if len(p.token_ids) else p
-                for p in proposals]  # fmt: skip
+        by_seq = dict(zip((r.seq_id for r in drafting), parents))
+        return [replace(p, parents=by_seq[r.seq_id]) if len(p.token_ids) else p for r, p in zip(requests, proposals)]
 
     def _check(self, requests: list[ProposeRequest]) -> None:
         """Refuse, before any state moves, features that do not fit the head or leave a gap."""
@@ -252,9 +253,10 @@ class Eagle3Proposer:
         logits, prenorm = (torch.cat(outputs) for outputs in zip(*parts))  # [B, draft_vocab], [B, h]: pass order
         return logits.index_copy(0, rows, logits), prenorm.index_copy(0, rows, prenorm)  # out[rows[j]] = in[j]
 
-    def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]], list | None]:
+        """Each request's drafts, their q rows (sampled chains) and, for a tree, their parents."""
         if not requests:
-            return [], []
+            return [], [], None
         seqs = [self._seqs[r.seq_id] for r in requests]
         starts, tokens, hidden = [], [], []
         for r, seq in zip(requests, seqs):
@@ -267,11 +269,16 @@ class Eagle3Proposer:
         for seq in seqs:
             seq.rows = len(seq.tokens) - 1
         bans = self._ban_masks(requests)
+        no_q = [[] for _ in requests]
+        bases = [len(seq.tokens) - 2 for seq in seqs]
+        if isinstance(self.tree, DynamicTree):
+            tokens, parents = draft_dynamic_tree(self, requests, bases, logits, prenorm, bans, self.tree)
+            return tokens, no_q, parents
         if self.tree is not None:
-            bases = [len(seq.tokens) - 2 for seq in seqs]
-            return draft_tree(self, requests, bases, logits, prenorm, bans, self.tree), [[] for _ in requests]
+            tokens = draft_tree(self, requests, bases, logits, prenorm, bans, self.tree)
+            return tokens, no_q, [self.tree.first(len(t)).parents for t in tokens]
         if self._uniform_greedy(requests):
-            return self._draft_greedy_on_device(requests, seqs, logits, prenorm, bans), [[] for _ in requests]
+            return self._draft_greedy_on_device(requests, seqs, logits, prenorm, bans), no_q, None
         generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -286,7 +293,7 @@ class Eagle3Proposer:
                 logits, prenorm = _scatter(logits, prenorm, live, rows)
             for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows, bans)):
                 drafts[i].append(token)
-        return drafts, q_rows
+        return drafts, q_rows, None
 
     @staticmethod
     def _uniform_greedy(requests: list[ProposeRequest]) -> bool:

@@ -19,10 +19,12 @@ verification (``specdec.tree_sampler``) is lossless for any choice, so no ``q`` 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdec.fast.llama import TreeAttention
-from specdec.tree import DraftTree, tree_visibility
+from specdec.tree import DraftTree, DynamicTree, tree_visibility
 from specdec.types import ProposeRequest
 
 
@@ -65,39 +67,123 @@ def draft_tree(proposer, requests: list[ProposeRequest], bases: list[int], logit
     return tokens
 
 
+def draft_dynamic_tree(proposer, requests: list[ProposeRequest], bases: list[int], logits: torch.Tensor,
+                       prenorm: torch.Tensor, bans, shape: DynamicTree) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+    """Each request's tree by EAGLE-2's rule (``specdec.tree.DynamicTree``), at most ``num_tokens`` nodes:
+    its tokens and parents, parents first. ``shape.depth - 1`` head passes, ``topk`` rows a sequence each."""
+    k = shape.topk
+    # per sequence, the candidates: [target id, parent candidate (-1: root), cumulative log prob, depth]
+    found: list[list[list]] = [[] for _ in requests]
+    lp, ids = _top_log_probs(proposer, logits, k, 0, bans)  # [B, k] each
+    level = [[len(found[i]) + c for c in range(k)] for i in range(len(requests))]
+    for i in range(len(requests)):
+        found[i] += [[ids[i][c], -1, lp[i][c], 1] for c in range(k)]
+    slot: list[dict[int, int]] = [{} for _ in requests]  # candidate -> its tree slot, once fed
+    node_prenorm: list[dict[int, torch.Tensor]] = [{} for _ in requests]
+    running = list(range(len(requests)))
+    for depth in range(1, shape.depth):
+        rows = []
+        for i in running:
+            fed = sorted(level[i], key=lambda c: -found[i][c][2])[:k]  # the likeliest of the level
+            first = len(slot[i])
+            for c in fed:
+                slot[i][c] = len(slot[i])
+            span = first + len(fed)
+            visible = torch.zeros(len(fed), span, dtype=torch.bool)
+            for row, c in enumerate(fed):
+                node = c
+                while node >= 0:  # itself and its ancestors, all fed before it
+                    visible[row, slot[i][node]] = True
+                    node = found[i][node][1]
+            parents = [found[i][c][1] for c in fed]
+            hidden = [prenorm[i] if p < 0 else node_prenorm[i][p] for p in parents]
+            rows.append(NodeRows([found[i][c][0] for c in fed], hidden, visible, first, first + k))
+            level[i] = fed
+        out_logits, out_prenorm = _run_nodes(proposer, requests, bases, running, rows, depth)
+        width = out_logits.shape[1]
+        lp, ids = _top_log_probs(proposer, out_logits.flatten(0, 1), k, depth, bans,
+                                 rows=[i for i in running for _ in range(width)])  # fmt: skip
+        for r, i in enumerate(running):
+            children = []
+            for s, c in enumerate(level[i]):
+                node_prenorm[i][c] = out_prenorm[r, s]
+                for j in range(k):
+                    children.append(len(found[i]))
+                    found[i].append([ids[r * width + s][j], c, found[i][c][2] + lp[r * width + s][j], depth + 1])
+            level[i] = children
+    tokens, parents = [], []
+    for i, r in enumerate(requests):
+        order = sorted(range(len(found[i])), key=lambda c: (-found[i][c][2], found[i][c][3], c))[: r.num_tokens]
+        order.sort(key=lambda c: (found[i][c][3], -found[i][c][2]))  # by depth: parents first
+        index = {c: n for n, c in enumerate(order)}
+        tokens.append([found[i][c][0] for c in order])
+        parents.append(tuple(-1 if found[i][c][1] < 0 else index[found[i][c][1]] for c in order))
+    return tokens, parents
+
+
+def _top_log_probs(proposer, logits: torch.Tensor, k: int, depth: int, bans, rows: list[int] | None = None):
+    """The ``k`` likeliest target ids of each row and their draft log probabilities, as host lists ``[n][k]``."""
+    if bans is not None:
+        mask, num_banned = bans if rows is None else (bans[0][rows], bans[1][rows])
+        logits = logits.masked_fill(mask & (depth < num_banned)[:, None], float("-inf"))
+    values, indices = logits.float().log_softmax(-1).topk(k, dim=-1)
+    return values.tolist(), proposer._draft_targets[indices].tolist()
+
+
 def _has_children(tree: DraftTree, node: int) -> bool:
     return node in tree.parents
 
 
 def _level_pass(proposer, requests, bases, trees, level, tokens, root_prenorm, node_prenorm, running, depth):
-    """One head pass over the nodes of ``depth`` of each running sequence: logits ``[R, S, draft_vocab]``
-    and pre-norm ``[R, S, h]``, row ``s`` of a sequence being its ``s``-th node of the level."""
-    device = proposer.device
-    width = max(len(level[i]) for i in running)
-    span = max(trees[i].num_nodes for i in running)  # tree positions a row may see
-    ids = torch.zeros(len(running), width, dtype=torch.long)
-    hidden = torch.zeros(len(running), width, root_prenorm.shape[-1], dtype=root_prenorm.dtype, device=device)
-    visible = torch.zeros(len(running), width, span, dtype=torch.bool)
-    starts, num_new, slots, tree_base = [], [], [], []
-    for row, i in enumerate(running):
+    """One head pass over the nodes of ``depth`` of each running sequence of a static tree: logits
+    ``[R, S, draft_vocab]`` and pre-norm ``[R, S, h]``, row ``s`` of a sequence being its ``s``-th node of the level."""
+    rows = []
+    for i in running:
         t, nodes = trees[i], level[i]
         parents = t.parents
-        ids[row, : len(nodes)] = torch.tensor([tokens[i][j] for j in nodes])
-        for s, j in enumerate(nodes):
-            parent = parents[j]
-            hidden[row, s] = root_prenorm[i] if parent < 0 else node_prenorm[i][parent]
+        hidden = [root_prenorm[i] if parents[j] < 0 else node_prenorm[i][parents[j]] for j in nodes]
         seen = tree_visibility(parents)[1:, 1:]  # [n, n]: node sees node (the root's row is verified, below base)
-        visible[row, : len(nodes), : t.num_nodes] = seen[nodes[0] : nodes[-1] + 1]
-        visible[row, len(nodes) :, 0] = True  # padding rows see something: no empty softmax
-        starts.append(bases[i] + 1 + nodes[0])
-        num_new.append(len(nodes))
+        rows.append(NodeRows([tokens[i][j] for j in nodes], hidden, seen[nodes[0] : nodes[-1] + 1], nodes[0], t.num_nodes))
+    return _run_nodes(proposer, requests, bases, running, rows, depth)
+
+
+@dataclass
+class NodeRows:
+    """One sequence's rows of a tree pass: nodes written from tree slot ``first_slot`` on."""
+
+    tokens: list[int]  # [n] target ids
+    hidden: list[torch.Tensor]  # n x [h]: each node's parent's pre-norm (the root's row for depth 1)
+    visible: torch.Tensor  # [n, <= span] bool: node sees the tree slot
+    first_slot: int
+    span: int  # tree slots the sequence may use this call
+
+
+def _run_nodes(proposer, requests, bases, running, rows: list[NodeRows], depth: int):
+    """One head pass over ``rows`` (one entry per running sequence), each node rotating at ``base + depth``:
+    logits ``[R, S, draft_vocab]`` and pre-norm ``[R, S, h]``."""
+    device = proposer.device
+    width = max(len(r.tokens) for r in rows)
+    span = max(r.span for r in rows)  # tree positions a row may see
+    ids = torch.zeros(len(running), width, dtype=torch.long)
+    hidden = torch.zeros(len(running), width, rows[0].hidden[0].shape[-1], dtype=rows[0].hidden[0].dtype,
+                         device=device)  # fmt: skip
+    visible = torch.zeros(len(running), width, span, dtype=torch.bool)
+    starts, num_new, slots, tree_base = [], [], [], []
+    for row, (i, r) in enumerate(zip(running, rows)):
+        n = len(r.tokens)
+        ids[row, :n] = torch.tensor(r.tokens)
+        hidden[row, :n] = torch.stack(r.hidden)
+        visible[row, :n, : r.visible.shape[1]] = r.visible
+        visible[row, n:, 0] = True  # padding rows see something: no empty softmax
+        starts.append(bases[i] + 1 + r.first_slot)
+        num_new.append(n)
         slots.append(proposer.cache.slot(requests[i].seq_id))
         tree_base.append(bases[i] + 1)
     host = torch.tensor([starts, num_new, slots, tree_base], dtype=torch.long)
     starts_t, num_new_t, slots_t, base_t = host.to(device, non_blocking=True)  # [R] each
     positions = (base_t + depth - 1)[:, None].expand(len(running), width)  # [R, S]: a depth-d node rotates at base + d
     tree = TreeAttention(base_t, positions.contiguous(), visible.to(device, non_blocking=True))
-    kv_len = max(bases[i] + 1 + trees[i].num_nodes for i in running)
+    kv_len = max(bases[i] + 1 + r.span for i, r in zip(running, rows))
     return proposer._head_forward(ids.to(device, non_blocking=True), hidden, starts_t, num_new_t, slots_t,
                                   proposer.cache.kv, kv_len, tree)  # fmt: skip
 

@@ -1,0 +1,59 @@
+"""EAGLE-3 drafting trees (static and EAGLE-2's dynamic) with the shipped head: the target's own output."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specdec.engine import GenerationParams
+from specdec.fast import FastCausalLM
+from specdec.generate import generate
+from specdec.heads import build_head_proposer
+from specdec.rejection_sampler import RejectionSampler
+from specdec.tree import DynamicTree, parse_token_tree
+from specdec.types import SamplingParams
+from specdec.verifier import TargetVerifier
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+PROMPTS = [[5, 300, 41, 9, 77, 1200, 15], [88, 12, 2000, 4, 61, 63, 65, 67, 69]]
+SHAPES = {
+    "static": (parse_token_tree("[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"), 6),
+    "dynamic": (DynamicTree(topk=2, depth=4), 6),
+}
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return TargetVerifier(FastCausalLM(MODELS / "tiny-target", max_num_seqs=2, max_model_len=256))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=11)])
+def test_a_tree_of_the_head_emits_k0s_tokens(verifier, shape, sampling):
+    tree, k = SHAPES[shape]
+    proposer = build_head_proposer("eagle3", MODELS / "tiny-eagle3", MODELS / "tiny-target", max_num_seqs=2, tree=tree)
+    sampler, accepted = RejectionSampler(), 0
+    for prompt in PROMPTS:
+        plain = GenerationParams(max_tokens=40, sampling=sampling)
+        reference = [t for out in generate(None, verifier, sampler, prompt, plain) for t in out.new_token_ids]
+        steps = list(generate(proposer, verifier, sampler, prompt,
+                              GenerationParams(max_tokens=40, sampling=sampling, num_speculative_tokens=k)))
+        assert [t for out in steps for t in out.new_token_ids] == reference
+        accepted += steps[-1].stats.num_accepted_tokens
+    assert accepted > 0
+
+
+def test_a_dynamic_tree_is_at_most_k_nodes_parents_first_and_varies_by_step(verifier):
+    proposer = build_head_proposer("eagle3", MODELS / "tiny-eagle3", MODELS / "tiny-target", max_num_seqs=2,
+                                   tree=DynamicTree(topk=3, depth=3))  # fmt: skip
+    proposals, propose = [], proposer.propose
+    proposer.propose = lambda requests: proposals.extend(propose(requests)) or proposals[-len(requests):]
+    list(generate(proposer, verifier, RejectionSampler(), PROMPTS[0], GenerationParams(max_tokens=30,
+                                                                                       num_speculative_tokens=7)))
+    assert proposals
+    for proposal in proposals:
+        parents = proposal.parents
+        assert len(parents) == len(proposal.token_ids) <= 7
+        assert all(-1 <= p < i for i, p in enumerate(parents))
+        assert len(set(zip(parents, proposal.token_ids.tolist()))) == len(parents)  # siblings distinct
+    assert len({p.parents for p in proposals}) > 1  # the shape follows the head's confidence
