@@ -43,11 +43,15 @@ def streams_killed_midway(server, model: str) -> list[tuple[float | None, str]]:
     return streams_interrupted(server, lambda: os.kill(stub_pid(server, model), signal.SIGKILL))
 
 
-def streams_interrupted(server, interrupt) -> list[tuple[float | None, str]]:
-    """Eight long streams; once each has sent text, ``interrupt()``: (seconds from it to each end, error)."""
-    started = threading.Barrier(NUM_STREAMS + 1, timeout=300)
+def streams_interrupted(server, interrupt, model: str = "speculative_decoding", num_streams: int = NUM_STREAMS,
+                        join_s: float = 120.0) -> list[tuple[float | None, str]]:  # fmt: skip
+    """Long streams to ``model``; once each has sent text, ``interrupt()``: (seconds from it to each end, error).
+
+    Each stream is waited for ``join_s`` at most after the interrupt returns; one still open then ends as (None, "").
+    """
+    started = threading.Barrier(num_streams + 1, timeout=300)
     killed_at: list[float] = []
-    ends: list[tuple[float | None, str]] = [(None, "")] * NUM_STREAMS
+    ends: list[tuple[float | None, str]] = [(None, "")] * num_streams
 
     def run(i: int) -> None:
         first = [True]
@@ -58,19 +62,20 @@ def streams_interrupted(server, interrupt) -> list[tuple[float | None, str]]:
                 started.wait()
 
         try:
-            generate_grpc(server.grpc_url, "speculative_decoding", PROMPTS[i], LONG, on_chunk)
+            generate_grpc(server.grpc_url, model, PROMPTS[i], LONG, on_chunk)
             ends[i] = (time.monotonic() - killed_at[0], "finished")
         except GenerateError as err:
             ends[i] = (time.monotonic() - killed_at[0], str(err))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(NUM_STREAMS)]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(num_streams)]
     for thread in threads:
         thread.start()
     started.wait()
     killed_at.append(time.monotonic())
     interrupt()
+    deadline = killed_at[0] + join_s
     for thread in threads:
-        thread.join(120)
+        thread.join(max(0.0, deadline - time.monotonic()))
     return ends
 
 

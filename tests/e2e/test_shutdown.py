@@ -13,19 +13,18 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from client.generate import GenerateError, generate_grpc
+from client.generate import generate_grpc
 from test_concurrency import PROMPTS
+from test_faults import streams_interrupted
 from triton_server import REPO_ROOT, server_on_free_ports
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 NUM_STREAMS = 4
-LONG = {"stream": True, "max_tokens": 1500, "min_tokens": 1500, "exclude_input_in_output": True}  # never ends early
 GONE_WITHIN_S = 20.0
 ANSWERED = ("finished", "shutting down")  # a stream's own end, or the model's final error
 
@@ -59,37 +58,19 @@ def streams_stopped(server, model: str) -> tuple[list[tuple[float | None, str]],
     after the signal.
     """
     session = server.process.pid
-    started = threading.Barrier(NUM_STREAMS + 1, timeout=300)
     signalled: list[float] = []
-    ends: list[tuple[float | None, str]] = [(None, "")] * NUM_STREAMS
+    exited: list[float] = []
 
-    def run(i: int) -> None:
-        first = [True]
+    def stop() -> None:
+        signalled.append(time.monotonic())
+        os.kill(server.process.pid, signal.SIGTERM)
+        server.process.wait(60)
+        exited.append(time.monotonic() - signalled[0])
 
-        def on_chunk(_text: str) -> None:
-            if first[0]:
-                first[0] = False
-                started.wait()
-
-        try:
-            generate_grpc(server.grpc_url, model, PROMPTS[i], LONG, on_chunk)
-            ends[i] = (time.monotonic() - signalled[0], "finished")
-        except GenerateError as err:
-            ends[i] = (time.monotonic() - signalled[0], str(err))
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(NUM_STREAMS)]
-    for thread in threads:
-        thread.start()
-    started.wait()
-    signalled.append(time.monotonic())
-    os.kill(server.process.pid, signal.SIGTERM)
-    server.process.wait(60)
-    exited = time.monotonic() - signalled[0]
-    for thread in threads:
-        thread.join(max(0.0, GONE_WITHIN_S - (time.monotonic() - signalled[0])))
+    ends = streams_interrupted(server, stop, model, NUM_STREAMS, GONE_WITHIN_S)
     while (left := session_processes(session)) and time.monotonic() - signalled[0] < GONE_WITHIN_S:
         time.sleep(0.2)
-    return ends, exited, left
+    return ends, exited[0], left
 
 
 @pytest.fixture
