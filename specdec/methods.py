@@ -37,6 +37,7 @@ METHODS = {
         Method("suffix", MODEL_FREE),
         Method("eagle3", HEAD),
         Method("mlp_speculator", HEAD),
+        Method("medusa", HEAD),
     )
 }
 
