@@ -85,12 +85,13 @@ def test_a_draft_trained_for_fewer_positions_than_its_window_is_refused_with_the
 SHIPPED = Path(__file__).resolve().parents[1] / "models"
 
 
-def write_mlp_repository(tmp_path, num_speculative_tokens: int, extra: str = ""):
+def write_mlp_repository(tmp_path, num_speculative_tokens: int, extra: str = "", method: str = "mlp_speculator",
+                         head: str = "tiny-mlp-speculator"):  # fmt: skip
     for model, parameters in (
         ("speculative_decoding", f'{{ key: "num_speculative_tokens" value: {{ string_value: "{num_speculative_tokens}" }} }}'),
         ("target_verifier", f'{{ key: "target_model" value: {{ string_value: "{SHIPPED / "tiny-target"}" }} }}'),
-        ("draft_proposer", f'{{ key: "method" value: {{ string_value: "mlp_speculator" }} }}, '
-                           f'{{ key: "draft_model" value: {{ string_value: "{SHIPPED / "tiny-mlp-speculator"}" }} }}{extra}'),
+        ("draft_proposer", f'{{ key: "method" value: {{ string_value: "{method}" }} }}, '
+                           f'{{ key: "draft_model" value: {{ string_value: "{SHIPPED / head}" }} }}{extra}'),
     ):  # fmt: skip
         (tmp_path / model).mkdir(parents=True, exist_ok=True)
         (tmp_path / model / "config.pbtxt").write_text(f'name: "{model}"\nparameters [ {parameters} ]\n')
@@ -109,3 +110,13 @@ def test_an_mlp_speculator_with_fewer_stages_than_a_step_asks_fails_its_load_nam
                                                       '"true" } }, { key: "model_num_speculative_tokens" value: '
                                                       '{ string_value: "2" } }')  # fmt: skip
     assert behind_suffix.most_drafts == 2 and build_proposer(behind_suffix, "cpu").description.method == "mlp_speculator"
+
+
+def test_medusa_with_fewer_heads_than_a_step_asks_fails_its_load_naming_both(tmp_path):
+    """The shipped Medusa head has num_heads=4: a repository that drafts 8 would say ready and fail every request."""
+    config = write_mlp_repository(tmp_path, 8, method="medusa", head="tiny-medusa")
+    with pytest.raises(ValueError, match=r"Medusa head .* has num_heads=4 heads, but a step may ask it for 8 drafts: "
+                                         r"set speculative_decoding's num_speculative_tokens .* to at most 4"):  # fmt: skip
+        build_proposer(config, "cpu")
+    loaded = build_proposer(write_mlp_repository(tmp_path, 4, method="medusa", head="tiny-medusa"), "cpu")
+    assert loaded.description.method == "medusa" and loaded.description.hidden_state_layers == (6,)
