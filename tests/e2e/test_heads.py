@@ -199,7 +199,8 @@ def shipped_medusa_server(tmp_path_factory):
 def test_the_shipped_medusa_heads_served_by_speculative_config_are_accepted_and_exact(shipped_medusa_server,
                                                                                        reference):  # fmt: skip
     assert _accepted_and_exact(shipped_medusa_server, reference, stream=True) > 0
-    params = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": 7, "stream": False}
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": 7, "stream": False,
+              "exclude_input_in_output": True}  # fmt: skip
     first = generate_http(shipped_medusa_server.http_url, "ensemble", PROMPTS[1], params)  # sampled: q from each head
     again = generate_http(shipped_medusa_server.http_url, "ensemble", PROMPTS[1], {**params, "stream": True})
     assert first.text == again.text and first.total_draft_tokens > 0
