@@ -5,8 +5,8 @@
 #   [SPECDEC_PARAMS="MODEL.KEY=VALUE ..."]
 #
 # With SPECDEC_TARGET set, scripts/new_repository.sh writes a repository for it under /tmp and
-# that one is served. SPECDEC_METHOD: draft_model (the default with SPECDEC_DRAFT), eagle3 or
-# mlp_speculator (SPECDEC_DRAFT names the head), ngram (the default without) or suffix. Arguments
+# that one is served. SPECDEC_METHOD: draft_model (the default with SPECDEC_DRAFT), eagle3,
+# mlp_speculator or medusa (SPECDEC_DRAFT names the head), ngram (the default without) or suffix. Arguments
 # go to scripts/serve.sh and on to tritonserver (a --model-repository among them serves a mounted one).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,9 +22,10 @@ if [[ -n "${SPECDEC_TARGET:-}" ]]; then
         draft_model) options+=(--draft "$draft") ;;
         eagle3) options+=(--eagle3 "$draft") ;;
         mlp_speculator) options+=(--mlp-speculator "$draft") ;;
+        medusa) options+=(--medusa "$draft") ;;
         ngram | suffix) options+=("--$method") ;;
         *)
-            echo "entrypoint: SPECDEC_METHOD must be draft_model, eagle3, mlp_speculator, ngram or suffix," \
+            echo "entrypoint: SPECDEC_METHOD must be draft_model, eagle3, mlp_speculator, medusa, ngram or suffix," \
                 "got '$method'" >&2
             exit 2 ;;
     esac

@@ -90,6 +90,8 @@ def parse_args() -> argparse.Namespace:
                    help="the EAGLE-3 head the eagle3 servers load (draft_model of method eagle3)")
     p.add_argument("--mlp-speculator", type=Path, default=REPO_ROOT / "models" / "tiny-mlp-speculator",
                    help="the MLP speculator the mlp_speculator servers load")
+    p.add_argument("--medusa", type=Path, default=REPO_ROOT / "models" / "tiny-medusa",
+                   help="the Medusa heads the medusa servers load")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--methods", default="suffix,draft_model,ngram",
                    help="draft_proposer methods, comma-separated, each on a server of its own with its own k = 0; "
@@ -184,7 +186,8 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
     cleared, ``speculation_follows_acceptance`` false), so each ``k=K`` row measures that
     k; the ``default`` row has a server of its own, as shipped.
     """
-    checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator}
+    checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator,
+                   "medusa": args.medusa}
     edits = checkpoint_edits(args.target, method, checkpoints.get(method))
     edits[ORCHESTRATOR] = {}
     if fixed:

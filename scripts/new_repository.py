@@ -2,7 +2,8 @@
 """Write a copy of the model repository to tune or to serve other checkpoints.
 
     scripts/new_repository.sh DIR [--target CKPT] [--tokenizer DIR]
-                                  [--draft CKPT | --eagle3 HEAD | --mlp-speculator HEAD | --ngram | --suffix]
+                                  [--draft CKPT | --eagle3 HEAD | --mlp-speculator HEAD | --medusa HEAD
+                                   | --ngram | --suffix]
                                   [--param MODEL.KEY=VALUE ...] [--source REPOSITORY]
 
 Every checkpoint and tokenizer path of the copy is written absolute (resolved by the rule
@@ -20,8 +21,8 @@ How many tokens a step drafts (speculative_decoding's ``num_speculative_tokens``
 ``num_speculative_tokens_per_batch_size``) is kept from the source, which chose it for its
 own method and checkpoints: a copy with another method says so, since where drafting stops
 paying is the method's, the pair's and the hardware's. An MLP speculator drafts at most its
-``n_predict`` tokens a step, so a copy for one has both cut to it (and says so) unless
-``--param`` sets them; set above it, the copy is refused.
+``n_predict`` tokens a step, Medusa its ``num_heads``, so a copy for one has both cut to it
+(and says so) unless ``--param`` sets them; set above it, the copy is refused.
 
     scripts/new_repository.sh /srv/repo --target /ckpt/llama-3-8b --draft /ckpt/llama-3.2-1b \\
         --param target_verifier.max_num_seqs=32 --param draft_proposer.max_num_seqs=32
@@ -49,6 +50,8 @@ from specdec_triton.plumbing import ParameterError, Parameters  # noqa: E402
 
 ORCHESTRATOR = "speculative_decoding"
 SPECULATION_LENGTH_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
+# heads that draft at most a fixed number of tokens a step: what they are called, and the config key that says it
+MOST_DRAFTS = {"mlp_speculator": ("the MLP speculator", "n_predict"), "medusa": ("the Medusa head", "num_heads")}
 # the parameters holding a path, by model
 PATH_PARAMETERS = {model: tuple(p.name for p in declared if p.kind == "path") for model, declared in MODELS.items()}
 CONFIGS = {
@@ -69,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     methods = p.add_mutually_exclusive_group()
     for flag, help_text in (("--draft", "draft model checkpoint: draft_proposer.method=draft_model"),
                             ("--eagle3", "EAGLE-3 head (speculators or original layout): method=eagle3"),
-                            ("--mlp-speculator", "MLP speculator checkpoint: method=mlp_speculator")):  # fmt: skip
+                            ("--mlp-speculator", "MLP speculator checkpoint: method=mlp_speculator"),
+                            ("--medusa", "Medusa heads (vLLM's layout): method=medusa")):  # fmt: skip
         methods.add_argument(flag, type=Path, metavar="CKPT", help=help_text)
     methods.add_argument("--ngram", action="store_true", help="draft by prompt lookup: method=ngram")
     methods.add_argument("--suffix", action="store_true", help="suffix decoding: method=suffix")
@@ -79,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.dest.exists():
         p.error(f"{args.dest} exists; name a new directory")
-    for flag in ("source", "target", "draft", "eagle3", "mlp_speculator", "tokenizer"):
+    for flag in ("source", "target", "draft", "eagle3", "mlp_speculator", "medusa", "tokenizer"):
         path = getattr(args, flag)
         if path is not None and not path.exists():
             p.error(f"--{flag.replace('_', '-')} {path}: no such path")
@@ -89,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def method_and_checkpoint(args: argparse.Namespace) -> tuple[str | None, Path | None]:
     """The proposer method the flags pick (None: the source's) and its checkpoint, if it has one."""
     for method, checkpoint in (("draft_model", args.draft), ("eagle3", args.eagle3),
-                               ("mlp_speculator", args.mlp_speculator)):  # fmt: skip
+                               ("mlp_speculator", args.mlp_speculator), ("medusa", args.medusa)):  # fmt: skip
         if checkpoint is not None:
             return method, checkpoint
     return ("ngram" if args.ngram else "suffix" if args.suffix else None), None
@@ -113,16 +117,19 @@ def absolute_path_edits(source: Path, edits: dict[str, dict[str, str]]) -> dict[
 
 
 def speculation_length(args: argparse.Namespace, source: Path, edits: dict[str, dict[str, str]]) -> list[str]:
-    """Cut the step's k and batch-size table to an MLP speculator's ``n_predict`` (added to ``edits``), or refuse
-    them above it when ``--param`` sets them; the notes to print about what the copy keeps or cut."""
+    """Cut the step's k and batch-size table to an MLP speculator's ``n_predict`` or Medusa's ``num_heads`` (added
+    to ``edits``), or refuse them above it when ``--param`` sets them; the notes to print about what the copy
+    keeps or cut."""
     method, checkpoint = method_and_checkpoint(args)
     given = {key: edits[ORCHESTRATOR][key] for key in SPECULATION_LENGTH_KEYS if key in edits.get(ORCHESTRATOR, {})}
     values = {**get_parameters((source / ORCHESTRATOR / "config.pbtxt").read_text()), **given}
     k, table = values.get("num_speculative_tokens", "4"), values.get("num_speculative_tokens_per_batch_size", "")
-    if method == "mlp_speculator":
+    if method in MOST_DRAFTS:
+        head, key = MOST_DRAFTS[method]
         try:
             steps, per_batch_size = int(k), parse_per_batch_size(table)
-            n_predict = int(read_head_config(checkpoint).get("n_predict", 0))
+            raw = read_head_config(checkpoint)
+            n_predict = int(raw.get(key) or raw.get(f"medusa_{key}") or 0)  # medusa_num_heads: the original release's
         except (OSError, ValueError):
             return []  # the copy's checks name the bad value or head, as the load would
         most = max([steps] + [entry for _, entry in per_batch_size])
@@ -130,14 +137,14 @@ def speculation_length(args: argparse.Namespace, source: Path, edits: dict[str, 
             return []
         if given:
             raise ValueError(f"{ORCHESTRATOR}.num_speculative_tokens {k!r} / num_speculative_tokens_per_batch_size "
-                             f"{table!r} ask for up to {most} drafts a step, but the MLP speculator {str(checkpoint)!r} "
-                             f"drafts at most its n_predict={n_predict}")  # fmt: skip
+                             f"{table!r} ask for up to {most} drafts a step, but {head} {str(checkpoint)!r} "
+                             f"drafts at most its {key}={n_predict}")  # fmt: skip
         cut_table = ",".join(f"{size}:{min(entry, n_predict)}" for size, entry in per_batch_size)
         edits.setdefault(ORCHESTRATOR, {}).update(num_speculative_tokens=str(min(steps, n_predict)),
                                                   num_speculative_tokens_per_batch_size=cut_table)  # fmt: skip
         return [f"{ORCHESTRATOR}: num_speculative_tokens {k} -> {min(steps, n_predict)} and "
-                f"num_speculative_tokens_per_batch_size {table!r} -> {cut_table!r}, the MLP speculator's "
-                f"n_predict={n_predict}"]  # fmt: skip
+                f"num_speculative_tokens_per_batch_size {table!r} -> {cut_table!r}, {head}'s "
+                f"{key}={n_predict}"]  # fmt: skip
     source_method = get_parameters((source / wire.DRAFT_PROPOSER / "config.pbtxt").read_text()).get("method")
     if method in (None, source_method) or given:
         return []

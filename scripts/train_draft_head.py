@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train a draft head (EAGLE-3 or MLP speculator) for a target by self-distillation, and measure it.
+"""Train a draft head (EAGLE-3, MLP speculator or Medusa) for a target by self-distillation, and measure it.
 
 The head learns the target's own next-token distributions (soft labels, as EAGLE does)
 from the target's hidden states over the training text of ``train_tiny_models.py`` (the
@@ -17,6 +17,11 @@ LM head starts from the target's rows.
   ``i`` fed the text's tokens and trained on the target's distribution ``i + 1`` tokens on
   (``--mlp-labels greedy``: on its greedy token there); ``--tie-weights`` shares one
   embedding, head and norm among the stages (the format's ``tie_weights``).
+* ``medusa``: ``--medusa-heads`` heads of ``--medusa-layers`` residual blocks over the target's
+  final hidden state at t, head ``i`` trained on the target's distribution at t + 1 + i (the
+  token i + 2 on); the blocks start at zero (the identity, as Medusa's release starts them) and
+  the LM heads from the target's, ``--medusa-lm-head shared`` keeping one, the target's, frozen
+  (the format's ``original_lm_head``). ``--eval-tree`` also measures a static tree.
 
 Then the head is written (speculators / MLPSpeculator format) and run in the real engine
 at ``--k`` (greedy), beside ``--baseline-draft``, on the held-out prompts of
@@ -53,10 +58,12 @@ from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import build_head_proposer  # noqa: E402
 from specdec.heads.eagle3 import Eagle3Head, default_aux_layers, eagle3_config_for, train_forward  # noqa: E402
 from specdec.heads.formats import save_eagle3  # noqa: E402
+from specdec.heads.medusa import Medusa, MedusaConfig, save_medusa  # noqa: E402
 from specdec.heads.mlp_speculator import MLPSpeculator, first_stages, save_mlp_speculator  # noqa: E402
 from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
+from specdec.tree import parse_token_tree  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of training-time-test step j: 0.8 ** j
@@ -199,6 +206,32 @@ def mlp_loss(model: MLPSpeculator, window, last, target_logp, greedy_labels: boo
     return sum(losses) / n
 
 
+def build_medusa(target, arch, args) -> Medusa:
+    shared = args.medusa_lm_head == "shared"
+    config = MedusaConfig(args.medusa_heads, args.medusa_layers, arch.hidden_size, arch.vocab_size, arch.vocab_size,
+                          bias=True, shared_lm_head=shared)  # fmt: skip
+    model = Medusa(config)
+    with torch.no_grad():
+        for block in model.blocks:
+            for layer in block.layers:  # x + SiLU(0) = x: each head starts as the target's own next-token head
+                layer.weight.zero_()
+                layer.bias.zero_()
+        for lm_head in model.lm_heads:
+            lm_head.weight.copy_(target.lm_head.weight)
+            lm_head.weight.requires_grad_(not shared)
+    return model
+
+
+def medusa_loss(model: Medusa, window, last, target_logp) -> torch.Tensor:
+    """Head i at base t reads the target's final hidden state at t and is scored on the target's distribution
+    at t + 1 + i (its prediction of token t + 2 + i)."""
+    n = model.num_heads
+    span = window.shape[1] - n  # bases t = 0 .. span - 1
+    logits = model(last[:, :span].float())  # [n, B, span, vocab]
+    valid = torch.ones(window.shape[0], span, dtype=torch.bool)
+    return sum(soft_ce(logits[i], target_logp[:, 1 + i : 1 + i + span].float(), valid) for i in range(n)) / n
+
+
 def train(args, head, loss_fn, pool) -> list[float]:
     """``--steps`` AdamW steps over batches drawn (seeded) from the precomputed ``pool``."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -229,15 +262,20 @@ def evaluate(args, tokenizer) -> list[dict]:
     prompts = [p.token_ids for p in chosen]
     verifier = TargetVerifier(build_lm(args.target, "fast", "float32", "cpu", max_num_seqs=2))
     proposers = [(args.method, build_head_proposer(args.method, args.out, args.target, "float32", "cpu", 2))]
+    tree = parse_token_tree(args.eval_tree) if args.eval_tree else None
+    if tree is not None:
+        proposers.append((f"{args.method}+tree", build_head_proposer(args.method, args.out, args.target, "float32",
+                                                                     "cpu", 2, tree=tree)))  # fmt: skip
     if args.baseline_draft:
         draft = build_lm(args.baseline_draft, "fast", "float32", "cpu", max_num_seqs=2)
         proposers.append(("draft_model", DraftModelProposer(draft)))
     results = []
     for name, proposer in proposers:
-        result = run(name, proposer, verifier, RejectionSampler("strict"), prompts, args, tokenizer.eos_token_id,
+        at = argparse.Namespace(**{**vars(args), "k": tree.num_nodes}) if name.endswith("+tree") else args
+        result = run(name, proposer, verifier, RejectionSampler("strict"), prompts, at, tokenizer.eos_token_id,
                      ban_eos=True)
         result.pop("outputs")
-        print(f"[eval] {name}: {result['mean_accepted_length']} tokens per step at k={args.k}, acceptance "
+        print(f"[eval] {name}: {result['mean_accepted_length']} tokens per step at k={at.k}, acceptance "
               f"{result['acceptance_rate']}, per position {result['accepted_per_position']}", flush=True)
         results.append(result)
     return results
@@ -245,7 +283,7 @@ def evaluate(args, tokenizer) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", choices=("eagle3", "mlp_speculator"), required=True)
+    parser.add_argument("--method", choices=("eagle3", "mlp_speculator", "medusa"), required=True)
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -273,12 +311,17 @@ def main() -> None:
     parser.add_argument("--keep-stages", type=int, default=0,
                         help="mlp_speculator: after the evaluation, write only the first N stages (0: all)")
     parser.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="mlp_speculator: the written weights' dtype")
+                        help="mlp_speculator, medusa: the written weights' dtype")
     parser.add_argument("--tie-weights", action="store_true",
                         help="mlp_speculator: one embedding, head and norm for every stage (the format's tie_weights)")
     parser.add_argument("--mlp-labels", choices=("distribution", "greedy"), default="distribution",
                         help="mlp_speculator: each stage trained to the target's distribution or its greedy token")
     parser.add_argument("--inner-dim", type=int, default=0, help="mlp_speculator: 0 = the target's hidden size")
+    parser.add_argument("--medusa-heads", type=int, default=4, help="medusa: heads (the format's num_heads)")
+    parser.add_argument("--medusa-layers", type=int, default=1, help="medusa: residual blocks per head")
+    parser.add_argument("--medusa-lm-head", choices=("shared", "own"), default="shared",
+                        help="medusa: one LM head, the target's, frozen (original_lm_head), or one trained per head")
+    parser.add_argument("--eval-tree", help="medusa, eagle3: also measure this speculative_token_tree (all its nodes)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=24, help="as benchmark_engine.py's --num-prompts")
     parser.add_argument("--eval-seed", type=int, default=0, help="as benchmark_engine.py's --seed")
@@ -315,6 +358,11 @@ def main() -> None:
         # at the target's width the embedding is the target's, frozen: the loader shares it, as vLLM does
         shared = head.config.hidden_size == arch.hidden_size
         save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k, embedding=not shared)
+    elif args.method == "medusa":
+        head = build_medusa(target, arch, args)
+        pool = target_outputs(target, windows, args, (arch.num_layers,), None)
+        losses = train(args, head, lambda *batch: medusa_loss(head, *batch), pool)
+        save_medusa(head, args.out)
     else:
         head = build_mlp(target, arch, args)
         pool = target_outputs(target, windows, args, (arch.num_layers,), None)
@@ -327,6 +375,9 @@ def main() -> None:
         stages = args.keep_stages or args.n_predict
         save_mlp_speculator(first_stages(head, stages).to(getattr(torch, args.save_dtype)), args.out)
         written = f"the first {stages} of {args.n_predict} stages, {args.save_dtype}"
+    elif args.method == "medusa" and args.save_dtype != "float32":
+        save_medusa(head.to(getattr(torch, args.save_dtype)), args.out)
+        written = f"the heads as trained, {args.save_dtype}"
     report = {
         "command": " ".join(sys.argv),
         "method": args.method,

@@ -25,6 +25,7 @@ class Method:
     kind: str  # MODEL | HEAD | MODEL_FREE
     # drafts a static ``speculative_token_tree`` (``specdec.tree``); suffix decoding grows its own trees instead
     drafts_static_trees: bool = False
+    drafts_dynamic_trees: bool = False  # EAGLE-2's dynamic tree (specdec.tree.DynamicTree)
 
     def __post_init__(self):
         if self.kind not in (MODEL, HEAD, MODEL_FREE):
@@ -37,8 +38,9 @@ METHODS = {
         Method("draft_model", MODEL),
         Method("ngram", MODEL_FREE),
         Method("suffix", MODEL_FREE),
-        Method("eagle3", HEAD, drafts_static_trees=True),
+        Method("eagle3", HEAD, drafts_static_trees=True, drafts_dynamic_trees=True),
         Method("mlp_speculator", HEAD),
+        Method("medusa", HEAD, drafts_static_trees=True),
     )
 }
 

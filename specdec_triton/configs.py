@@ -210,6 +210,10 @@ def _token_tree(read: Reader, config: DraftProposerConfig) -> DraftTree | Dynami
         raise ParameterError(f"draft_proposer: parameter 'speculative_token_tree' (or a dynamic tree) is for methods "
                              f"{drafting}, not {config.method!r}" + (" (suffix decoding grows its own trees: "
                              "suffix_decoding_use_tree_spec)" if config.method == "suffix" else ""))  # fmt: skip
+    if topk and not method.drafts_dynamic_trees:
+        dynamic = [m.name for m in METHODS.values() if m.drafts_dynamic_trees]
+        raise ParameterError(f"draft_proposer: parameter 'speculative_eagle_topk' (a dynamic tree) is for methods "
+                             f"{dynamic}, not {config.method!r}; a static speculative_token_tree is")  # fmt: skip
     if config.run_with_target:
         raise ParameterError("draft_proposer: parameter 'speculative_token_tree' needs the drafter in its own model: "
                              "run_with_target true drafts chains only")  # fmt: skip

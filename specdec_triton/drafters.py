@@ -17,7 +17,9 @@ from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.fast.checkpoint import read_config
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
-from specdec.proposers import PROPOSERS, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free
+from specdec.proposers import (
+    PROPOSERS, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
+)  # fmt: skip
 from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import DraftProposerConfig
@@ -26,7 +28,7 @@ from specdec_triton.repository_config import model_settings
 
 @dataclass(frozen=True)
 class LoadedDraft:
-    proposer: object  # a specdec Proposer: DraftModelProposer, Eagle3Proposer, MLPSpeculatorProposer, or model-free
+    proposer: object  # a specdec Proposer: DraftModelProposer, Eagle3Proposer, MLPSpeculatorProposer, MedusaProposer, or model-free
     description: ModelDescription
 
 
@@ -59,17 +61,21 @@ def _with_suffix_first(description: ModelDescription, config: DraftProposerConfi
 
 
 def _check_stages(proposer, config: DraftProposerConfig) -> None:
-    """An MLP speculator drafts at most its ``n_predict`` stages: a server whose steps ask more would say
-    ready and then fail every request, so the load fails instead, naming both values and the fix."""
-    if not isinstance(proposer, MLPSpeculatorProposer) or config.most_drafts is None:
+    """An MLP speculator drafts at most its ``n_predict`` stages, Medusa at most its ``num_heads`` heads: a
+    server whose steps ask more would say ready and then fail every request, so the load fails instead,
+    naming both values and the fix."""
+    if isinstance(proposer, MLPSpeculatorProposer):
+        head, name, stages, unit = "MLP speculator", "n_predict", proposer.model.n_predict, "stages"
+    elif isinstance(proposer, MedusaProposer):
+        head, name, stages, unit = "Medusa head", "num_heads", proposer.num_heads, "heads"
+    else:
         return
-    stages = proposer.model.n_predict
-    if config.most_drafts > stages:
+    if config.most_drafts is not None and config.most_drafts > stages:
         setting = ("draft_proposer's model_num_speculative_tokens" if config.suffix_first is not None
                    and config.suffix_first.model_num_speculative_tokens else "speculative_decoding's "
                    "num_speculative_tokens (and the largest k of num_speculative_tokens_per_batch_size)")  # fmt: skip
         raise ValueError(
-            f"MLP speculator {config.draft_model!r} has n_predict={stages} stages, but a step may ask it for "
+            f"{head} {config.draft_model!r} has {name}={stages} {unit}, but a step may ask it for "
             f"{config.most_drafts} drafts: set {setting} to at most {stages}"
         )
 

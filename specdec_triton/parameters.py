@@ -130,8 +130,8 @@ DRAFT_PROPOSER = (
     Parameter(
         "method", "str", "draft_model",
         "`draft_model`: a small LM; `ngram`: prompt lookup; `suffix`: suffix decoding over the request's text "
-        "and past responses ([speculative_config.md](speculative_config.md)); `eagle3`, `mlp_speculator`: a head "
-        "over the target's hidden states ([drafters](drafters.md#draft-heads-eagle-3-and-the-mlp-speculator)); "
+        "and past responses ([speculative_config.md](speculative_config.md)); `eagle3`, `mlp_speculator`, `medusa`: "
+        "a head over the target's hidden states ([drafters](drafters.md#draft-heads-eagle-3-and-the-mlp-speculator)); "
         "`ngram` and `suffix` run in speculative_decoding's process", choices=tuple(PROPOSERS)),  # fmt: skip
     Parameter("draft_model", "path", DEFAULT_DRAFT_MODEL,
               "a Hugging Face checkpoint sharing the target's vocabulary, or a head's directory; not read (nor "
@@ -159,7 +159,7 @@ DRAFT_PROPOSER = (
               "continuations, branches included; Arctic Inference's `use_tree_spec`), verified as a tree "
               "([trees](drafters.md#draft-trees)); false: the most frequent path alone"),  # fmt: skip
     Parameter("speculative_token_tree", "str", "",
-              "heads that draft trees (`eagle3`): vLLM's static tree, the path of child ranks of each node, e.g. "
+              "heads that draft trees (`eagle3`, `medusa`): vLLM's static tree, the path of child ranks of each node, e.g. "
               "`[(0,), (1,), (0, 0)]` ([trees](drafters.md#draft-trees)); as in vLLM its node count must equal "
               "`num_speculative_tokens`", unset="a chain"),  # fmt: skip
     Parameter("speculative_eagle_topk", "int", 0,
@@ -169,7 +169,7 @@ DRAFT_PROPOSER = (
     Parameter("speculative_num_steps", "int", 0,
               "`eagle3` with `speculative_eagle_topk`: the dynamic tree's depth (head passes + 1)", minimum=0),
     Parameter("enable_suffix_decoding", "bool", False,
-              "with `draft_model`, `eagle3` or `mlp_speculator`: suffix decoding first, the model only for a "
+              "with `draft_model` or a head (`eagle3`, `mlp_speculator`, `medusa`): suffix decoding first, the model only for a "
               "sequence whose suffix draft scores under `suffix_decoding_min_score` "
               "([drafters](drafters.md#suffix-decoding-in-front-of-a-model)); refused with `ngram` and `suffix`"),
     Parameter("suffix_decoding_min_score", "float", DEFAULT_MIN_SCORE,
@@ -181,7 +181,7 @@ DRAFT_PROPOSER = (
     _DTYPE,
     _ENGINE,
     _MAX_NUM_SEQS,
-    replace(_CPU_COMPILE, meaning="`draft_model` and `eagle3` (the MLP speculator runs eagerly): "
+    replace(_CPU_COMPILE, meaning="`draft_model` and `eagle3` (the MLP speculator and Medusa run eagerly): "
                                   + _CPU_COMPILE.meaning),  # fmt: skip
     SEQUENCE_IDLE_TIMEOUT_S,
     Parameter("max_model_len", "int", None,
@@ -190,7 +190,7 @@ DRAFT_PROPOSER = (
               minimum=1, unset="target_verifier's (empty there too: the checkpoint's "
               "`max_position_embeddings`, a head's target's)"),  # fmt: skip
     Parameter("run_with_target", "bool", False,
-              "`draft_model`, `eagle3`, `mlp_speculator`: target_verifier loads the draft beside the target, and "
+              "`draft_model` and heads: target_verifier loads the draft beside the target, and "
               "a step is one call there that proposes and verifies "
               "([drafters](drafters.md#where-a-drafter-runs)); needs `stage_calls: socket`"),  # fmt: skip
 )

@@ -28,7 +28,7 @@ from pathlib import Path
 ENV_VAR = "SPECDEC_SPECULATIVE_CONFIG"
 PARAMETER = "speculative_config"  # in the orchestrator's config.pbtxt
 ORCHESTRATOR = "speculative_decoding"
-METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator")
+METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa")
 
 
 class SpeculativeConfigError(ValueError):
@@ -71,7 +71,7 @@ NEUTRAL = {"draft_tensor_parallel_size": (None, 1), "disable_logprobs": (None, T
 NOT_SUPPORTED_KEYS = ("quantization", "max_model_len", "revision", "code_revision",
                       "disable_padded_drafter_batch", "enforce_eager", "acceptance_method", "posterior_threshold",
                       "posterior_alpha", "draft_model_config", "target_model_config")  # fmt: skip
-NOT_SUPPORTED_METHODS = ("eagle", "medusa", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp")
+NOT_SUPPORTED_METHODS = ("eagle", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp")
 
 
 def parse(text: str) -> dict[str, dict[str, str]]:

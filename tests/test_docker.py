@@ -44,6 +44,7 @@ def test_cpu_base_image_matches_the_test():
     ({"SPECDEC_DRAFT": "tiny-eagle3", "SPECDEC_METHOD": "eagle3"}, "eagle3", "tiny-eagle3"),
     ({"SPECDEC_DRAFT": "tiny-mlp-speculator", "SPECDEC_METHOD": "mlp_speculator"}, "mlp_speculator",
      "tiny-mlp-speculator"),
+    ({"SPECDEC_DRAFT": "tiny-medusa", "SPECDEC_METHOD": "medusa"}, "medusa", "tiny-medusa"),
     ({}, "ngram", None),
     ({"SPECDEC_METHOD": "suffix"}, "suffix", None),
 ])  # fmt: skip
@@ -80,7 +81,7 @@ def test_the_entry_point_serves_a_repository_for_the_mounted_checkpoints(tmp_pat
 @pytest.mark.parametrize("env, message", [
     ({"SPECDEC_METHOD": "eagle3"}, "SPECDEC_METHOD=eagle3 needs SPECDEC_DRAFT"),
     ({"SPECDEC_METHOD": "ngram", "SPECDEC_DRAFT": "/x"}, "drafts without a checkpoint; unset SPECDEC_DRAFT"),
-    ({"SPECDEC_METHOD": "medusa"}, "SPECDEC_METHOD must be draft_model, eagle3"),
+    ({"SPECDEC_METHOD": "mtp"}, "SPECDEC_METHOD must be draft_model, eagle3"),
 ])  # fmt: skip
 def test_the_entry_point_refuses_a_method_and_checkpoint_that_do_not_go_together(env, message):
     result = subprocess.run([str(REPO_ROOT / "docker" / "entrypoint.sh")], capture_output=True, text=True, timeout=60,

@@ -85,12 +85,13 @@ def test_a_draft_trained_for_fewer_positions_than_its_window_is_refused_with_the
 SHIPPED = Path(__file__).resolve().parents[1] / "models"
 
 
-def write_mlp_repository(tmp_path, num_speculative_tokens: int, extra: str = ""):
+def write_mlp_repository(tmp_path, num_speculative_tokens: int, extra: str = "", method: str = "mlp_speculator",
+                         head: str = "tiny-mlp-speculator"):  # fmt: skip
     for model, parameters in (
         ("speculative_decoding", f'{{ key: "num_speculative_tokens" value: {{ string_value: "{num_speculative_tokens}" }} }}'),
         ("target_verifier", f'{{ key: "target_model" value: {{ string_value: "{SHIPPED / "tiny-target"}" }} }}'),
-        ("draft_proposer", f'{{ key: "method" value: {{ string_value: "mlp_speculator" }} }}, '
-                           f'{{ key: "draft_model" value: {{ string_value: "{SHIPPED / "tiny-mlp-speculator"}" }} }}{extra}'),
+        ("draft_proposer", f'{{ key: "method" value: {{ string_value: "{method}" }} }}, '
+                           f'{{ key: "draft_model" value: {{ string_value: "{SHIPPED / head}" }} }}{extra}'),
     ):  # fmt: skip
         (tmp_path / model).mkdir(parents=True, exist_ok=True)
         (tmp_path / model / "config.pbtxt").write_text(f'name: "{model}"\nparameters [ {parameters} ]\n')
@@ -138,7 +139,7 @@ def test_a_static_tree_loads_for_eagle3_and_reaches_its_proposer(tmp_path):
     ("eagle3", "[(0,), (0, 0, 0)]", 2, "", "not closed under prefixes"),
     ("eagle3", TREE, 8, "", "has 3 nodes, but num_speculative_tokens is 8"),
     ("eagle3", "[(0,), (1,)", 2, "", "Python literal"),
-    ("ngram", TREE, 3, "", "is for methods ['eagle3'], not 'ngram'"),
+    ("ngram", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'ngram'"),
     ("suffix", TREE, 3, "", "suffix_decoding_use_tree_spec"),
     ("draft_model", TREE, 3, "", "not 'draft_model'"),
     ("eagle3", TREE, 3, ', { key: "run_with_target" value: { string_value: "true" } }', "run_with_target"),
@@ -161,3 +162,13 @@ def test_a_dynamic_tree_loads_from_sglangs_keys_and_refuses_half_of_them(tmp_pat
         write_tree_repository(tmp_path, "eagle3", "", 8, keys(2, 0))()
     with pytest.raises(ParameterError, match="exclude each other"):
         write_tree_repository(tmp_path, "eagle3", TREE, 3, keys(2, 4))()
+
+
+def test_medusa_with_fewer_heads_than_a_step_asks_fails_its_load_naming_both(tmp_path):
+    """The shipped Medusa head has num_heads=4: a repository that drafts 8 would say ready and fail every request."""
+    config = write_mlp_repository(tmp_path, 8, method="medusa", head="tiny-medusa")
+    with pytest.raises(ValueError, match=r"Medusa head .* has num_heads=4 heads, but a step may ask it for 8 drafts: "
+                                         r"set speculative_decoding's num_speculative_tokens .* to at most 4"):  # fmt: skip
+        build_proposer(config, "cpu")
+    loaded = build_proposer(write_mlp_repository(tmp_path, 4, method="medusa", head="tiny-medusa"), "cpu")
+    assert loaded.description.method == "medusa" and loaded.description.hidden_state_layers == (6,)

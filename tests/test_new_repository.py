@@ -92,7 +92,8 @@ def test_bad_input_fails_naming_it_and_leaves_no_copy(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, method, head", [("--eagle3", "eagle3", "tiny-eagle3"),
-                                                ("--mlp-speculator", "mlp_speculator", "tiny-mlp-speculator")])
+                                                ("--mlp-speculator", "mlp_speculator", "tiny-mlp-speculator"),
+                                                ("--medusa", "medusa", "tiny-medusa")])
 def test_a_head_is_served_for_the_target_it_names_and_checked_against_it(tmp_path, monkeypatch, flag, method, head):
     """The proposer checks a head against its own target_model: --target must reach it too."""
     monkeypatch.delenv("SPECDEC_MODELS_DIR", raising=False)
@@ -113,7 +114,8 @@ def test_a_head_of_another_kind_or_for_another_target_is_refused_before_any_copy
     assert not dest.exists()
     other = tmp_path / "other-target"  # the draft's shape: a narrower model than the heads were built for
     shutil.copytree(MODELS / "tiny-draft", other)
-    for flag, head in (("--eagle3", "tiny-eagle3"), ("--mlp-speculator", "tiny-mlp-speculator")):
+    for flag, head in (("--eagle3", "tiny-eagle3"), ("--mlp-speculator", "tiny-mlp-speculator"),
+                       ("--medusa", "tiny-medusa")):  # fmt: skip
         assert new_repository.main([str(dest), "--target", str(other), flag, str(MODELS / head)]) == 1
         assert f"does not fit target {str(other)!r}" in capsys.readouterr().err
         assert not dest.exists()
@@ -135,6 +137,18 @@ def test_a_copy_for_an_mlp_speculator_drafts_at_most_its_n_predict(tmp_path, cap
             "--param", "speculative_decoding.num_speculative_tokens_per_batch_size=1:2,3:1"]
     assert new_repository.main(argv) == 0 and "note" not in capsys.readouterr().out
     assert parameters(tmp_path / "given", "speculative_decoding")["num_speculative_tokens_per_batch_size"] == "1:2,3:1"
+
+
+def test_a_copy_for_medusa_drafts_at_most_its_num_heads(tmp_path, capsys):
+    head = MODELS / "tiny-medusa"
+    assert new_repository.main([str(tmp_path / "repo"), "--medusa", str(head)]) == 0
+    orchestrator = parameters(tmp_path / "repo", "speculative_decoding")
+    assert (orchestrator["num_speculative_tokens"], orchestrator["num_speculative_tokens_per_batch_size"]) == ("4", "1:4,5:0")
+    assert "num_speculative_tokens 8 -> 4 and num_speculative_tokens_per_batch_size '1:8,5:0' -> '1:4,5:0', the Medusa " \
+           "head's num_heads=4" in capsys.readouterr().out
+    argv = [str(tmp_path / "refused"), "--medusa", str(head), "--param", "speculative_decoding.num_speculative_tokens=6"]
+    assert new_repository.main(argv) == 1
+    assert re.search(r"up to 8 drafts a step, but the Medusa head .* num_heads=4", capsys.readouterr().err)
 
 
 def test_a_copy_with_another_method_says_whose_k_it_keeps(tmp_path, capsys):

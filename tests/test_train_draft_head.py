@@ -1,5 +1,5 @@
 """The head trainer: its training windows (written text, and the target's own greedy continuations of
-it) and the MLP speculator it builds."""
+it), the MLP speculator and the Medusa heads it builds."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy  # noqa: E402
 from specdec.heads.mlp_speculator import load_mlp_speculator, save_mlp_speculator  # noqa: E402
-from train_draft_head import build_mlp, mlp_loss, training_windows  # noqa: E402
+from specdec.heads.medusa import load_medusa, save_medusa  # noqa: E402
+from train_draft_head import build_medusa, build_mlp, medusa_loss, mlp_loss, training_windows  # noqa: E402
 
 SEQ_LEN = 14  # windows of SEQ_LEN + 2 = 16 tokens
 PROMPT = 6
@@ -97,3 +98,42 @@ def test_the_mlp_speculators_loss_scores_each_stage_on_the_targets_distribution_
         hard.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.argmax(-1).flatten()))
     assert torch.allclose(mlp_loss(speculator, window, last, target_logp), sum(soft) / 2, atol=1e-5)
     assert torch.allclose(mlp_loss(speculator, window, last, target_logp, greedy_labels=True), sum(hard) / 2, atol=1e-4)
+
+
+@pytest.mark.parametrize("lm_head", ["shared", "own"])
+def test_medusa_starts_as_the_targets_next_token_head_and_loads_as_served(lm_head, tmp_path):
+    """Zero blocks are the identity: each head starts with the target's logits; ``shared`` keeps the target's
+    LM head, frozen, as the format's one ``original_lm_head``."""
+    target = build_tiny_llama(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    medusa = build_medusa(target, target.config, Namespace(medusa_heads=3, medusa_layers=2, medusa_lm_head=lm_head))
+    hidden = torch.randn(2, target.config.hidden_size)
+    with torch.no_grad():
+        expected = target.lm_head(hidden)
+        assert all(torch.allclose(logits, expected) for logits in medusa(hidden))
+    assert len(medusa.lm_heads) == (1 if lm_head == "shared" else 3)
+    assert medusa.lm_heads[0].weight.requires_grad == (lm_head == "own")
+    with torch.no_grad():
+        for block in medusa.blocks:
+            for p in block.parameters():
+                p.add_(torch.randn_like(p) * 0.1)  # trained weights, not the start
+    save_medusa(medusa, tmp_path / "head")
+    loaded = load_medusa(tmp_path / "head", tmp_path / "target", torch.float32, "cpu")
+    assert loaded.config == medusa.config
+    assert torch.allclose(loaded(hidden), medusa(hidden))
+
+
+def test_medusas_loss_scores_head_i_at_t_on_the_targets_distribution_at_t_plus_1_plus_i():
+    target = build_tiny_llama(seed=0)
+    medusa = build_medusa(target, target.config, Namespace(medusa_heads=2, medusa_layers=1, medusa_lm_head="own"))
+    window = torch.randint(1, target.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))  # [B, T]
+    with torch.no_grad():
+        out = target(window, output_hidden_states=True)
+    last, target_logp = out.hidden_states[-1], out.logits.log_softmax(-1)  # [B, T, h], [B, T, vocab]
+    span = window.shape[1] - 2
+    losses = []
+    for i in range(2):  # head i reads the state at t only, scored at t + 1 + i
+        logits = medusa(last[:, :span])[i]
+        labels = target_logp[:, 1 + i : 1 + i + span]
+        losses.append(-(labels.exp() * logits.log_softmax(-1)).sum(-1).mean())
+    assert torch.allclose(medusa_loss(medusa, window, last, target_logp), sum(losses) / 2, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Draft heads that read the target's hidden states: EAGLE-3 and the MLP speculator.
+"""Draft heads that read the target's hidden states: EAGLE-3, the MLP speculator and Medusa.
 
 ``build_head_proposer`` loads a head directory (``specdec.heads.formats``) for the target
 checkpoint it drafts for and wraps it in its proposer; ``describe_head`` is what the
@@ -25,6 +25,7 @@ def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathL
     """Refuse a head of another kind than ``method``, or one built for another target, from the
     configs alone: what a load would refuse, without reading weights."""
     from specdec.heads.formats import eagle3_config, head_kind, read_head_config
+    from specdec.heads.medusa import medusa_config
     from specdec.heads.mlp_speculator import mlp_speculator_config
 
     kind = head_kind(read_head_config(path))
@@ -35,6 +36,8 @@ def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathL
         )
     if method == "eagle3":
         eagle3_config(path, read_config(target_path), os.fspath(target_path))
+    elif method == "medusa":
+        medusa_config(path, target_path)
     else:
         mlp_speculator_config(path, target_path)
 
@@ -53,13 +56,14 @@ def build_head_proposer(
 ):
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
 
-    ``tree``: the static draft tree it drafts (``specdec.tree``; None or a chain: a chain).
+    ``tree``: the static draft tree it drafts (``specdec.tree``; None or a chain: a chain); EAGLE-3 and
+    Medusa draft trees, the MLP speculator a chain only. A tree deeper than Medusa's heads is refused.
 
     ``max_model_len``: the tokens a sequence may hold in the head's cache and feature buffer
     (None: the target's ``max_position_embeddings``, as vLLM sizes a head).
 
     ``cpu_compile``: an EAGLE-3 head's forward compiled on CPU (``specdec.fast.cpu_compile``);
-    ignored on GPU and for the MLP speculator, whose stages are a few plain ops. ``cuda_graphs``: an
+    ignored on GPU and for the MLP speculator and Medusa, whose passes are a few plain ops. ``cuda_graphs``: an
     EAGLE-3 head's passes replay captured graphs (None: wherever it runs on CUDA).
     """
     check_head(method, path, target_path)
@@ -80,8 +84,15 @@ def build_head_proposer(
             raise ValueError(f"max_model_len {max_model_len} exceeds target {str(target_path)!r}'s "
                              f"max_position_embeddings {positions}")  # fmt: skip
         return Eagle3Proposer(head, max_num_seqs, max_model_len or positions, compiled, cuda_graphs, tree)
+    if method == "medusa":
+        from specdec.heads.medusa import load_medusa
+        from specdec.proposers.medusa import MedusaProposer
+
+        model = load_medusa(path, target_path, torch_dtype, device)
+        return MedusaProposer(model, read_config(target_path).num_layers, tree)
     if tree is not None and not tree.is_chain:
-        raise ValueError(f"speculative_token_tree: method {method!r} drafts a chain only; trees are drafted by eagle3")
+        raise ValueError(f"speculative_token_tree: method {method!r} drafts a chain only; trees are drafted by "
+                         f"eagle3 and medusa")  # fmt: skip
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 

@@ -47,12 +47,14 @@ def read_head_config(path: str | os.PathLike) -> dict:
 
 
 def head_kind(raw: dict) -> str | None:
-    """``eagle3``, ``mlp_speculator`` or None (a plain causal LM) for a ``config.json``."""
+    """``eagle3``, ``mlp_speculator``, ``medusa`` or None (a plain causal LM) for a ``config.json``."""
     kind = raw.get("speculators_model_type")
     if kind is not None:
         return kind
     if raw.get("model_type") == "mlp_speculator":
         return "mlp_speculator"
+    if raw.get("model_type") == "medusa" or "medusa_num_heads" in raw:  # vLLM's layout, or the original release's
+        return "medusa"
     if any("eagle3" in a.lower() for a in raw.get("architectures") or ()) or "draft_vocab_size" in raw:
         return EAGLE3
     return None

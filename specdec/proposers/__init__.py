@@ -4,6 +4,7 @@ from __future__ import annotations
 from specdec.proposers.base import Proposer, check_propose_requests
 from specdec.proposers.draft_model import DraftModelProposer, check_draft_compatible
 from specdec.proposers.eagle3 import Eagle3Proposer
+from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 from specdec.proposers.model_free import MODEL_FREE_METHODS, describe_model_free, model_free_proposer
 from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
@@ -15,6 +16,7 @@ PROPOSERS = {
     "suffix": SuffixProposer,
     "eagle3": Eagle3Proposer,  # reads the target's hidden states (specdec.heads)
     "mlp_speculator": MLPSpeculatorProposer,
+    "medusa": MedusaProposer,
 }
 
 
@@ -30,6 +32,7 @@ __all__ = [
     "PROPOSERS",
     "DraftModelProposer",
     "Eagle3Proposer",
+    "MedusaProposer",
     "MLPSpeculatorProposer",
     "MODEL_FREE_METHODS",
     "NgramProposer",

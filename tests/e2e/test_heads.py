@@ -3,7 +3,7 @@
 Each server serves a copy of the repository whose draft_proposer loads a head built here
 with random weights for the shipped target (EAGLE-3 in the speculators format, an MLP
 speculator in its published layout), or a shipped head (``tiny-eagle3``,
-``tiny-mlp-speculator``), so the target's hidden states travel target_verifier ->
+``tiny-mlp-speculator``, ``tiny-medusa``), so the target's hidden states travel target_verifier ->
 orchestrator -> draft_proposer on every step. The shipped EAGLE-3 head is served in both
 placements: its own model, and with ``run_with_target`` on draft_proposer (the head runs
 in target_verifier's process, a step is one call there, and the hidden states never
@@ -28,7 +28,7 @@ PROMPTS = ["Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return
 N_PREDICT = 2
 
 
-SHIPPED_HEADS = {"eagle3": "tiny-eagle3", "mlp_speculator": "tiny-mlp-speculator"}
+SHIPPED_HEADS = {"eagle3": "tiny-eagle3", "mlp_speculator": "tiny-mlp-speculator", "medusa": "tiny-medusa"}
 
 
 def _serve(tmp_path_factory, method: str, write_head, parameters: dict[str, str] | None = None):
@@ -185,3 +185,22 @@ def test_mlp_speculator_serves_k_up_to_n_predict_and_refuses_more_by_name(mlp_se
 
 def test_the_shipped_mlp_speculator_is_accepted_and_exact(shipped_mlp_server, reference):
     assert _accepted_and_exact(shipped_mlp_server, reference, stream=True) > 0  # trained stages accepted
+
+
+@pytest.fixture(scope="module")
+def shipped_medusa_server(tmp_path_factory):
+    """k = 4, its num_heads, set as vLLM's speculative_config sets it."""
+    config = '{"method": "medusa", "model": "%s", "num_speculative_tokens": 4}' % (models_dir() / "tiny-medusa")
+    server = _serve(tmp_path_factory, "medusa", None, {"speculative_config": config.replace('"', '\\"')})
+    yield server
+    server.stop()
+
+
+def test_the_shipped_medusa_heads_served_by_speculative_config_are_accepted_and_exact(shipped_medusa_server,
+                                                                                       reference):  # fmt: skip
+    assert _accepted_and_exact(shipped_medusa_server, reference, stream=True) > 0
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": 7, "stream": False,
+              "exclude_input_in_output": True}  # fmt: skip
+    first = generate_http(shipped_medusa_server.http_url, "ensemble", PROMPTS[1], params)  # sampled: q from each head
+    again = generate_http(shipped_medusa_server.http_url, "ensemble", PROMPTS[1], {**params, "stream": True})
+    assert first.text == again.text and first.total_draft_tokens > 0

@@ -1,0 +1,137 @@
+"""Medusa proposer: every draft of a step from one pass of the heads over the target's last hidden state.
+
+The state of a sequence is its tokens and the target's final hidden state at the last
+verified position (``N - 2`` for ``N`` tokens: the one the target's prediction of the last
+token ``N - 1`` came from, as for the MLP speculator); head ``i`` drafts token ``N + i``,
+the ``i + 1``-th draft. The heads read no drafted token, so the drafts of one step are
+independent of each other and cost one pass whatever their number.
+
+* A chain of ``k`` drafts: head ``i``'s argmax (greedy), or a draw from its processed
+  distribution ``q`` (sampled, ``q`` sent with the drafts; a head's ``q`` is a valid proposal
+  for its position whatever the drafts before it, so the rejection sampler stays lossless).
+* A static tree (``specdec.tree``, Medusa's Cartesian tree): the node whose path of ranks
+  ends in ``r`` at depth ``d`` takes head ``d - 1``'s ``r``-th most probable token, whatever
+  its parent's token; chosen, not sampled, for greedy and sampled requests alike, as the
+  tree's verification (``specdec.tree_sampler``) is lossless for any choice.
+
+A request for more drafts (or a tree deeper) than the heads is refused, naming ``num_heads``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdec.heads.medusa import Medusa
+from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.sampling import make_generator, process_logits, sample_from_probs
+from specdec.tree import DraftTree
+from specdec.types import Proposal, ProposeRequest
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int]
+    last_hidden: torch.Tensor | None = None  # [h]: the target's final hidden state at last_position
+    last_position: int = -1
+
+
+class MedusaProposer:
+    method = "medusa"
+    max_num_seqs = None  # no cache: any number of sequences
+    max_model_len = None
+
+    def __init__(self, model: Medusa, target_num_layers: int, tree: DraftTree | None = None):
+        """``tree``: draft this static tree, cut to each request's ``num_tokens`` nodes (None or a chain: a chain)."""
+        if tree is not None and tree.max_depth > model.num_heads:
+            raise ValueError(f"speculative_token_tree is {tree.max_depth} deep, but the Medusa head has "
+                             f"num_heads={model.num_heads}: a tree may be at most num_heads deep")  # fmt: skip
+        self.model = model
+        self.tree = tree if tree is not None and not tree.is_chain else None
+        self.device = model.lm_heads[0].weight.device
+        self.vocab_size = model.vocab_size
+        self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
+        self._seqs: dict[str, _Sequence] = {}
+
+    @property
+    def num_heads(self) -> int:
+        return self.model.num_heads
+
+    @property
+    def num_active_sequences(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:  # a response teaches a head nothing
+        self._seqs.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        check_propose_requests(requests, lambda s: len(self._seqs[s].tokens) if s in self._seqs else 0)
+        width = self.model.config.hidden_size
+        for r in requests:
+            if self.tree is None and r.num_tokens > self.num_heads:
+                raise ValueError(f"seq {r.seq_id!r}: {r.num_tokens} drafts asked of a Medusa head with num_heads="
+                                 f"{self.num_heads}; num_speculative_tokens must be at most num_heads")  # fmt: skip
+            if r.hidden_states is not None and r.hidden_states.shape[-1] != width:
+                raise ValueError(f"seq {r.seq_id!r}: hidden_states of width {r.hidden_states.shape[-1]}; the Medusa "
+                                 f"head reads the target's last hidden state, hidden_size={width}")  # fmt: skip
+        for r in requests:
+            seq = self._seqs.setdefault(r.seq_id, _Sequence([]))
+            del seq.tokens[r.position :]
+            seq.tokens.extend(r.token_ids)
+            if r.hidden_states is not None and r.hidden_states.shape[0]:
+                seq.last_hidden = r.hidden_states[-1].to(self.device)
+                seq.last_position = r.hidden_position + r.hidden_states.shape[0] - 1
+        drafting = [r for r in requests if r.num_tokens > 0]
+        for r in drafting:
+            seq = self._seqs[r.seq_id]
+            if seq.last_position != len(seq.tokens) - 2:
+                raise ValueError(
+                    f"seq {r.seq_id!r}: drafting after {len(seq.tokens)} tokens needs the target's hidden state at "
+                    f"position {len(seq.tokens) - 2}, the proposer has it at {seq.last_position}"
+                )
+        if not drafting:
+            return proposals_in_order(requests, [], [], [])
+        if self.tree is not None:
+            drafts, q_rows = self._draft_tree(drafting), [[] for _ in drafting]
+        else:
+            drafts, q_rows = self._draft_chain(drafting)
+        proposals = proposals_in_order(requests, drafting, drafts, q_rows)
+        if self.tree is None:
+            return proposals
+        return [replace(p, parents=self.tree.first(len(p.token_ids)).parents) if len(p.token_ids) else p
+                for p in proposals]  # fmt: skip
+
+    def _logits(self, requests: list[ProposeRequest], depth: int) -> torch.Tensor:
+        """``[depth, B, vocab]``: the first ``depth`` heads' logits for each request, each head's banned ids at
+        -inf where ``min_tokens`` binds its draft (head ``i`` drafts output index ``i`` past the step's first)."""
+        hidden = torch.stack([self._seqs[r.seq_id].last_hidden for r in requests])  # [B, h]
+        logits = self.model(hidden, depth)  # [depth, B, vocab] float32
+        for i, r in enumerate(requests):
+            if r.banned_token_ids and r.num_banned_tokens:
+                banned = torch.tensor(r.banned_token_ids, device=logits.device)
+                logits[: r.num_banned_tokens, i].index_fill_(-1, banned, float("-inf"))
+        return logits
+
+    def _draft_chain(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        logits = self._logits(requests, max(r.num_tokens for r in requests))  # [k, B, vocab]
+        picks = logits.argmax(-1)  # [k, B]: greedy requests' drafts; sampled ones' columns are drawn below
+        q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        for i, r in enumerate(requests):
+            if r.sampling.greedy:
+                continue
+            q = process_logits(logits[: r.num_tokens, i], r.sampling)  # [k_i, vocab]: head j's q for draft j
+            generator = make_generator(r.seed, self.device)
+            picks[: r.num_tokens, i] = torch.cat([sample_from_probs(q[j : j + 1], generator)
+                                                  for j in range(r.num_tokens)])  # fmt: skip
+            q_rows[i] = list(q.split(1))
+        rows = picks.T.tolist()  # [B, k]: the one copy to the host
+        return [row[: r.num_tokens] for row, r in zip(rows, requests)], q_rows
+
+    def _draft_tree(self, requests: list[ProposeRequest]) -> list[list[int]]:
+        trees = [self.tree.first(r.num_tokens) for r in requests]
+        depth = max(t.max_depth for t in trees)
+        ranks = max(t.max_rank for t in trees)
+        top = self._logits(requests, depth).topk(ranks, dim=-1).indices.tolist()  # [depth][B][ranks]
+        return [[top[len(path) - 1][i][path[-1]] for path in t.paths] for i, t in enumerate(trees)]
