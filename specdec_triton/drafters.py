@@ -20,6 +20,7 @@ from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.proposers import (
     PROPOSERS, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
 )  # fmt: skip
+from specdec.tree import DraftTree
 from specdec.types import ModelDescription
 from specdec_triton import wire
 from specdec_triton.configs import DraftProposerConfig
@@ -70,6 +71,8 @@ def _check_stages(proposer, config: DraftProposerConfig) -> None:
         head, name, stages, unit = "Medusa head", "num_heads", proposer.num_heads, "heads"
     else:
         return
+    if isinstance(config.token_tree, DraftTree):  # a tree's depth is what reaches the heads; its nodes are k
+        return  # build_head_proposer refuses a tree deeper than the heads, naming both
     if config.most_drafts is not None and config.most_drafts > stages:
         setting = ("draft_proposer's model_num_speculative_tokens" if config.suffix_first is not None
                    and config.suffix_first.model_num_speculative_tokens else "speculative_decoding's "

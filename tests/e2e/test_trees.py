@@ -1,4 +1,4 @@
-"""Draft trees served: suffix decoding's speculation tree and EAGLE-3's static tree, lossless end to end."""
+"""Draft trees served: suffix decoding's speculation tree, EAGLE-3's and Medusa's static trees, lossless end to end."""
 from __future__ import annotations
 
 import json
@@ -19,24 +19,24 @@ PROMPTS = [
     "1, 2, 3, 4, 5, 6, 7,",
 ]
 TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
-# suffix decoding's tree set by vLLM-style JSON; EAGLE-3's static tree in config.pbtxt (the shipped k is 8)
+# suffix decoding's tree set by vLLM-style JSON; the heads' static tree in config.pbtxt (the shipped k is 8)
 SUFFIX_JSON = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
-EAGLE3_PARAMETERS = {"draft_model": "tiny-eagle3", "speculative_token_tree": TREE,
-                     "speculation_follows_acceptance": "false"}  # fmt: skip
+HEAD_PARAMETERS = {"speculative_token_tree": TREE, "speculation_follows_acceptance": "false"}
+HEADS = {"eagle3": "tiny-eagle3", "medusa": "tiny-medusa"}  # the tree's depth 4: Medusa's four heads
 
 
-@pytest.fixture(scope="module", params=["suffix", "eagle3"])
+@pytest.fixture(scope="module", params=["suffix", "eagle3", "medusa"])
 def tree_server(request, tmp_path_factory):
     models = models_dir()
-    if not (models / "tiny-eagle3").is_dir():
+    if not all((models / head).is_dir() for head in HEADS.values()):
         pytest.skip(f"shipped models not found under {models}")
     workdir = tmp_path_factory.mktemp(f"server_tree_{request.param}")
     if request.param == "suffix":
         repository = repository_copy(workdir, models, "")
         serve_args = (f"--speculative-config={json.dumps(SUFFIX_JSON)}",)
     else:
-        parameters = {**EAGLE3_PARAMETERS, "draft_model": str(models / "tiny-eagle3")}
-        repository, serve_args = repository_copy(workdir, models, "eagle3", parameters=parameters), ()
+        parameters = {**HEAD_PARAMETERS, "draft_model": str(models / HEADS[request.param])}
+        repository, serve_args = repository_copy(workdir, models, request.param, parameters=parameters), ()
     server = server_on_free_ports(workdir, repository, serve_args=serve_args)
     server.start()
     yield server
