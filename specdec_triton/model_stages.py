@@ -13,7 +13,7 @@ from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.types import ModelDescription, Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.draft_beside_target import ProposeVerify
 from specdec.scheduler import StepCapabilities
-from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
+from specdec_triton import beside_wire, hidden_wire, sample_hop, text_wire, wire
 from specdec_triton.orchestrator import Descriptions, Tokenized
 from specdec_triton.bls import bls, ensure_bls_threads
 from specdec_triton.plumbing import ModelLogger, ServingError, bytes_array
@@ -45,10 +45,10 @@ class ModelStages:
         inputs = {"text_input": bytes_array([text])}
         if stop_words:
             inputs["stop_words"] = bytes_array(stop_words)
-        out = await bls(wire.TOKENIZER, inputs, wire.TOKENIZE_OUTPUTS)
+        out = await bls(wire.TOKENIZER, inputs, text_wire.TOKENIZE_OUTPUTS)
         return Tokenized(
             prompt_ids=out["input_ids"].reshape(-1).tolist(),
-            stop_token_sequences=wire.stop_sequences_of(out),
+            stop_token_sequences=text_wire.stop_sequences_of(out),
             eos_token_ids=tuple(out["end_ids"].reshape(-1).tolist()),
         )
 

@@ -79,10 +79,6 @@ SAMPLE_INPUTS = ("describe", "draft_token_ids", "num_draft_tokens", "draft_probs
                  "has_target_probs", "target_token_ids", "seed", "sample_position", "rejection_sample_method",
                  *SAMPLE_TREE_INPUTS)  # fmt: skip
 SAMPLE_OUTPUTS = ("output_token_ids", "num_accepted", *SAMPLE_TREE_OUTPUTS, "rejection_sample_method")
-TOKENIZE_INPUTS = ("text_input", "stop_words", "describe")
-TOKENIZE_OUTPUTS = ("input_ids", "stop_words_ids", "stop_words_lens", "end_ids")
-DETOKENIZE_INPUTS = ("token_ids", "num_token_ids")
-DETOKENIZE_OUTPUTS = ("text_output",)
 
 # --- per-sequence state: seq_id, release and renew ---------------------------------------------
 
@@ -370,43 +366,3 @@ def sample_results_of(outputs: Mapping[str, np.ndarray]) -> list[SampleResult]:
     paths = lists_of(outputs, "accepted_nodes", len(accepted))
     return [SampleResult(torch.tensor(ids, dtype=torch.long), n, accepted_nodes=path)
             for ids, n, path in zip(tokens, accepted, paths)]  # fmt: skip
-
-
-# --- detokenizer: one text per sequence ------------------------------------------------------------
-
-
-def detokenize_inputs(token_id_lists: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
-    return {"token_ids": flat(token_id_lists), "num_token_ids": i32([len(ids) for ids in token_id_lists])}
-
-
-def token_id_lists_of(inputs: Mapping[str, np.ndarray]) -> list[list[int]]:
-    count = np.asarray(inputs["num_token_ids"]).size if "num_token_ids" in inputs else 1
-    required(inputs, "token_ids")
-    lists = split(inputs, "token_ids", "num_token_ids", count)
-    for ids in lists:
-        if any(t < 0 for t in ids):
-            raise RequestError(f"input 'token_ids' must be >= 0, got {[t for t in ids if t < 0][:8]}")
-    return lists
-
-
-def texts_of(outputs: Mapping[str, np.ndarray]) -> list[str]:
-    return [item.decode("utf-8") for item in np.asarray(outputs["text_output"]).reshape(-1)]
-
-
-# --- tokenizer: stop words travel as one flat id array plus lengths -----------------------------
-
-
-def stop_words_arrays(sequences: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
-    return {
-        "stop_words_ids": i64([t for seq in sequences for t in seq]),  # [sum of lengths]
-        "stop_words_lens": np.array([len(seq) for seq in sequences], dtype=np.int32),  # [num stop words]
-    }
-
-
-def stop_sequences_of(outputs: Mapping[str, np.ndarray]) -> tuple[tuple[int, ...], ...]:
-    flat = i64(outputs["stop_words_ids"]).tolist()
-    sequences, start = [], 0
-    for length in outputs["stop_words_lens"].reshape(-1).tolist():
-        sequences.append(tuple(flat[start : start + length]))
-        start += length
-    return tuple(sequences)

@@ -22,7 +22,7 @@ from specdec.types import (
     VerifyRequest,
     VerifyResult,
 )
-from specdec_triton import configs, hidden_wire, sample_hop, trtllm, wire
+from specdec_triton import configs, hidden_wire, sample_hop, text_wire, trtllm, wire
 from specdec_triton.plumbing import Parameters, RequestError
 from specdec_triton.request import GENERATE_INPUTS, GENERATE_OUTPUTS
 
@@ -41,8 +41,8 @@ REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 SAMPLING = SamplingParams(temperature=0.75, top_k=5, top_p=0.875)  # exact in float32, the wire type
 
 MODELS = {  # model -> (inputs, outputs, config class or None)
-    wire.TOKENIZER: (wire.TOKENIZE_INPUTS, wire.TOKENIZE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TokenizerConfig),
-    wire.DETOKENIZER: (wire.DETOKENIZE_INPUTS, wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
+    wire.TOKENIZER: (text_wire.TOKENIZE_INPUTS, text_wire.TOKENIZE_OUTPUTS + wire.DESCRIBE_OUTPUTS, configs.TokenizerConfig),
+    wire.DETOKENIZER: (text_wire.DETOKENIZE_INPUTS, text_wire.DETOKENIZE_OUTPUTS, configs.TokenizerConfig),
     wire.DRAFT_PROPOSER: (wire.PROPOSE_INPUTS + hidden_wire.PROPOSE_HIDDEN_INPUTS + sample_hop.PROPOSE_HOLD_INPUTS,
                           wire.PROPOSE_OUTPUTS + sample_hop.PROPOSE_HOLD_OUTPUTS + wire.DESCRIBE_OUTPUTS
                           + hidden_wire.DESCRIBE_HIDDEN_OUTPUTS + wire.DESCRIBE_SETTINGS_OUTPUTS
@@ -344,17 +344,17 @@ def test_a_lone_sample_call_defaults_and_errors():
 
 def test_detokenize_round_trip_and_errors():
     lists = [[1, 2, 3], [], [7]]
-    assert wire.token_id_lists_of(wire.detokenize_inputs(lists)) == lists
-    assert wire.token_id_lists_of({"token_ids": np.array([4, 5])}) == [[4, 5]]  # a lone list needs no count
-    assert wire.texts_of({"text_output": np.array(["a".encode(), "ü".encode()], dtype=np.object_)}) == ["a", "ü"]
+    assert text_wire.token_id_lists_of(text_wire.detokenize_inputs(lists)) == lists
+    assert text_wire.token_id_lists_of({"token_ids": np.array([4, 5])}) == [[4, 5]]  # a lone list needs no count
+    assert text_wire.texts_of({"text_output": np.array(["a".encode(), "ü".encode()], dtype=np.object_)}) == ["a", "ü"]
     with pytest.raises(RequestError, match=r"'token_ids' must be >= 0, got \[-1\]"):
-        wire.token_id_lists_of(wire.detokenize_inputs([[1], [-1]]))
+        text_wire.token_id_lists_of(text_wire.detokenize_inputs([[1], [-1]]))
 
 
 def test_stop_words_round_trip():
     sequences = ((1, 2), (3,), (4, 5, 6))
-    assert wire.stop_sequences_of(wire.stop_words_arrays(sequences)) == sequences
-    assert wire.stop_sequences_of(wire.stop_words_arrays(())) == ()
+    assert text_wire.stop_sequences_of(text_wire.stop_words_arrays(sequences)) == sequences
+    assert text_wire.stop_sequences_of(text_wire.stop_words_arrays(())) == ()
 
 
 def test_a_verify_request_asks_for_the_head_layers_of_any_sequence_and_every_sequence_gets_its_rows():

@@ -6,7 +6,7 @@ of one step and the text already sent, which only the orchestrator holds, so it 
 in its own process (:mod:`specdec.detokenize`); a call here per step would add a round
 trip and still need that state.
 """
-from specdec_triton import wire
+from specdec_triton import text_wire
 from specdec_triton.configs import TokenizerConfig
 from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, bytes_array
 from specdec_triton.text import TextCodec
@@ -22,10 +22,10 @@ class TritonPythonModel:
         self.logger.info(f"tokenizer from {config.tokenizer_dir}")
 
     def execute(self, requests):
-        return answer(requests, wire.DETOKENIZE_INPUTS, self._detokenize)
+        return answer(requests, text_wire.DETOKENIZE_INPUTS, self._detokenize)
 
     def _detokenize(self, inputs):
-        lists, vocab = wire.token_id_lists_of(inputs), len(self.codec.tokenizer)
+        lists, vocab = text_wire.token_id_lists_of(inputs), len(self.codec.tokenizer)
         if any(t >= vocab for ids in lists for t in ids):
             raise RequestError(f"input 'token_ids' must be < {vocab} (the tokenizer's vocabulary)")
         texts = [self.codec.decode(token_ids) for token_ids in lists]

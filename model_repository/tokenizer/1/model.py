@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from specdec.types import ModelDescription
-from specdec_triton import wire
+from specdec_triton import text_wire, wire
 from specdec_triton.configs import TokenizerConfig
 from specdec_triton.health import register_stub
 from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, text, texts
@@ -29,7 +29,7 @@ class TritonPythonModel:
         self.logger.info(f"tokenizer from {config.tokenizer_dir}, eos ids {self.codec.eos_token_ids}")
 
     def execute(self, requests):
-        return answer(requests, wire.TOKENIZE_INPUTS, self._tokenize)
+        return answer(requests, text_wire.TOKENIZE_INPUTS, self._tokenize)
 
     def _tokenize(self, inputs):
         if wire.is_describe(inputs):
@@ -40,7 +40,7 @@ class TritonPythonModel:
         stop_sequences = self.codec.encode_stop_words(texts(inputs, "stop_words") or [])
         return {
             "input_ids": np.asarray(prompt_ids, dtype=np.int64),  # [prompt_len]
-            **wire.stop_words_arrays(stop_sequences),
+            **text_wire.stop_words_arrays(stop_sequences),
             "end_ids": np.asarray(self.codec.eos_token_ids, dtype=np.int64),  # [num eos ids]
         }
 
