@@ -44,6 +44,9 @@ def process_logits(
         probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return probs
     logits = logits / params.temperature
+    if params.min_p > 0:  # vLLM's order: min-p after temperature, before top-k and top-p
+        probs = logits.softmax(dim=-1)  # [n, vocab]
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]

@@ -34,6 +34,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # 1.0 disables top-p
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability (after temperature); 0 disables
     seed: int | None = None  # per-request seed; None draws one at random
 
     @property
@@ -47,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class _Sampling(BaseModel):
     # extensions
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # vLLM's; 1: off
     top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's; 0: off
     min_tokens: int | None = Field(default=None, ge=0)
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     # structured output (specdec_openai.structured): OpenAI's, then vLLM's
@@ -137,6 +138,7 @@ class GenerateParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    min_p: float | None = None
     return_log_probs: bool = False
     guide_type: str | None = None  # structured output (specdec_openai.structured): the server's guide type
     guide: str | None = None
@@ -150,7 +152,8 @@ class GenerateParams:
         """
         values = {
             "text_input": self.text_input, "stream": True, "max_tokens": self.max_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p or None,
+            "seed": self.seed,
             "stop_words": list(self.stop_words) or None, "min_tokens": self.min_tokens,
             "num_speculative_tokens": self.num_speculative_tokens,
             "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
@@ -272,6 +275,7 @@ def _params(request: _Sampling, prompt: str, max_tokens: int | None, logprobs: b
         temperature=temperature,
         top_p=request.top_p,
         top_k=request.top_k,
+        min_p=request.min_p,
         seed=request.seed,
         stop_words=stop_words(request.stop),
         min_tokens=request.min_tokens,

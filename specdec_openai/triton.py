@@ -22,7 +22,7 @@ from specdec_openai.protocol import RequestError
 # Public inputs and their Triton datatypes (docs/serving.md#inputs-and-outputs).
 INPUT_TYPES = {
     "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
-    "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "min_tokens": "INT32",
+    "top_k": "INT32", "min_p": "FP32", "seed": "UINT64", "stop_words": "BYTES", "min_tokens": "INT32",
     "num_speculative_tokens": "INT32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
     "repetition_penalty": "FP32", "return_log_probs": "BOOL",
 }  # fmt: skip

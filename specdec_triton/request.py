@@ -25,7 +25,7 @@ from specdec_triton import trtllm
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 NATIVE_INPUTS = (
-    "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "stop_words",
+    "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop_words",
     "end_id", "min_tokens", "exclude_input_in_output", "num_speculative_tokens",
     "bad_words", "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
     "guided_decoding_guide_type", "guided_decoding_guide",
@@ -96,6 +96,7 @@ class GenerateRequest:
                 temperature=scalar(inputs, "temperature", float, 0.0),
                 top_k=scalar(inputs, "top_k", int, 0),
                 top_p=scalar(inputs, "top_p", float, 1.0),
+                min_p=scalar(inputs, "min_p", float, 0.0),
                 seed=scalar(inputs, "seed", int),
             ),
             stop_words=stop_words,

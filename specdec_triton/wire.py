@@ -63,7 +63,7 @@ DRAFT_PROPOSER = "draft_proposer"
 TARGET_VERIFIER = "target_verifier"
 REJECTION_SAMPLER = "rejection_sampler"
 
-SAMPLING_INPUTS = ("temperature", "top_k", "top_p")
+SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
 PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
@@ -133,11 +133,11 @@ def is_renew(inputs: Mapping[str, np.ndarray]) -> bool:
 
 
 def _is_default(sampling: SamplingParams) -> bool:
-    return (sampling.temperature, sampling.top_k, sampling.top_p) == (0.0, 0, 1.0)
+    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p) == (0.0, 0, 1.0, 0.0)
 
 
 def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
-    """The sampling settings, left out when every sequence decodes greedily with no top-k / top-p.
+    """The sampling settings, left out when every sequence decodes greedily with no top-k / top-p / min-p.
 
     Absent inputs read as those defaults, and every tensor a BLS request carries costs
     time on the step's critical path.
@@ -148,6 +148,7 @@ def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray
         "temperature": np.array([s.temperature for s in sampling], dtype=np.float32),
         "top_k": i32([s.top_k for s in sampling]),
         "top_p": np.array([s.top_p for s in sampling], dtype=np.float32),
+        "min_p": np.array([s.min_p for s in sampling], dtype=np.float32),
     }
 
 
@@ -155,7 +156,9 @@ def _sampling_of(inputs: Mapping[str, np.ndarray], count: int) -> list[SamplingP
     temperature = each(inputs, "temperature", count, float, 0.0)
     top_k = each(inputs, "top_k", count, int, 0)
     top_p = each(inputs, "top_p", count, float, 1.0)
-    return validated([SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)])
+    min_p = each(inputs, "min_p", count, float, 0.0)
+    return validated([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+                      for t, k, p, m in zip(temperature, top_k, top_p, min_p)])  # fmt: skip
 
 
 def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[int, ...]]) -> dict[str, np.ndarray]:

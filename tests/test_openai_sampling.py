@@ -61,12 +61,12 @@ def test_a_stop_string_the_tokenizer_merges_ends_the_output_and_the_triton_reque
 
 def test_penalties_and_the_seed_reach_triton_and_neutral_ones_are_left_out():
     backend = FakeBackend(token_steps(" hi"))
-    completion(backend, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, seed=7)
-    completion(backend, presence_penalty=0, frequency_penalty=0)
+    completion(backend, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, seed=7, min_p=0.05)
+    completion(backend, presence_penalty=0, frequency_penalty=0, min_p=0)
     first, second = backend.requests[0][1], backend.requests[1][1]
     assert (first["presence_penalty"], first["frequency_penalty"], first["repetition_penalty"]) == (0.5, -1, 1.2)
-    assert first["seed"] == 7 and "return_log_probs" not in first
-    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "seed"} & set(second)
+    assert first["seed"] == 7 and first["min_p"] == 0.05 and "return_log_probs" not in first
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "min_p"} & set(second)
 
 
 def test_n_runs_choices_concurrently_with_seeds_derived_from_the_requests():

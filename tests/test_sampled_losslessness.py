@@ -97,7 +97,7 @@ def sample_first_tokens(target, draft, sampler, num_samples: int, base: Generati
             base or GenerationParams(),
             max_tokens=max_tokens,
             num_speculative_tokens=K,
-            sampling=SamplingParams(temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, seed=seed),
+            sampling=dataclasses.replace(SAMPLING, seed=seed),
         )
         out: list[int] = []
         steps = generate(proposer, verifier, sampler, PROMPT, params)
@@ -158,6 +158,19 @@ def test_suffix_drafts_keep_target_distribution(models):
     assert proposer.stats().cached_responses == NUM_SAMPLES
     assert sampler.drafted > NUM_SAMPLES // 2 and 0.05 < sampler.accepted / sampler.drafted < 0.95
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
+
+
+def test_min_p_sampling_matches_the_min_p_target(models, monkeypatch):
+    """min_p shapes p in the verifier and q in the draft model alike: the output follows the min-p target."""
+    target, draft = models
+    monkeypatch.setattr(__import__(__name__), "SAMPLING", SamplingParams(temperature=1.0, min_p=0.1))
+    joint = exact_joint(target)
+    full = len(joint) ** (1 / NUM_TOKENS)
+    assert 3 < full < 16, "min_p must cut the support, but not to one token"
+    sampler = CountingSampler(RejectionSampler("probabilistic"))
+    counts = sample_first_tokens(target, draft, sampler, NUM_SAMPLES)
+    assert 0.05 < sampler.accepted / sampler.drafted < 0.95
+    assert chisquare_pvalue(counts, joint) > 1e-3
 
 
 def test_chi_square_rejects_a_sampler_that_accepts_every_draft(models):

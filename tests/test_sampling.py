@@ -114,3 +114,16 @@ def test_a_temperature_too_small_to_divide_by_decodes_greedily(temperature):
     probs = process_logits(logits, params)
     assert torch.isfinite(probs).all() and torch.equal(probs.argmax(-1), logits.argmax(-1))
     assert not SamplingParams(temperature=1e-3).greedy
+
+
+def test_min_p_drops_tokens_under_a_share_of_the_likeliest_after_temperature():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = process_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))  # keeps p >= 0.1
+    assert (probs[0] > 0).tolist() == [True, True, True, False]
+    assert torch.allclose(probs[0, :3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+    hot = process_logits(logits, SamplingParams(temperature=0.5, min_p=0.2))  # sharper: 0.15 falls under
+    assert (hot[0] > 0).tolist() == [True, True, False, False]
+    assert torch.equal(process_logits(logits, SamplingParams(temperature=1.0, min_p=0.0)),
+                       process_logits(logits, SamplingParams(temperature=1.0)))
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams(min_p=1.5).validate()
