@@ -28,7 +28,7 @@ import numpy as np
 # Public inputs and their Triton datatypes; a value of None is not sent.
 INPUT_TYPES = {
     "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
-    "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "end_id": "INT32", "min_tokens": "INT32",
+    "top_k": "INT32", "min_p": "FP32", "seed": "UINT64", "stop_words": "BYTES", "end_id": "INT32", "min_tokens": "INT32",
     "exclude_input_in_output": "BOOL", "num_speculative_tokens": "INT32", "bad_words": "BYTES",
     "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32", "return_log_probs": "BOOL",
     "beam_width": "INT32", "random_seed": "UINT64", "min_length": "INT32",
@@ -231,6 +231,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, help="0 or absent: greedy")
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int)
+    parser.add_argument("--min-p", type=float, help="drop tokens under min_p x the likeliest's probability")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", dest="stop_words", help="a stop word; repeatable")
     parser.add_argument("--end-id", type=int)
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     params = {
         "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "temperature": args.temperature,
-        "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_words": args.stop_words,
+        "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop_words": args.stop_words,
         "end_id": args.end_id, "num_speculative_tokens": args.num_speculative_tokens, "stream": args.stream,
         "exclude_input_in_output": args.exclude_input or None, "bad_words": args.bad_words,
         "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,

@@ -118,3 +118,11 @@ def test_stop_words_end_the_output_after_the_stop_sequence(server, reference):
     result = generate(server, "grpc", prompt, max_tokens=MAX_TOKENS, stop_words=[word], exclude_input_in_output=True)
     assert result.finish_reason == "stop"
     assert result.text.endswith(word) and codec.decode(ref_ids).startswith(result.text)
+
+
+def test_min_p_is_served_and_seeded_output_repeats(server):
+    params = {"max_tokens": MAX_TOKENS, "exclude_input_in_output": True, "temperature": 1.0, "min_p": 0.2, "seed": 5}
+    first = generate(server, "grpc", PROMPTS[0], **params)
+    again = generate(server, "http", PROMPTS[0], **params)
+    plain = generate(server, "grpc", PROMPTS[0], num_speculative_tokens=0, **params)
+    assert first.text == again.text == plain.text and first.num_output_tokens == MAX_TOKENS
