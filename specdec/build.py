@@ -26,6 +26,7 @@ def build_lm(
     max_model_len: int | None = None,
     log: Log | None = None,
     cpu_compile: bool = False,
+    warm_trees: bool = False,
 ) -> CachedLM:
     """The checkpoint at ``path`` on ``engine``; ``max_model_len`` None: the model's ``max_position_embeddings``.
 
@@ -34,7 +35,7 @@ def build_lm(
     given, gets a line as each load phase starts and ends, with its seconds. ``cpu_compile``
     compiles the fast engine's forward where it runs on CPU (``specdec.fast.cpu_compile``);
     on a GPU, which captures CUDA graphs instead, it changes nothing, so one configuration
-    serves on both.
+    serves on both. ``warm_trees``: the compile covers draft trees' passes (the drafter makes trees).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -47,4 +48,5 @@ def build_lm(
     if max_num_seqs is None:
         raise ValueError("the fast engine preallocates its cache: max_num_seqs must be given")
     on_cpu = torch.device(device).type == "cpu"
-    return FastCausalLM(path, dtype, device, max_num_seqs, max_model_len, cpu_compile=cpu_compile and on_cpu, log=log)
+    return FastCausalLM(path, dtype, device, max_num_seqs, max_model_len, cpu_compile=cpu_compile and on_cpu, log=log,
+                        warm_trees=warm_trees)  # fmt: skip

@@ -98,6 +98,21 @@ def _check_draft_window(config: DraftProposerConfig) -> None:
         )
 
 
+def drafts_trees(repository_dir: str | os.PathLike) -> bool:
+    """Whether draft_proposer's drafter makes draft trees (a static or dynamic tree, suffix decoding's own):
+    target_verifier then compiles their passes at load. A draft_proposer that cannot be read says no; its
+    own load names the fault."""
+    found = model_settings(repository_dir, wire.DRAFT_PROPOSER)
+    if found is None:
+        return False
+    try:
+        config = DraftProposerConfig.from_parameters(found[0])
+    except ValueError:
+        return False
+    suffix = config.suffix if config.method == "suffix" or config.suffix_first is not None else None
+    return config.token_tree is not None or (suffix is not None and suffix.use_tree_spec)
+
+
 def read_draft_beside_target(repository_dir: str | os.PathLike) -> DraftProposerConfig | None:
     """draft_proposer's settings when target_verifier's process is to load its draft model or head
     (``run_with_target``), else None (also for a repository without draft_proposer)."""

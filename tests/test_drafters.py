@@ -172,3 +172,15 @@ def test_medusa_with_fewer_heads_than_a_step_asks_fails_its_load_naming_both(tmp
         build_proposer(config, "cpu")
     loaded = build_proposer(write_mlp_repository(tmp_path, 4, method="medusa", head="tiny-medusa"), "cpu")
     assert loaded.description.method == "medusa" and loaded.description.hidden_state_layers == (6,)
+
+
+def test_target_verifier_warms_tree_passes_only_when_the_drafter_makes_trees(tmp_path):
+    from specdec_triton.drafters import drafts_trees
+
+    write_tree_repository(tmp_path / "static", "eagle3", TREE, 3)
+    write_tree_repository(tmp_path / "chain", "eagle3", "", 3)
+    write_tree_repository(tmp_path / "suffix", "suffix", "", 3, ', { key: "suffix_decoding_use_tree_spec" value: '
+                                                                 '{ string_value: "true" } }')  # fmt: skip
+    write_tree_repository(tmp_path / "bad", "ngram", TREE, 3)  # its own load names the fault
+    assert [drafts_trees(tmp_path / name) for name in ("static", "chain", "suffix", "bad", "none")] == [
+        True, False, True, False, False]

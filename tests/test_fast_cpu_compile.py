@@ -6,6 +6,8 @@ compile (inductor's on-disk cache).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -174,3 +176,19 @@ def _hidden_state_passes(target):
     finally:
         for lm in (compiled, eager):
             lm.release("a"), lm.release("b")
+
+
+def test_a_warm_tree_load_compiles_tree_passes_before_any_request(tmp_path):
+    """With warm_trees, a tree pass after the load compiles nothing new: its graphs were built by warm_up."""
+    import torch._dynamo
+
+    from specdec.cached_lm import ForwardCall
+    from specdec.fast import FastCausalLM
+
+    path = Path(__file__).resolve().parents[1] / "models" / "tiny-target"
+    lm = FastCausalLM(path, max_num_seqs=2, max_model_len=64, cpu_compile=True, warm_trees=True)
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    lm.forward([ForwardCall("s", 0, list(range(20)), 1)])
+    lm.forward([ForwardCall("s", 20, [5, 6, 7, 8], 4, (-1, -1, 0))])
+    assert counters["stats"]["unique_graphs"] == before

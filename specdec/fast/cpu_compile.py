@@ -110,12 +110,18 @@ def warm_up_plan(free_slots: int, max_model_len: int) -> tuple[list[str], list[t
     return [f"{WARM_UP_SEQ_ID}-{i}" for i in range(max(rows for rows, _ in shapes))], shapes
 
 
-def warm_up(lm: CachedLM, hidden_layers: tuple[int, ...] = ()) -> None:
+WARM_UP_TREE = (-1, -1, 0, 0, 1)  # a small draft tree: two levels, two children a node; its graphs fit any tree
+
+
+def warm_up(lm: CachedLM, hidden_layers: tuple[int, ...] = (), trees: bool = False) -> None:
     """Run a prefill and each pass of ``warm_up_plan`` through ``lm``, on free slots given back after.
 
     Runs at load, before any sequence holds a slot, through the same calls requests make,
     so every graph they need is compiled here; with ``hidden_layers``, through
     ``forward_with_hidden`` (a head's verify passes), whenever a head first asks for them.
+    ``trees``: draft trees' passes too (``ForwardCall.tree_parents``), whose mask and rotary
+    positions are inputs of graphs of their own: left to the first tree a request drafts,
+    their compile stalled that step for tens of seconds.
     """
     seq_ids, shapes = warm_up_plan(lm.max_num_seqs - lm.num_active_sequences, lm.max_model_len)
 
@@ -127,6 +133,9 @@ def warm_up(lm: CachedLM, hidden_layers: tuple[int, ...] = ()) -> None:
             run([ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])
         for rows, tokens in shapes:
             run([ForwardCall(seq_id, WARM_UP_PREFIX, [0] * tokens, tokens) for seq_id in seq_ids[:rows]])
+        n = len(WARM_UP_TREE) + 1
+        for rows in sorted({1, len(seq_ids)}) if trees else ():  # torch specialises one row
+            run([ForwardCall(seq_id, WARM_UP_PREFIX, [0] * n, n, WARM_UP_TREE) for seq_id in seq_ids[:rows]])
     finally:
         for seq_id in seq_ids:
             lm.release(seq_id)

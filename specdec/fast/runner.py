@@ -87,11 +87,13 @@ class FastCausalLM:
         triton_attention: bool | None = None,
         cpu_compile: bool = False,
         log: Log | None = None,
+        warm_trees: bool = False,
     ):
         """``cpu_compile``: run the forward compiled by ``torch.compile`` (``cpu_compile.py``), CPU only.
 
         ``triton_attention``: attention by the Triton slot kernel; None: on CUDA
-        (``specdec.fast.llama.default_triton_attention`` says why).
+        (``specdec.fast.llama.default_triton_attention`` says why). ``warm_trees``: with ``cpu_compile``,
+        compile draft trees' passes at load too (``cpu_compile.warm_up``).
         """
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
@@ -117,10 +119,14 @@ class FastCausalLM:
         self._graphs_with_hidden: dict[tuple[int, ...], StaticShapeRunner] = {}  # hidden_layers -> their runner
         self._compiled_hidden: set[tuple[int, ...]] = set()  # hidden_layers whose compiled passes are warm
         self._log = log
+        self._warm_trees = warm_trees
         if cpu_compile:
             with timed_phase(log, "compiling the forward for CPU (torch.compile; cached on disk for the next load)"):
+                # the cache's sizes never change: as symbols, one equal to a pass's token count (6 layers, a
+                # 6-token tree) would be taken for the same symbol, and the next pass of another size recompile
+                torch._dynamo.mark_static(self.cache.kv)
                 self._forward = compile_forward(self.model)
-                warm_up(self)
+                warm_up(self, trees=warm_trees)
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         if use_graphs:
             with timed_phase(log, f"capturing CUDA graphs (token counts {list(graph_num_tokens)})"):
@@ -192,7 +198,7 @@ class FastCausalLM:
         """
         self._compiled_hidden.add(hidden_layers)  # first: warm_up's own passes come back through here
         with timed_phase(self._log, f"compiling the forward with hidden states {list(hidden_layers)}"):
-            warm_up(self, hidden_layers)
+            warm_up(self, hidden_layers, self._warm_trees)
 
     def _graphs_for(self, hidden_layers: tuple[int, ...]) -> StaticShapeRunner | None:
         """The fixed-shape runner for passes that want ``hidden_layers``; None where passes run eagerly.

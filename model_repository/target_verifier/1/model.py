@@ -24,7 +24,7 @@ from specdec.verifier import TargetVerifier
 from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.internal import boot_secret
-from specdec_triton.drafters import build_proposer, read_draft_beside_target
+from specdec_triton.drafters import build_proposer, drafts_trees, read_draft_beside_target
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 from specdec_triton.server_watch import exit_with_server
@@ -45,13 +45,14 @@ class TritonPythonModel:
         exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
+        repository = os.path.dirname(os.path.normpath(args["model_repository"]))
         lm = build_lm(
             config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
-            log=self.logger.info, cpu_compile=config.cpu_compile,
+            log=self.logger.info, cpu_compile=config.cpu_compile, warm_trees=drafts_trees(repository),
         )
         self.verifier, description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
         self.send_to_sampler = sample_hop.sampler_sender(boot_secret())
-        self.beside = self._draft_beside(os.path.dirname(os.path.normpath(args["model_repository"])), device)
+        self.beside = self._draft_beside(repository, device)
         self.host = SequenceHost(args["model_name"], self.beside or self.verifier, description,
                                  config.sequence_idle_timeout_s, self.logger, args["model_config"])  # fmt: skip
         self.host.serve_socket(self._serve)  # the orchestrator's step calls (specdec_triton.socket_calls)
