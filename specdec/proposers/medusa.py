@@ -19,22 +19,18 @@ A request for more drafts (or a tree deeper) than the heads is refused, naming `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from specdec.heads.medusa import Medusa
-from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.proposers.base import proposals_in_order
+from specdec.proposers.last_hidden import LastHiddenSequences
 from specdec.sampling import make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree
 from specdec.types import Proposal, ProposeRequest
 
 
-@dataclass
-class _Sequence:
-    tokens: list[int]
-    last_hidden: torch.Tensor | None = None  # [h]: the target's final hidden state at last_position
-    last_position: int = -1
 
 
 class MedusaProposer:
@@ -52,7 +48,7 @@ class MedusaProposer:
         self.device = model.lm_heads[0].weight.device
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs = LastHiddenSequences(self.device)
 
     @property
     def num_heads(self) -> int:
@@ -63,11 +59,11 @@ class MedusaProposer:
         return len(self._seqs)
 
     def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:  # a response teaches a head nothing
-        self._seqs.pop(seq_id, None)
+        self._seqs.pop(seq_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        check_propose_requests(requests, lambda s: len(self._seqs[s].tokens) if s in self._seqs else 0)
+        self._seqs.check(requests)
         width = self.model.config.hidden_size
         for r in requests:
             if self.tree is None and r.num_tokens > self.num_heads:
@@ -76,21 +72,7 @@ class MedusaProposer:
             if r.hidden_states is not None and r.hidden_states.shape[-1] != width:
                 raise ValueError(f"seq {r.seq_id!r}: hidden_states of width {r.hidden_states.shape[-1]}; the Medusa "
                                  f"head reads the target's last hidden state, hidden_size={width}")  # fmt: skip
-        for r in requests:
-            seq = self._seqs.setdefault(r.seq_id, _Sequence([]))
-            del seq.tokens[r.position :]
-            seq.tokens.extend(r.token_ids)
-            if r.hidden_states is not None and r.hidden_states.shape[0]:
-                seq.last_hidden = r.hidden_states[-1].to(self.device)
-                seq.last_position = r.hidden_position + r.hidden_states.shape[0] - 1
-        drafting = [r for r in requests if r.num_tokens > 0]
-        for r in drafting:
-            seq = self._seqs[r.seq_id]
-            if seq.last_position != len(seq.tokens) - 2:
-                raise ValueError(
-                    f"seq {r.seq_id!r}: drafting after {len(seq.tokens)} tokens needs the target's hidden state at "
-                    f"position {len(seq.tokens) - 2}, the proposer has it at {seq.last_position}"
-                )
+        drafting = self._seqs.take(requests)
         if not drafting:
             return proposals_in_order(requests, [], [], [])
         if self.tree is not None:
@@ -106,7 +88,7 @@ class MedusaProposer:
     def _logits(self, requests: list[ProposeRequest], depth: int) -> torch.Tensor:
         """``[depth, B, vocab]``: the first ``depth`` heads' logits for each request, each head's banned ids at
         -inf where ``min_tokens`` binds its draft (head ``i`` drafts output index ``i`` past the step's first)."""
-        hidden = torch.stack([self._seqs[r.seq_id].last_hidden for r in requests])  # [B, h]
+        hidden = torch.stack([self._seqs[r.seq_id].hidden for r in requests])  # [B, h]
         logits = self.model(hidden, depth)  # [depth, B, vocab] float32
         for i, r in enumerate(requests):
             if r.banned_token_ids and r.num_banned_tokens:

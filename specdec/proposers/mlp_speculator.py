@@ -10,21 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dataclasses import dataclass
 
 import torch
 
 from specdec.heads.mlp_speculator import MLPSpeculator
-from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.proposers.base import proposals_in_order
+from specdec.proposers.last_hidden import LastHiddenSequences
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
 
-@dataclass
-class _Sequence:
-    tokens: list[int]
-    last_hidden: torch.Tensor | None = None  # [emb_dim]: the target's final hidden state at last_position
-    last_position: int = -1
 
 
 class MLPSpeculatorProposer:
@@ -37,18 +32,18 @@ class MLPSpeculatorProposer:
         self.device = model.head[0].weight.device
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs = LastHiddenSequences(self.device)
 
     @property
     def num_active_sequences(self) -> int:
         return len(self._seqs)
 
     def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:  # a response teaches a head nothing
-        self._seqs.pop(seq_id, None)
+        self._seqs.pop(seq_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        check_propose_requests(requests, lambda s: len(self._seqs[s].tokens) if s in self._seqs else 0)
+        self._seqs.check(requests)
         for r in requests:
             if r.num_tokens > self.model.n_predict:
                 raise ValueError(
@@ -60,27 +55,13 @@ class MLPSpeculatorProposer:
                     f"seq {r.seq_id!r}: hidden_states of width {r.hidden_states.shape[-1]}; the MLP speculator "
                     f"reads the target's last hidden state, emb_dim={self.model.emb_dim}"
                 )
-        for r in requests:
-            seq = self._seqs.setdefault(r.seq_id, _Sequence([]))
-            del seq.tokens[r.position :]
-            seq.tokens.extend(r.token_ids)
-            if r.hidden_states is not None and r.hidden_states.shape[0]:
-                seq.last_hidden = r.hidden_states[-1].to(self.device)
-                seq.last_position = r.hidden_position + r.hidden_states.shape[0] - 1
-        drafting = [r for r in requests if r.num_tokens > 0]
-        for r in drafting:
-            seq = self._seqs[r.seq_id]
-            if seq.last_position != len(seq.tokens) - 2:
-                raise ValueError(
-                    f"seq {r.seq_id!r}: drafting after {len(seq.tokens)} tokens needs the target's hidden state at "
-                    f"position {len(seq.tokens) - 2}, the proposer has it at {seq.last_position}"
-                )
+        drafting = self._seqs.take(requests)
         drafts, q_rows = self._draft(drafting) if drafting else ([], [])
         return proposals_in_order(requests, drafting, drafts, q_rows)
 
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         seqs = [self._seqs[r.seq_id] for r in requests]
-        state = self.model.first_state(torch.stack([s.last_hidden for s in seqs]))  # [B, emb_dim]
+        state = self.model.first_state(torch.stack([s.hidden for s in seqs]))  # [B, emb_dim]
         tokens = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=self.device)  # [B]
         generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
