@@ -58,3 +58,16 @@ class LastHiddenSequences:
                     f"position {len(seq.tokens) - 2}, the proposer has it at {seq.position}"
                 )
         return drafting
+
+
+class DraftsFromLastHidden:
+    """What such a proposer shares: its sequences (``self._seqs``), their count, and release."""
+
+    _seqs: LastHiddenSequences
+
+    @property
+    def num_active_sequences(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_id: str, response=None) -> None:  # a response teaches a head nothing
+        self._seqs.pop(seq_id)

@@ -18,14 +18,13 @@ A request for more drafts (or a tree deeper) than the heads is refused, naming `
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from specdec.heads.medusa import Medusa
 from specdec.proposers.base import proposals_in_order
-from specdec.proposers.last_hidden import LastHiddenSequences
+from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
 from specdec.sampling import make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree
 from specdec.types import Proposal, ProposeRequest
@@ -33,7 +32,7 @@ from specdec.types import Proposal, ProposeRequest
 
 
 
-class MedusaProposer:
+class MedusaProposer(DraftsFromLastHidden):
     method = "medusa"
     max_num_seqs = None  # no cache: any number of sequences
     max_model_len = None
@@ -53,13 +52,6 @@ class MedusaProposer:
     @property
     def num_heads(self) -> int:
         return self.model.num_heads
-
-    @property
-    def num_active_sequences(self) -> int:
-        return len(self._seqs)
-
-    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:  # a response teaches a head nothing
-        self._seqs.pop(seq_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:

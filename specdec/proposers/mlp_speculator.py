@@ -8,21 +8,20 @@ A request for more drafts than the model has stages is refused, naming ``n_predi
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 
 import torch
 
 from specdec.heads.mlp_speculator import MLPSpeculator
 from specdec.proposers.base import proposals_in_order
-from specdec.proposers.last_hidden import LastHiddenSequences
+from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
 
 
 
-class MLPSpeculatorProposer:
+class MLPSpeculatorProposer(DraftsFromLastHidden):
     method = "mlp_speculator"
     max_num_seqs = None  # no cache: any number of sequences
     max_model_len = None
@@ -33,13 +32,6 @@ class MLPSpeculatorProposer:
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
         self._seqs = LastHiddenSequences(self.device)
-
-    @property
-    def num_active_sequences(self) -> int:
-        return len(self._seqs)
-
-    def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:  # a response teaches a head nothing
-        self._seqs.pop(seq_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
