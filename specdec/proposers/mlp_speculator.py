@@ -8,8 +8,6 @@ A request for more drafts than the model has stages is refused, naming ``n_predi
 """
 from __future__ import annotations
 
-
-
 import torch
 
 from specdec.heads.mlp_speculator import MLPSpeculator
