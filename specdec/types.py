@@ -34,8 +34,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # 1.0 disables top-p
-    min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability (after temperature); 0 disables
     seed: int | None = None  # per-request seed; None draws one at random
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability (after temperature); 0 disables
 
     @property
     def greedy(self) -> bool:
