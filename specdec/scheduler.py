@@ -39,8 +39,7 @@ import torch
 from specdec.draft_beside_target import NO_PROPOSAL, ProposeVerify
 from specdec.engine import SequenceState, StepOutput
 from specdec.follow_acceptance import DraftLengths
-from specdec.rejection_sampler import match_greedy
-from specdec.tree_sampler import match_greedy_tree
+from specdec.tree_sampler import match_greedy_either
 from specdec.speculation_length import SpeculationLength
 from specdec.types import (
     Proposal, ProposeRequest, SampleCall, SampleHere, SampleResult, StepCapabilities, VerifyRequest, VerifyResult,
@@ -386,13 +385,6 @@ class StepScheduler:
             if (error or release_error) is not None:
                 sequence.deliver(error or release_error)
             sequence.deliver(_RELEASED)
-
-
-def match_greedy_either(proposal: Proposal, verified: VerifyResult) -> SampleResult:
-    """A greedy target's verdict on a chain or a tree (``Proposal.parents``), without a call."""
-    if proposal.parents is not None and len(proposal.token_ids):
-        return match_greedy_tree(proposal.token_ids.tolist(), proposal.parents, verified.argmax.tolist())
-    return match_greedy(proposal.token_ids.tolist(), verified.argmax.tolist())
 
 
 def _one_each(stage: str, asked: list, answered: list) -> list:

@@ -30,7 +30,7 @@ import torch
 
 from specdec.sampling import derive_seed, make_generator
 from specdec.tree import ROOT, check_parents
-from specdec.types import SampleResult, VerifyResult
+from specdec.types import Proposal, SampleResult, VerifyResult
 
 
 def match_greedy_tree(
@@ -94,3 +94,12 @@ def _walk(drafts, parents, target_token, method: str, rate: float) -> SampleResu
         path.append(chosen)
         node = chosen
     return SampleResult(torch.tensor(out, dtype=torch.long), len(path), accepted_nodes=tuple(path))
+
+
+def match_greedy_either(proposal: Proposal, verified: VerifyResult) -> SampleResult:
+    """A greedy target's verdict on a chain or a tree (``Proposal.parents``), without a call."""
+    from specdec.rejection_sampler import match_greedy  # it imports this module for trees
+
+    if proposal.parents is not None and len(proposal.token_ids):
+        return match_greedy_tree(proposal.token_ids.tolist(), proposal.parents, verified.argmax.tolist())
+    return match_greedy(proposal.token_ids.tolist(), verified.argmax.tolist())
