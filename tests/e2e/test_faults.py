@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from client.generate import GenerateError, generate_grpc, generate_http
@@ -232,12 +233,20 @@ def test_a_killed_tritonserver_leaves_no_model_process_behind(fault_server):
     server = fault_server
     lines = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.process.pid)],
                            capture_output=True, text=True).stdout.splitlines()  # fmt: skip
-    stubs = [int(line.split()[0]) for line in lines if "/1/model.py" in line]
+    stubs = {int(line.split()[0]): line for line in lines if "/1/model.py" in line}
     assert len(stubs) == 6, lines
     ends = streams_interrupted(server, lambda: os.kill(server.process.pid, signal.SIGKILL))  # with streams in flight
     assert all(error != "finished" for _, error in ends)
     server.process.wait(10)
     deadline = time.monotonic() + STOP_WITHIN_S
-    while (left := [pid for pid in stubs if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+    while (left := [stubs[pid] for pid in stubs if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"model processes alive {STOP_WITHIN_S:g} s after the server was killed: {left}"
+
+
+def alive(pid: int) -> bool:
+    """A zombie has ended: it holds nothing, only its exit status waits for whichever process adopted it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
