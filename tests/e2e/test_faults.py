@@ -4,8 +4,8 @@ Each stateful stub is SIGKILLed while eight streams decode through it. Every str
 must end with an UNAVAILABLE error within seconds (not the 10-25 s Triton takes to
 notice on its own); the orchestrator then reloads the model (``scripts/serve.sh``
 runs Triton with explicit model control) and serves again, with output equal to the
-target's and no sequence held anywhere. At the end SIGTERM stops the server, which
-waits out its exit timeout for the dead stub's model, within 15 s.
+target's and no sequence held anywhere. Then SIGTERM with streams in flight answers each and
+the server exits within 15 s; SIGKILL of tritonserver leaves no model process behind.
 """
 from __future__ import annotations
 
@@ -110,7 +110,13 @@ def fault_server(tmp_path):
     server.stop()
 
 
-def test_a_killed_stub_fails_its_requests_at_once_and_is_reloaded(fault_server, reference):
+def test_a_killed_stub_fails_its_requests_at_once_is_reloaded_and_sigterm_then_drains(fault_server, reference):
+    """One server's life: each stateful stub killed under load, then SIGTERM with streams in flight.
+
+    Each kill fails every stream within seconds; Triton's strict readiness is false while the
+    dead target_verifier loads again and true once it serves, with the target's output. SIGTERM with
+    streams in flight then answers each (drained or a final error) and the server exits in 15 s.
+    """
     server = fault_server
     generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})  # warm up every model
     for model in ("target_verifier", "draft_proposer"):
@@ -119,24 +125,24 @@ def test_a_killed_stub_fails_its_requests_at_once_and_is_reloaded(fault_server, 
             assert seconds is not None and seconds < ERROR_WITHIN_S, (model, ends)
             assert f"{model} stopped" in error, (model, error)
         seconds, unready = serves_again(server, reference, RECOVERY_TIMEOUT_S)
+        deadline = time.monotonic() + 30
+        while not server.is_ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
         print(f"{model}: every stream failed within {max(s for s, _ in ends):.1f} s of the kill; "
               f"serving again after {seconds:.1f} s; readiness false meanwhile: {unready}")
-        assert server.is_ready()
+        assert server.is_ready(), model
+        assert unready or model != "target_verifier"  # its reload takes seconds; draft_proposer's may beat a poll
         wait_until_idle(server, timeout_s=10)
-    assert stop_seconds(server) < STOP_WITHIN_S
-
-
-def test_readiness_is_false_while_a_killed_model_reloads(fault_server, reference):
-    """Triton's strict readiness turns false while the dead model loads again, and true once it serves."""
-    server = fault_server
-    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
-    os.kill(stub_pid(server, "target_verifier"), signal.SIGKILL)
-    seconds, unready = serves_again(server, reference, RECOVERY_TIMEOUT_S)
-    deadline = time.monotonic() + 30
-    while not server.is_ready() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    print(f"serving again {seconds:.1f} s after the kill; readiness false meanwhile: {unready}")
-    assert unready and server.is_ready()
+    exited: list[float] = []
+    stopping = threading.Thread(target=lambda: exited.append(stop_seconds(server)))
+    ends = streams_interrupted(server, stopping.start)
+    for seconds, error in ends:
+        assert seconds is not None and seconds < STOP_WITHIN_S, ends
+    print("stream ends at SIGTERM:", sorted({error[:80] for _, error in ends}))
+    deadline = time.monotonic() + 60
+    while not exited and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert exited and exited[0] < STOP_WITHIN_S, exited
 
 
 @pytest.fixture
@@ -174,22 +180,6 @@ def stop_seconds(server) -> float:
     seconds = time.monotonic() - start
     print(f"SIGTERM: exited after {seconds:.1f} s")
     return seconds
-
-
-def test_sigterm_with_streams_in_flight_answers_each_and_exits_quickly(fault_server):
-    """A healthy server: the streams in flight drain or get a final error; the server exits within 15 s."""
-    server = fault_server
-    generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
-    exited: list[float] = []
-    stopping = threading.Thread(target=lambda: exited.append(stop_seconds(server)))
-    ends = streams_interrupted(server, stopping.start)
-    for seconds, error in ends:
-        assert seconds is not None and seconds < STOP_WITHIN_S, ends
-    print("stream ends:", sorted({error[:80] for _, error in ends}))
-    deadline = time.monotonic() + 60
-    while not exited and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert exited and exited[0] < STOP_WITHIN_S, exited
 
 
 MAX_REQUEST_SECONDS = 3.0
