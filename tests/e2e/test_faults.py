@@ -44,9 +44,10 @@ def streams_killed_midway(server, model: str) -> list[tuple[float | None, str]]:
     return streams_interrupted(server, lambda: os.kill(stub_pid(server, model), signal.SIGKILL))
 
 
-def streams_interrupted(server, interrupt, model: str = "speculative_decoding", num_streams: int = NUM_STREAMS,
-                        join_s: float = 120.0) -> list[tuple[float | None, str]]:  # fmt: skip
-    """Long streams to ``model``; once each has sent text, ``interrupt()``: (seconds from it to each end, error).
+def streams_interrupted(server, interrupt, model: str | tuple[str, ...] = "speculative_decoding",
+                        num_streams: int = NUM_STREAMS, join_s: float = 120.0) -> list[tuple[float | None, str]]:  # fmt: skip
+    """Long streams to ``model`` (to each of several in turn); once each has sent text, ``interrupt()``:
+    (seconds from it to each end, error).
 
     Each stream is waited for ``join_s`` at most after the interrupt returns; one still open then ends as (None, "").
     """
@@ -63,7 +64,8 @@ def streams_interrupted(server, interrupt, model: str = "speculative_decoding", 
                 started.wait()
 
         try:
-            generate_grpc(server.grpc_url, model, PROMPTS[i], LONG, on_chunk)
+            target = model if isinstance(model, str) else model[i % len(model)]
+            generate_grpc(server.grpc_url, target, PROMPTS[i], LONG, on_chunk)
             ends[i] = (time.monotonic() - killed_at[0], "finished")
         except GenerateError as err:
             ends[i] = (time.monotonic() - killed_at[0], str(err))

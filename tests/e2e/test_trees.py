@@ -19,7 +19,8 @@ PROMPTS = [
     "1, 2, 3, 4, 5, 6, 7,",
 ]
 TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
-# suffix decoding's tree set by vLLM-style JSON; the heads' static tree in config.pbtxt (the shipped k is 8)
+# suffix decoding's tree set by vLLM-style JSON on serve.sh's command line, Medusa's in draft_proposer's
+# speculative_config parameter, EAGLE-3's in config.pbtxt's own keys (the shipped k is 8)
 SUFFIX_JSON = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
 HEAD_PARAMETERS = {"speculative_token_tree": TREE, "speculation_follows_acceptance": "false"}
 HEADS = {"eagle3": "tiny-eagle3", "medusa": "tiny-medusa"}  # the tree's depth 4: Medusa's four heads
@@ -34,6 +35,12 @@ def tree_server(request, tmp_path_factory):
     if request.param == "suffix":
         repository = repository_copy(workdir, models, "")
         serve_args = (f"--speculative-config={json.dumps(SUFFIX_JSON)}",)
+    elif request.param == "medusa":  # vLLM's JSON in draft_proposer's speculative_config parameter
+        config = {"method": "medusa", "model": str(models / HEADS["medusa"]), "num_speculative_tokens": 8,
+                  "speculative_token_tree": TREE}  # fmt: skip
+        parameters = {"speculative_config": json.dumps(config).replace('"', '\\"'),
+                      "speculation_follows_acceptance": "false"}  # fmt: skip
+        repository, serve_args = repository_copy(workdir, models, "medusa", parameters=parameters), ()
     else:
         parameters = {**HEAD_PARAMETERS, "draft_model": str(models / HEADS[request.param])}
         repository, serve_args = repository_copy(workdir, models, request.param, parameters=parameters), ()
