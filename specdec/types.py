@@ -15,6 +15,7 @@ All calls take a list of requests, so a batched engine can serve them in one pas
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -36,6 +37,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 disables top-p
     seed: int | None = None  # per-request seed; None draws one at random
     min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability (after temperature); 0 disables
+    # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias): a change of the
+    # target's distribution, applied to p by the verifier and to q by the drafters (specdec.sampling)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +54,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        check_logit_bias(self.logit_bias)
+
+
+def check_logit_bias(logit_bias: tuple[tuple[int, float], ...], vocab_size: int | None = None) -> None:
+    """Each token once, a non-negative id (below ``vocab_size`` when given), a bias that is a number or -inf (a ban)."""
+    ids = [token for token, _ in logit_bias]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"logit_bias names a token twice: {sorted(t for t in set(ids) if ids.count(t) > 1)}")
+    for token, bias in logit_bias:
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ValueError(f"logit_bias token {token} is not a token id in [0, {vocab_size or 'vocab_size'})")
+        if math.isnan(bias) or bias == math.inf:
+            raise ValueError(f"logit_bias of token {token} must be a number (or -inf: a ban), got {bias}")
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,13 @@ import numpy as np
 from specdec.engine import GenerationParams
 from specdec.grammar import GUIDE_TYPES, Grammar
 from specdec.penalties import Penalties
-from specdec.types import RequestStats, SamplingParams
+from specdec.types import RequestStats, SamplingParams, check_logit_bias
 from specdec_triton import trtllm
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 NATIVE_INPUTS = (
-    "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop_words",
+    "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "logit_bias_ids",
+    "logit_bias_values", "seed", "stop_words",
     "end_id", "min_tokens", "exclude_input_in_output", "num_speculative_tokens",
     "bad_words", "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
     "guided_decoding_guide_type", "guided_decoding_guide",
@@ -98,6 +99,7 @@ class GenerateRequest:
                 top_p=scalar(inputs, "top_p", float, 1.0),
                 min_p=scalar(inputs, "min_p", float, 0.0),
                 seed=scalar(inputs, "seed", int),
+                logit_bias=_logit_bias(inputs),
             ),
             stop_words=stop_words,
             end_id=scalar(inputs, "end_id", int),
@@ -132,6 +134,9 @@ class GenerateRequest:
             )
         if self.end_id is not None and not 0 <= self.end_id < vocab_size:
             raise RequestError(f"input 'end_id' must be a token id in [0, {vocab_size}), got {self.end_id}")
+        outside = [token for token, _ in self.sampling.logit_bias if not 0 <= token < vocab_size]
+        if outside:
+            raise RequestError(f"input 'logit_bias_ids' must hold token ids in [0, {vocab_size}), got {outside}")
         return GenerationParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             min_tokens=self.min_tokens,
@@ -162,6 +167,21 @@ def _guide(inputs: Mapping[str, np.ndarray]) -> dict:
     if guide_type != "json" and not guide:
         raise RequestError(f"input 'guided_decoding_guide' is required for guide type {guide_type!r}")
     return {"guide_type": guide_type, "guide": guide or ""}
+
+
+def _logit_bias(inputs: Mapping[str, np.ndarray]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` as two inputs: the token ids, and the bias of each (added to its logit)."""
+    ids = np.asarray(inputs.get("logit_bias_ids", np.zeros(0, np.int64))).reshape(-1)
+    values = np.asarray(inputs.get("logit_bias_values", np.zeros(0, np.float32)), np.float32).reshape(-1)
+    if len(ids) != len(values):
+        raise RequestError(f"inputs 'logit_bias_ids' ({len(ids)} ids) and 'logit_bias_values' ({len(values)} "
+                           "values) must have one value per id")  # fmt: skip
+    bias = tuple(zip((int(t) for t in ids), (float(v) for v in values)))
+    try:
+        check_logit_bias(bias)
+    except ValueError as err:
+        raise RequestError(f"inputs 'logit_bias_ids' and 'logit_bias_values': {err}") from None
+    return bias
 
 
 def _words(inputs: Mapping[str, np.ndarray], name: str) -> tuple[str, ...]:

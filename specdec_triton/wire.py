@@ -40,7 +40,7 @@ from specdec.types import (
     VerifyResult,
 )
 from specdec_triton.packing import (
-    each, each_optional_position, flat, i32, i64, one, optional_positions, required, split, stack_probs,
+    cut, each, each_optional_position, flat, i32, i64, one, optional_positions, required, split, stack_probs,
     unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
@@ -63,7 +63,7 @@ DRAFT_PROPOSER = "draft_proposer"
 TARGET_VERIFIER = "target_verifier"
 REJECTION_SAMPLER = "rejection_sampler"
 
-SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p")
+SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p", "logit_bias_ids", "logit_bias_values", "num_logit_bias")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
 PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
@@ -137,18 +137,27 @@ def _is_default(sampling: SamplingParams) -> bool:
 
 
 def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
-    """The sampling settings, left out when every sequence decodes greedily with no top-k / top-p / min-p.
+    """The sampling settings, left out when every sequence decodes greedily with no top-k / top-p / min-p;
+    the logit bias, left out when no sequence has one.
 
     Absent inputs read as those defaults, and every tensor a BLS request carries costs
     time on the step's critical path.
     """
+    inputs = {}
+    if any(s.logit_bias for s in sampling):  # every sequence's (id, bias) pairs, concatenated, and their counts
+        inputs = {
+            "logit_bias_ids": flat([[t for t, _ in s.logit_bias] for s in sampling]),
+            "logit_bias_values": np.array([b for s in sampling for _, b in s.logit_bias], np.float32),
+            "num_logit_bias": i32([len(s.logit_bias) for s in sampling]),  # [S]
+        }
     if all(_is_default(s) for s in sampling):
-        return {}
+        return inputs
     return {
         "temperature": np.array([s.temperature for s in sampling], dtype=np.float32),
         "top_k": i32([s.top_k for s in sampling]),
         "top_p": np.array([s.top_p for s in sampling], dtype=np.float32),
         "min_p": np.array([s.min_p for s in sampling], dtype=np.float32),
+        **inputs,
     }
 
 
@@ -157,8 +166,19 @@ def _sampling_of(inputs: Mapping[str, np.ndarray], count: int) -> list[SamplingP
     top_k = each(inputs, "top_k", count, int, 0)
     top_p = each(inputs, "top_p", count, float, 1.0)
     min_p = each(inputs, "min_p", count, float, 0.0)
-    return validated([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
-                      for t, k, p, m in zip(temperature, top_k, top_p, min_p)])  # fmt: skip
+    bias = _logit_bias_of(inputs, count)
+    return validated([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, logit_bias=b)
+                      for t, k, p, m, b in zip(temperature, top_k, top_p, min_p, bias)])  # fmt: skip
+
+
+def _logit_bias_of(inputs: Mapping[str, np.ndarray], count: int) -> list[tuple[tuple[int, float], ...]]:
+    if "num_logit_bias" not in inputs:
+        return [()] * count
+    ids = split(inputs, "logit_bias_ids", "num_logit_bias", count)
+    values = np.asarray(inputs.get("logit_bias_values", np.zeros(0, np.float32)), np.float32).reshape(-1).tolist()
+    if len(values) != sum(len(i) for i in ids):
+        raise RequestError(f"input 'logit_bias_values' holds {len(values)} values for {sum(map(len, ids))} ids")
+    return [tuple(zip(seq_ids, seq_values)) for seq_ids, seq_values in zip(ids, cut(values, [len(i) for i in ids]))]
 
 
 def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[int, ...]]) -> dict[str, np.ndarray]:
