@@ -142,6 +142,8 @@ class VerifyRequest:
     penalties: Penalties = NO_PENALTIES
     num_prompt_tokens: int = 0
     log_probs: bool = False  # also return log_mass, for the emitted tokens' log probabilities
+    # with log_probs: also return each row's likeliest tokens and their log probabilities (top_log_probs)
+    num_top_log_probs: int = 0
     # Hidden states to return for every token fed, concatenated in this order; indices into
     # transformers' ``output_hidden_states`` tuple: i < num_layers is the input of layer i
     # (0: the embeddings), num_layers the final normed state. Empty: none.
@@ -178,6 +180,9 @@ class VerifyResult:
     # [len(token_ids), len(hidden_layers) * hidden], when any sequence of the call asked for hidden_layers; else None
     hidden_states: torch.Tensor | None = None
     sampled: SampleResult | None = None  # the sampler's verdict, for a request with sample_here
+    # each row's num_top_log_probs likeliest tokens, when asked (specdec.top_log_probs)
+    top_token_ids: torch.Tensor | None = None  # [num_logits, n] int64
+    top_log_probs: torch.Tensor | None = None  # [num_logits, n] float32
 
 
 @dataclass(frozen=True)

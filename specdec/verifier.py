@@ -22,6 +22,7 @@ from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.grammar import apply_allowed
 from specdec.penalties import NO_PENALTIES, apply_penalties, log_kept_mass
 from specdec.sampling import apply_logit_bias, check_banned, greedy_tokens, process_logits
+from specdec.top_log_probs import top_alternatives
 from specdec.tree import node_depths, path_to
 from specdec.types import GREEDY_TEMPERATURE_BELOW, VerifyRequest, VerifyResult, check_logit_bias
 
@@ -48,6 +49,9 @@ def verify_result(
         temperature = request.sampling.temperature
         divisor = temperature if temperature >= GREEDY_TEMPERATURE_BELOW else 1.0  # greedy: the logits' own
         log_mass = log_kept_mass(banned_logits, probs, argmax, divisor)
+        if request.num_top_log_probs:
+            top_ids, top_values = top_alternatives(banned_logits, divisor, request.num_top_log_probs)  # [m, n] each
+            return VerifyResult(argmax, probs, log_mass, top_token_ids=top_ids, top_log_probs=top_values)
     return VerifyResult(argmax=argmax, probs=probs, log_mass=log_mass)
 
 

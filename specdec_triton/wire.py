@@ -46,7 +46,8 @@ from specdec_triton.packing import (
 from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.grammar_wire import GRAMMAR_INPUTS, grammar_inputs, with_allowed_tokens
 from specdec_triton.penalty_wire import (
-    LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs,
+    LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs, top_counts_of,
+    tops_of,
 )  # fmt: skip
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 from specdec_triton.tree_wire import (
@@ -295,6 +296,8 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
         VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned, *penalties)
         for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned), penalties in fields
     ], inputs)  # fmt: skip
+    if "num_top_log_probs" in inputs:
+        requests = [replace(r, num_top_log_probs=n) for r, n in zip(requests, top_counts_of(inputs, count))]
     trees, paths = lists_of(inputs, "tree_parents", count), lists_of(inputs, "accepted_path", count)
     if not any(trees) and not any(paths):
         return requests
@@ -316,8 +319,9 @@ def verify_results_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[in
     """The results of a request whose sequences asked for ``num_logits`` rows each."""
     argmax = split(outputs, "target_token_ids", list(num_logits), len(num_logits))
     probs = unstack_probs(outputs, "target_probs", list(num_logits))
-    masses = log_masses_of(outputs, num_logits)
-    return [VerifyResult(torch.tensor(ids, dtype=torch.long), p, m) for ids, p, m in zip(argmax, probs, masses)]
+    masses, tops = log_masses_of(outputs, num_logits), tops_of(outputs, num_logits)
+    return [VerifyResult(torch.tensor(ids, dtype=torch.long), p, m, top_token_ids=t[0], top_log_probs=t[1])
+            for ids, p, m, t in zip(argmax, probs, masses, tops)]  # fmt: skip
 
 
 # --- rejection_sampler -------------------------------------------------------------------------
