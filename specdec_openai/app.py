@@ -33,7 +33,7 @@ from specdec_openai.metrics import LatencyMetrics, RequestTimer
 from specdec_openai.generation import ChoiceStream, Generation, error_of
 from specdec_openai.logprobs import Vocabulary
 from specdec_openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, Plan, RequestError, chat_plan, completion_plan,
+    ChatCompletionRequest, CompletionRequest, Plan, RequestError, chat_plan, completion_plan, name_logit_bias,
 )  # fmt: skip
 from specdec_openai.responses import Envelope, error_body
 from specdec_openai.structured import Guide, name_guide_field, with_guide
@@ -138,7 +138,7 @@ class OpenAIServer:
         except BaseException as err:
             await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)
             if isinstance(err, RequestError):
-                raise name_guide_field(err, guide) from None
+                raise name_logit_bias(name_guide_field(err, guide)) from None
             raise
         if any(first is None for first in firsts):
             await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)

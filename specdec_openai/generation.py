@@ -52,7 +52,7 @@ class ChoiceStream:
                 self.timer.on_response(step.num_output_tokens)
                 text = self.stops.push(step.text, active=step.num_output_tokens > (self.params.min_tokens or 0))
                 if self.tokens is not None:
-                    self.tokens.add(step.text, step.token_ids, step.log_probs)
+                    self.tokens.add(step.text, step.token_ids, step.log_probs, step.top)
                 if self.stops.stopped:  # the tokens of the stop string and after it are dropped with their text
                     yield Delta(text, self._tokens(everything=False), "stop", step)
                     self.timer.finish("stop")
