@@ -169,6 +169,7 @@ class Plan:
     best_of: int  # choices generated per prompt; > n: the n with the highest cumulative log probability are kept
     logprobs: int | None  # None: no logprobs in the response; else the alternatives asked per token
     echo: tuple[str, ...] = ()  # completions' echo: each prompt, put before its choices' text
+    tools: Any = None  # chat's specdec_openai.tools.ToolChoice, where calls are read from the text; None: plain text
 
     @property
     def needs_tokens(self) -> bool:
