@@ -26,6 +26,7 @@ from specdec.follow_acceptance import AcceptanceEstimate
 from specdec.grammar import Grammar, GrammarState, cut_proposal
 from specdec.penalties import NO_PENALTIES, Penalties, emitted_log_probs
 from specdec.sampling import derive_seed
+from specdec.top_log_probs import MAX_TOP_LOG_PROBS, Alternatives, emitted_alternatives
 from specdec.types import (
     Proposal,
     ProposeRequest,
@@ -50,6 +51,7 @@ class GenerationParams:
     stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # output includes the stop sequence
     penalties: Penalties = NO_PENALTIES  # applied to the target's distribution (specdec.penalties)
     return_log_probs: bool = False  # SequenceState.output_log_probs: the target's log probability of each token
+    num_top_log_probs: int = 0  # with return_log_probs: each token's likeliest alternatives (top_log_probs)
     grammar: Grammar | None = None  # structured output: every token follows it (specdec.grammar)
 
     def validate(self, max_model_len: int | None = None, prompt_len: int = 0) -> None:
@@ -61,6 +63,9 @@ class GenerationParams:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         self.sampling.validate()
         self.penalties.validate()
+        if self.num_top_log_probs and not (self.return_log_probs and 0 < self.num_top_log_probs <= MAX_TOP_LOG_PROBS):
+            raise ValueError(f"num_top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}] and needs return_log_probs, "
+                             f"got {self.num_top_log_probs}")  # fmt: skip
         if self.grammar is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with a grammar: the grammar decides where the output ends")
         if any(t < 0 for t in self.eos_token_ids):
@@ -84,6 +89,7 @@ class StepOutput:
     finish_reason: str | None  # "stop" (EOS or stop sequence) | "length"
     stats: RequestStats | None = None  # the request's figures, on the finishing step only
     new_log_probs: list[float] = field(default_factory=list)  # of new_token_ids, when return_log_probs
+    new_top_log_probs: list[Alternatives] = field(default_factory=list)  # theirs, when num_top_log_probs
 
 
 class SequenceState:
@@ -107,6 +113,7 @@ class SequenceState:
         self.params = params
         self.output_ids: list[int] = []
         self.output_log_probs: list[float] = []  # one per output token when params.return_log_probs
+        self.output_top_log_probs: list[Alternatives] = []  # one per output token when params.num_top_log_probs
         self.finished = False
         self.finish_reason: str | None = None
         self.stats = RequestStats(accepted_per_position=[0] * params.num_speculative_tokens)
@@ -213,6 +220,7 @@ class SequenceState:
             penalties=self.params.penalties,
             num_prompt_tokens=len(self.prompt_ids),
             log_probs=self.params.return_log_probs,
+            num_top_log_probs=self.params.num_top_log_probs,
             hidden_layers=self.hidden_layers,
             tree_parents=parents,
             accepted_path=self._accepted_path,
@@ -258,6 +266,7 @@ class SequenceState:
         self._step += 1
         new_token_ids: list[int] = []
         log_probs = self._log_probs(tokens, verified if kept is None else _rows_of(verified, kept), result)
+        tops = emitted_alternatives(verified, len(tokens), kept) if self.params.num_top_log_probs else []
         for token in tokens:
             self.output_ids.append(token)
             new_token_ids.append(token)
@@ -269,8 +278,9 @@ class SequenceState:
                 break
         new_log_probs = log_probs[: len(new_token_ids)] if log_probs is not None else []
         self.output_log_probs += new_log_probs
+        self.output_top_log_probs += tops[: len(new_token_ids)]
         return StepOutput(new_token_ids, self.finished, self.finish_reason, self.stats if self.finished else None,
-                          new_log_probs)
+                          new_log_probs, tops[: len(new_token_ids)])
 
     def _log_probs(self, tokens: list[int], verified: VerifyResult | None, result: SampleResult) -> list[float] | None:
         if not self.params.return_log_probs:

@@ -36,6 +36,7 @@ def check_token_ids(prompt_ids: list[int], params: GenerationParams, vocab_size:
     named = {"prompt_ids": list(prompt_ids), "eos_token_ids": list(params.eos_token_ids)}
     named["stop_token_sequences"] = [t for stop in params.stop_token_sequences for t in stop]
     named["bad_words"] = [t for word in params.penalties.bad_words for t in word]
+    named["logit_bias"] = [t for t, _ in params.sampling.logit_bias]
     for name, ids in named.items():
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:

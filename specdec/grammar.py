@@ -39,7 +39,7 @@ from specdec.tree import ROOT
 from specdec.types import Proposal
 
 # What a guide describes; TensorRT-LLM's guided_decoding_guide_type names ("json": any JSON value, no guide).
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 # JSON without free whitespace: whitespace is no part of a value, and a model that may emit
 # it anywhere can spend its whole max_tokens on it; values are separated as json.dumps does
 # (", " and ": ")
@@ -87,12 +87,36 @@ class GrammarCompiler:
                 compiled = self._compiler.compile_json_schema(guide, **_JSON_OPTIONS)
             elif guide_type == "regex":
                 compiled = self._compiler.compile_regex(guide)
+            elif guide_type == "structural_tag":
+                tag = _without_free_whitespace(json.loads(guide))
+                compiled = self._compiler.compile_structural_tag(json.dumps(tag))
             else:
                 compiled = self._compiler.compile_grammar(guide)
         except (RuntimeError, ValueError, TypeError) as err:  # xgrammar raises RuntimeError for bad guides
             reason = _ENGINE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
             raise GrammarError(f"{guide_type} guide does not compile: {reason}") from None
         return Grammar(guide_type, compiled, self.vocab_size)
+
+
+def _without_free_whitespace(node: object) -> object:
+    """A structural tag (xgrammar's JSON format) whose plain JSON-schema parts admit no free whitespace either.
+
+    xgrammar's structural tags let whitespace run freely in JSON content, where a small
+    model may spend its whole ``max_tokens``; each such part becomes the grammar of its
+    schema without it, as the ``json_schema`` guide type is compiled (``_JSON_OPTIONS``).
+    """
+    import xgrammar
+
+    if isinstance(node, list):
+        return [_without_free_whitespace(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    plain = set(node) <= {"type", "json_schema", "style"} and node.get("style", "json") == "json"
+    if node.get("type") == "json_schema" and plain:
+        schema = node["json_schema"] if isinstance(node["json_schema"], dict) else {}
+        ebnf = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), **_JSON_OPTIONS))
+        return {"type": "grammar", "grammar": ebnf}
+    return {key: _without_free_whitespace(value) for key, value in node.items()}
 
 
 def num_mask_words(vocab_size: int) -> int:

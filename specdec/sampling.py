@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.types import SamplingParams
+from specdec.types import SamplingParams, check_logit_bias
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -69,6 +69,24 @@ def greedy_tokens(
     banned_token_ids: tuple[int, ...] = (),
 ) -> torch.Tensor:  # [n] int64
     return _ban(logits, num_banned_rows, banned_token_ids).argmax(dim=-1)
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [n, vocab]
+    logit_bias: tuple[tuple[int, float], ...],  # SamplingParams.logit_bias
+) -> torch.Tensor:  # [n, vocab] float32 (``logits`` itself when there is no bias)
+    """OpenAI's ``logit_bias``: each listed token's logit moved by its bias, in every row, before any processing.
+
+    It changes the distribution a request samples from, so the verifier applies it to the
+    target's logits (greedy argmax, ``p`` and log probabilities all see it) and the drafters
+    to theirs: a draft that ignored it would stay lossless, but be rejected more often.
+    """
+    if not logit_bias:
+        return logits
+    check_logit_bias(logit_bias, logits.shape[-1])
+    ids = torch.tensor([token for token, _ in logit_bias], dtype=torch.long, device=logits.device)  # [b]
+    values = torch.tensor([bias for _, bias in logit_bias], dtype=torch.float32, device=logits.device)  # [b]
+    return logits.float().index_add(-1, ids, values.expand(logits.shape[0], -1))
 
 
 def check_banned(banned_token_ids: tuple[int, ...], vocab_size: int) -> None:

@@ -15,6 +15,7 @@ All calls take a list of requests, so a batched engine can serve them in one pas
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -36,6 +37,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 disables top-p
     seed: int | None = None  # per-request seed; None draws one at random
     min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability (after temperature); 0 disables
+    # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias): a change of the
+    # target's distribution, applied to p by the verifier and to q by the drafters (specdec.sampling)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +54,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        check_logit_bias(self.logit_bias)
+
+
+def check_logit_bias(logit_bias: tuple[tuple[int, float], ...], vocab_size: int | None = None) -> None:
+    """Each token once, a non-negative id (below ``vocab_size`` when given), a bias that is a number or -inf (a ban)."""
+    ids = [token for token, _ in logit_bias]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"logit_bias names a token twice: {sorted(t for t in set(ids) if ids.count(t) > 1)}")
+    for token, bias in logit_bias:
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ValueError(f"logit_bias token {token} is not a token id in [0, {vocab_size or 'vocab_size'})")
+        if math.isnan(bias) or bias == math.inf:
+            raise ValueError(f"logit_bias of token {token} must be a number (or -inf: a ban), got {bias}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,8 @@ class VerifyRequest:
     penalties: Penalties = NO_PENALTIES
     num_prompt_tokens: int = 0
     log_probs: bool = False  # also return log_mass, for the emitted tokens' log probabilities
+    # with log_probs: also return each row's likeliest tokens and their log probabilities (top_log_probs)
+    num_top_log_probs: int = 0
     # Hidden states to return for every token fed, concatenated in this order; indices into
     # transformers' ``output_hidden_states`` tuple: i < num_layers is the input of layer i
     # (0: the embeddings), num_layers the final normed state. Empty: none.
@@ -161,6 +180,9 @@ class VerifyResult:
     # [len(token_ids), len(hidden_layers) * hidden], when any sequence of the call asked for hidden_layers; else None
     hidden_states: torch.Tensor | None = None
     sampled: SampleResult | None = None  # the sampler's verdict, for a request with sample_here
+    # each row's num_top_log_probs likeliest tokens, when asked (specdec.top_log_probs)
+    top_token_ids: torch.Tensor | None = None  # [num_logits, n] int64
+    top_log_probs: torch.Tensor | None = None  # [num_logits, n] float32
 
 
 @dataclass(frozen=True)

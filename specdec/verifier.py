@@ -6,8 +6,8 @@ Speculative Decoding"; Chen et al. 2023) runs the target once over
 one per draft to accept or reject, plus the bonus position. The KV cache written
 for rejected drafts is discarded by the next call, whose ``position`` cuts it back.
 
-Penalties and bad words (:mod:`specdec.penalties`) change ``p`` itself, so they are
-applied here, to every row with the tokens before it, drafts included: the verifier
+Penalties and bad words (:mod:`specdec.penalties`) and a logit bias change ``p`` itself, so they
+are applied here, to every row with the tokens before it, drafts included: the verifier
 keeps the tokens of each sequence that asks for penalties, addressed by ``position``
 like the cache.
 """
@@ -21,9 +21,10 @@ import torch
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.grammar import apply_allowed
 from specdec.penalties import NO_PENALTIES, apply_penalties, log_kept_mass
-from specdec.sampling import check_banned, greedy_tokens, process_logits
+from specdec.sampling import apply_logit_bias, check_banned, greedy_tokens, process_logits
+from specdec.top_log_probs import top_alternatives
 from specdec.tree import node_depths, path_to
-from specdec.types import GREEDY_TEMPERATURE_BELOW, VerifyRequest, VerifyResult
+from specdec.types import GREEDY_TEMPERATURE_BELOW, VerifyRequest, VerifyResult, check_logit_bias
 
 
 def verify_result(
@@ -31,12 +32,13 @@ def verify_result(
     request: VerifyRequest,
     tokens: list[int] | None = None,  # the whole sequence through the last row's token; needed for penalties
 ) -> VerifyResult:
-    """``argmax`` always; ``p`` only for sampled requests; penalties, min_tokens bans and a grammar's
-    ``allowed_tokens`` applied to both."""
+    """``argmax`` always; ``p`` only for sampled requests; penalties, the logit bias, min_tokens bans and a
+    grammar's ``allowed_tokens`` applied to both."""
     if request.tree_parents is not None:
         logits, request = _tree_rows(logits, request, tokens)
     if request.penalties.active:
         logits = apply_penalties(logits, tokens, request.num_prompt_tokens, request.penalties)
+    logits = apply_logit_bias(logits, request.sampling.logit_bias)  # the same in every row, a tree's too
     logits = apply_allowed(logits, request.allowed_tokens)  # [num_logits, vocab]
     banned = (request.num_banned_rows, request.banned_token_ids)
     argmax = greedy_tokens(logits, *banned)  # [num_logits]
@@ -47,6 +49,9 @@ def verify_result(
         temperature = request.sampling.temperature
         divisor = temperature if temperature >= GREEDY_TEMPERATURE_BELOW else 1.0  # greedy: the logits' own
         log_mass = log_kept_mass(banned_logits, probs, argmax, divisor)
+        if request.num_top_log_probs:
+            top_ids, top_values = top_alternatives(banned_logits, divisor, request.num_top_log_probs)  # [m, n] each
+            return VerifyResult(argmax, probs, log_mass, top_token_ids=top_ids, top_log_probs=top_values)
     return VerifyResult(argmax=argmax, probs=probs, log_mass=log_mass)
 
 
@@ -132,6 +137,7 @@ class TargetVerifier(OwnsOneModel):
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         for r in requests:
             check_banned(r.banned_token_ids, self.lm.vocab_size)
+            check_logit_bias(r.sampling.logit_bias, self.lm.vocab_size)
         tokens = [self._sequence_tokens(r) for r in requests]
         calls = [ForwardCall(r.seq_id, r.position, list(r.token_ids), r.num_logits, r.tree_parents, path_moves(r))
                  for r in requests]  # fmt: skip

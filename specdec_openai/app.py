@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -33,10 +33,11 @@ from specdec_openai.metrics import LatencyMetrics, RequestTimer
 from specdec_openai.generation import ChoiceStream, Generation, error_of
 from specdec_openai.logprobs import Vocabulary
 from specdec_openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, Plan, RequestError, chat_plan, completion_plan,
+    ChatCompletionRequest, CompletionRequest, Plan, RequestError, chat_plan, completion_plan, name_logit_bias,
 )  # fmt: skip
 from specdec_openai.responses import Envelope, error_body
 from specdec_openai.structured import Guide, name_guide_field, with_guide
+from specdec_openai.tools import tool_choice_of
 from specdec_openai.triton import CONNECT_TIMEOUT_S, Backend, Step, TritonBackend, TritonUnavailable
 
 MODELS = ("ensemble", "speculative_decoding")
@@ -138,7 +139,7 @@ class OpenAIServer:
         except BaseException as err:
             await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)
             if isinstance(err, RequestError):
-                raise name_guide_field(err, guide) from None
+                raise name_logit_bias(name_guide_field(err, guide)) from None
             raise
         if any(first is None for first in firsts):
             await asyncio.gather(*(steps.aclose() for steps in streams), return_exceptions=True)
@@ -240,9 +241,14 @@ def create_app(config: ServerConfig = ServerConfig(), backend: Backend | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
+        tools = tool_choice_of(body.tools, body.tool_choice, body.parallel_tool_calls)
         template = await server.chat_template()
-        prompt = template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
-        plan, guide = with_guide(chat_plan(body, prompt), body)
+        prompt = template.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {},
+                                 list(tools.tools) if tools else None)  # fmt: skip
+        tool_guide = tools.guide() if tools else None
+        plan, guide = with_guide(chat_plan(body, prompt), body,
+                                 Guide("structural_tag", tool_guide, "tools") if tool_guide else None)  # fmt: skip
+        plan = replace(plan, tools=tools if tools is not None and tools.parses else None)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await server.answer(request, Envelope.new("chat", body.model), plan, body.stream, include_usage, guide)
 

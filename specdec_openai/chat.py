@@ -13,6 +13,7 @@ two (vLLM encodes chat prompts without special tokens for the same reason).
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,9 @@ class ChatTemplate:
         template = read_template(template) if template is not None else None
         return cls(tokenizer, template or getattr(tokenizer, "chat_template", None), tokenizer_dir)
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any],
+               tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+        """The prompt; ``tools`` go to the template as transformers passes them (``tools=``)."""
         if not self.template:
             raise RequestError(
                 f"the tokenizer at {self.source} has no chat template (no 'chat_template' in its "
@@ -53,6 +56,7 @@ class ChatTemplate:
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **kwargs,
             )
         except Exception as err:  # the template's own raise_exception(), or a message it cannot render
@@ -76,6 +80,13 @@ def _plain(message: ChatMessage) -> dict[str, Any]:
                 raise RequestError(f"only text content parts are supported, got type {part.get('type')!r}", "messages")
             texts.append(part["text"])
         fields["content"] = "\n".join(texts)
+    for call in fields.get("tool_calls") or []:  # templates take a call's arguments as an object, as vLLM gives them
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                raise RequestError("a tool call's 'arguments' in 'messages' must be JSON", "messages") from None
     return fields
 
 

@@ -23,6 +23,8 @@ from specdec_openai.metrics import RequestTimer
 from specdec_openai.protocol import GenerateParams, Plan, RequestError
 from specdec_openai.responses import Envelope, acceptance, error_body, sse, usage
 from specdec_openai.stops import StopMatcher
+from specdec_openai.tools import ToolCallParser, message_of
+from specdec_openai.tools import finish_reason as tool_finish_reason
 from specdec_openai.triton import Step, TritonUnavailable
 
 
@@ -52,7 +54,7 @@ class ChoiceStream:
                 self.timer.on_response(step.num_output_tokens)
                 text = self.stops.push(step.text, active=step.num_output_tokens > (self.params.min_tokens or 0))
                 if self.tokens is not None:
-                    self.tokens.add(step.text, step.token_ids, step.log_probs)
+                    self.tokens.add(step.text, step.token_ids, step.log_probs, step.top)
                 if self.stops.stopped:  # the tokens of the stop string and after it are dropped with their text
                     yield Delta(text, self._tokens(everything=False), "stop", step)
                     self.timer.finish("stop")
@@ -165,13 +167,38 @@ class Generation:
                 group = sorted(group, key=lambda i: results[i].cum_logprob, reverse=True)[:n]
             for rank, i in enumerate(group):
                 echo, result = self._echo(i), results[i]
-                choices.append(self.envelope.whole_choice(prompt * n + rank, echo + result.text, result.finish_reason,
-                                                          self._logprobs(result.tokens, len(echo))))  # fmt: skip
+                message, finish = self._tool_message(result)
+                choices.append(self.envelope.whole_choice(prompt * n + rank, echo + result.text, finish,
+                                                          self._logprobs(result.tokens, len(echo)), message))  # fmt: skip
         return self.envelope.response(choices, *self._totals([result.last for result in results]))
+
+    def _tool_message(self, result: ChoiceResult) -> tuple[dict[str, Any] | None, str]:
+        """Chat with tools: the message with the calls read from the text, and the finish reason they give."""
+        if self.plan.tools is None:
+            return None, result.finish_reason
+        parser = ToolCallParser()
+        message = message_of(parser.push(result.text) + parser.finish())
+        return message, tool_finish_reason(result.finish_reason, self.plan.tools, parser.num_calls)
+
+    def _tool_chunks(self, index: int, delta: Delta, parser: ToolCallParser, logprobs: dict | None) -> list[dict]:
+        """A delta of chat with tools as chunks: content and tool-call deltas, logprobs on the first."""
+        final = delta.finish_reason is not None
+        pieces = parser.push(delta.text) + (parser.finish() if final else [])
+        chunks = [self.envelope.chunk(index, "", None, logprobs if i == 0 else None, delta=piece)
+                  for i, piece in enumerate(pieces)]  # fmt: skip
+        if not pieces and logprobs is not None:
+            chunks.append(self.envelope.chunk(index, "", None, logprobs, delta={}))
+        if final:
+            step = delta.step
+            reason = tool_finish_reason(delta.finish_reason, self.plan.tools, parser.num_calls)
+            metrics = acceptance(step.total_draft_tokens, step.total_accepted_draft_tokens, self.k)
+            chunks.append(self.envelope.chunk(index, "", reason, None, metrics, delta={}))
+        return chunks
 
     async def events(self, include_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events: streamed requests have ``best_of`` = ``n``, so every choice is sent."""
         lasts: list[Step | None] = [None] * len(self.choices)
+        parsers = [ToolCallParser() if self.plan.tools is not None else None for _ in self.choices]
         try:
             for index in range(len(self.choices)):
                 opening = self.envelope.first_chunk(index)
@@ -182,7 +209,12 @@ class Generation:
             async with contextlib.aclosing(self._merged()) as merged:
                 async for index, delta in merged:
                     logprobs = self._logprobs(delta.tokens, len(self._echo(index)))
-                    if delta.finish_reason is not None:
+                    if parsers[index] is not None:
+                        if delta.finish_reason is not None:
+                            lasts[index] = delta.step
+                        for chunk in self._tool_chunks(index, delta, parsers[index], logprobs):
+                            yield sse(chunk)
+                    elif delta.finish_reason is not None:
                         lasts[index] = delta.step
                         step = delta.step
                         metrics = acceptance(step.total_draft_tokens, step.total_accepted_draft_tokens, self.k)

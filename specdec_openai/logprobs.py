@@ -1,9 +1,10 @@
 """Each output token's log probability, in OpenAI's two shapes (chat's ``logprobs.content``, completions' lists).
 
 The Triton model returns, with ``return_log_probs``, the target's log probability of
-each output token (penalised and temperature-scaled, before top-k and top-p:
-docs/serving.md#inputs-and-outputs) and the token ids they belong to
-(``output_token_ids``). Turning an id into OpenAI's ``token`` and ``bytes`` takes the
+each output token (penalised, biased and temperature-scaled, before top-k and top-p:
+docs/serving.md#inputs-and-outputs), the token ids they belong to
+(``output_token_ids``) and, with ``num_top_log_probs``, the likeliest tokens of the same
+distribution at each position (``output_top_*``). Turning an id into OpenAI's ``token`` and ``bytes`` takes the
 tokenizer (:class:`Vocabulary`). Where a token's text begins in the output is worked
 out from the text pieces Triton sends (:class:`TokenLog`), so that a stop string that
 cuts the text also cuts the tokens: those that begin at or after the cut are dropped.
@@ -28,6 +29,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     start: int  # where the token's text begins in the choice's output text, in characters
+    top: tuple[tuple[int, float], ...] = ()  # the likeliest tokens at its position (top_logprobs), likeliest first
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -84,12 +86,14 @@ class TokenLog:
         self._pending: list[TokenLogprob] = []
         self._length = 0  # characters of output text seen
 
-    def add(self, piece: str, token_ids: Sequence[int], log_probs: Sequence[float]) -> None:
-        """One Triton response: its text and the tokens that made it (Triton pairs ids and log probs)."""
+    def add(self, piece: str, token_ids: Sequence[int], log_probs: Sequence[float],
+            tops: Sequence[tuple[tuple[int, float], ...]] = ()) -> None:  # fmt: skip
+        """One Triton response: its text and the tokens that made it (Triton pairs ids, log probs and alternatives)."""
         start, end = self._length, self._length + len(piece)
         at = start
-        for token_id, log_prob in zip(token_ids, log_probs):
-            self._pending.append(TokenLogprob(token_id, log_prob, min(at, end)))
+        tops = list(tops) or [()] * len(token_ids)
+        for token_id, log_prob, top in zip(token_ids, log_probs, tops):
+            self._pending.append(TokenLogprob(token_id, log_prob, min(at, end), top))
             at += len(self._decoder.decode(self.vocabulary.token_bytes(token_id)))
         self._length = end
 
@@ -107,20 +111,33 @@ def _logprob(value: float) -> float:
     return max(value, FLOOR)
 
 
+def _entry(vocabulary: Vocabulary, token_id: int, log_prob: float) -> dict[str, Any]:
+    return {"token": vocabulary.token(token_id), "logprob": _logprob(log_prob),
+            "bytes": list(vocabulary.token_bytes(token_id))}  # fmt: skip
+
+
 def chat_logprobs(tokens: Sequence[TokenLogprob], vocabulary: Vocabulary) -> dict[str, Any]:
-    """Chat's ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    content = [{"token": vocabulary.token(t.token_id), "logprob": _logprob(t.logprob),
-                "bytes": list(vocabulary.token_bytes(t.token_id)), "top_logprobs": []} for t in tokens]  # fmt: skip
+    """Chat's ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``, ``top_logprobs``
+    the ``top_logprobs`` likeliest tokens at the position (``[]`` when none were asked)."""
+    content = [{**_entry(vocabulary, t.token_id, t.logprob),
+                "top_logprobs": [_entry(vocabulary, token_id, lp) for token_id, lp in t.top]} for t in tokens]  # fmt: skip
     return {"content": content}
 
 
 def completion_logprobs(tokens: Sequence[TokenLogprob], vocabulary: Vocabulary, offset: int = 0) -> dict[str, Any]:
-    """Completions' ``choices[].logprobs``; ``top_logprobs`` holds the chosen token alone, as vLLM's does with
-    ``logprobs: 0``. ``offset``: characters before the output in the choice's text (an echoed prompt)."""
+    """Completions' ``choices[].logprobs``; ``top_logprobs`` maps the chosen token and the ``logprobs`` likeliest
+    ones to their log probabilities, as vLLM's does (the chosen token alone with ``logprobs: 0``). ``offset``:
+    characters before the output in the choice's text (an echoed prompt)."""
     names = [vocabulary.token(t.token_id) for t in tokens]
+    tops = []
+    for name, t in zip(names, tokens):
+        top = {name: _logprob(t.logprob)}
+        for token_id, lp in t.top:
+            top.setdefault(vocabulary.token(token_id), _logprob(lp))
+        tops.append(top)
     return {
         "tokens": names,
         "token_logprobs": [_logprob(t.logprob) for t in tokens],
-        "top_logprobs": [{name: _logprob(t.logprob)} for name, t in zip(names, tokens)],
+        "top_logprobs": tops,
         "text_offset": [offset + t.start for t in tokens],
     }

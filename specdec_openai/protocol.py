@@ -3,7 +3,7 @@
 Every field a request may carry is declared; any other is refused with an error naming
 it (OpenAI's own API does the same), so a misspelt ``max_token`` cannot fall back to a
 default unnoticed. Fields OpenAI defines that this server cannot honour are accepted
-only at their neutral value (``logit_bias`` null, ``tools`` null, ...) and refused by
+only at their neutral value (``suffix`` null) and refused by
 name otherwise, with the reason (:data:`REFUSED`). ``top_k``, ``min_tokens``,
 ``repetition_penalty`` and ``num_speculative_tokens`` are extensions, as vLLM accepts
 the first three.
@@ -65,7 +65,7 @@ class _Sampling(BaseModel):
     user: str | None = None  # an end-user id for the caller's own records; unread
     presence_penalty: float = _penalty()
     frequency_penalty: float = _penalty()
-    logit_bias: dict[str, float] | None = None  # refused unless empty (REFUSED)
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
     # extensions
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # vLLM's; 1: off
     top_k: int | None = Field(default=None, ge=0)
@@ -107,19 +107,11 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: extra template variables
 
 
-_NO_TOOLS = "tool calling is not implemented (no tool-call parser for the model's output)"
 # field -> (its neutral value, why any other is refused); docs/openai.md#refused-fields says the same
 REFUSED = {
-    "logit_bias": (None, "the Triton model has no input for it: a bias changes the target's distribution, which "
-                         "only the verifier may change (as it applies the penalties) for the output to stay the "
-                         "target's"),
     "suffix": (None, "fill-in-the-middle is not implemented"),
-    "tools": (None, _NO_TOOLS),
-    "tool_choice": (None, _NO_TOOLS),
-    "parallel_tool_calls": (None, _NO_TOOLS),
 }  # fmt: skip
-NO_ALTERNATIVES = ("the Triton model returns the log probability of the chosen token only, not the most likely "
-                   "alternatives")  # fmt: skip
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -140,6 +132,8 @@ class GenerateParams:
     repetition_penalty: float | None = None
     min_p: float | None = None
     return_log_probs: bool = False
+    num_top_log_probs: int = 0  # each token's likeliest alternatives (with return_log_probs)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     guide_type: str | None = None  # structured output (specdec_openai.structured): the server's guide type
     guide: str | None = None
 
@@ -158,6 +152,9 @@ class GenerateParams:
             "num_speculative_tokens": self.num_speculative_tokens,
             "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
             "repetition_penalty": self.repetition_penalty, "return_log_probs": self.return_log_probs or None,
+            "num_top_log_probs": self.num_top_log_probs or None,
+            "logit_bias_ids": [t for t, _ in self.logit_bias] or None,
+            "logit_bias_values": [b for _, b in self.logit_bias] or None,
             "guided_decoding_guide_type": self.guide_type, "guided_decoding_guide": self.guide,
         }  # fmt: skip
         return {name: value for name, value in values.items() if value is not None}
@@ -170,8 +167,9 @@ class Plan:
     choices: tuple[GenerateParams, ...]
     n: int  # choices returned per prompt
     best_of: int  # choices generated per prompt; > n: the n with the highest cumulative log probability are kept
-    logprobs: int | None  # None: no logprobs in the response; else the alternatives asked per token (0)
+    logprobs: int | None  # None: no logprobs in the response; else the alternatives asked per token
     echo: tuple[str, ...] = ()  # completions' echo: each prompt, put before its choices' text
+    tools: Any = None  # chat's specdec_openai.tools.ToolChoice, where calls are read from the text; None: plain text
 
     @property
     def needs_tokens(self) -> bool:
@@ -220,12 +218,11 @@ def completion_plan(request: CompletionRequest) -> Plan:
     if request.echo and request.logprobs is not None:
         raise RequestError("'echo' with 'logprobs' is not supported: the Triton model returns no log probabilities "
                            "for the prompt's tokens", "echo")  # fmt: skip
-    _check_alternatives(request.logprobs, "logprobs")
     if len(prompts) * best_of > MAX_CHOICES:
         raise RequestError(f"{len(prompts)} prompt(s) x {best_of} choices is more than {MAX_CHOICES} (the most "
                            f"choices one request may generate)", "best_of" if best_of > request.n else "n")  # fmt: skip
     logprobs = request.logprobs is not None or best_of > request.n  # best_of ranks by the log probabilities
-    base = [_params(request, prompt, request.max_tokens, logprobs) for prompt in prompts]
+    base = [_params(request, prompt, request.max_tokens, logprobs, request.logprobs or 0) for prompt in prompts]
     return _plan(request, base, best_of, request.logprobs, prompts if request.echo else ())
 
 
@@ -236,15 +233,10 @@ def chat_plan(request: ChatCompletionRequest, prompt: str) -> Plan:
         raise RequestError("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
     if request.top_logprobs is not None and not request.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs' true", "top_logprobs")
-    _check_alternatives(request.top_logprobs, "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = _params(request, prompt, request.max_completion_tokens or request.max_tokens, logprobs is not None)
+    params = _params(request, prompt, request.max_completion_tokens or request.max_tokens, logprobs is not None,
+                     logprobs or 0)  # fmt: skip
     return _plan(request, [params], request.n, logprobs, ())
-
-
-def _check_alternatives(count: int | None, field: str) -> None:
-    if count:
-        raise RequestError(f"'{field}' must be 0 or absent, got {count}: {NO_ALTERNATIVES}", field)
 
 
 def _plan(request: _Sampling, base: list[GenerateParams], best_of: int, logprobs: int | None,
@@ -267,7 +259,33 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str]
     return prompts
 
 
-def _params(request: _Sampling, prompt: str, max_tokens: int | None, logprobs: bool) -> GenerateParams:
+def logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings) to a bias in [-100, 100]; a bad key or value is refused naming it.
+
+    Ids past the vocabulary are refused by the Triton model, which knows the target's
+    vocabulary (:func:`name_logit_bias`)."""
+    pairs = []
+    for key, bias in (value or {}).items():
+        if not key.strip().isdigit():
+            raise RequestError(f"'logit_bias' key {key!r} is not a token id (a non-negative integer)", "logit_bias")
+        if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
+            raise RequestError(f"'logit_bias' value {bias} of key {key!r} is outside [-100, 100]", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise RequestError("'logit_bias' names a token id twice", "logit_bias")
+    return tuple(pairs)
+
+
+def name_logit_bias(err: RequestError) -> RequestError:
+    """The Triton model's refusal of a token id (it names ``logit_bias_ids``) as the request's ``logit_bias``."""
+    if err.param is not None or "'logit_bias_ids'" not in err.message:
+        return err
+    return RequestError(f"'logit_bias' keys must be token ids of the model: {err.message}", "logit_bias",
+                        err.status, err.code)  # fmt: skip
+
+
+def _params(request: _Sampling, prompt: str, max_tokens: int | None, logprobs: bool,
+            top_logprobs: int = 0) -> GenerateParams:  # fmt: skip
     temperature = OPENAI_DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
     return GenerateParams(
         text_input=prompt,
@@ -284,4 +302,6 @@ def _params(request: _Sampling, prompt: str, max_tokens: int | None, logprobs: b
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
         return_log_probs=logprobs,
+        num_top_log_probs=top_logprobs,
+        logit_bias=logit_bias(request.logit_bias),
     )

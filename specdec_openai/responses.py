@@ -40,9 +40,11 @@ class Envelope:
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
         return {**body, "choices": choices, "usage": usage, "metrics": metrics}
 
-    def whole_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict[str, Any]:
+    def whole_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None,
+                     message: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        """``message``: chat's, when it is more than the text (tool calls: :mod:`specdec_openai.tools`)."""
         if self.kind == "chat":
-            message = {"role": "assistant", "content": text}
+            message = message or {"role": "assistant", "content": text}
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -55,10 +57,12 @@ class Envelope:
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None,
-              metrics: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-        """One piece of choice ``index``; the one with the finish reason carries the choice's acceptance figures."""
+              metrics: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        """One piece of choice ``index``; the one with the finish reason carries the choice's acceptance figures.
+        ``delta``: chat's, when it is not the text's (tool calls)."""
         if self.kind == "chat":
             content = {"content": text} if text or finish_reason is None else {}
+            content = delta if delta is not None else content
             choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:

@@ -86,9 +86,14 @@ def _guide(key: str, value: Any, field: str) -> Guide:
     raise RequestError(f"'{field}' {key} must be {wanted}", field)
 
 
-def with_guide(plan: Plan, request: Any) -> tuple[Plan, Guide | None]:
-    """``plan`` with the request's guide in every choice, and the guide (for :func:`name_guide_field`)."""
+def with_guide(plan: Plan, request: Any, tools: Guide | None = None) -> tuple[Plan, Guide | None]:
+    """``plan`` with the request's guide in every choice, and the guide (for :func:`name_guide_field`);
+    ``tools``: the guide of its tool calls (:mod:`specdec_openai.tools`), which excludes any other."""
     guide = guide_of(request)
+    if tools is not None and guide is not None:
+        raise RequestError(f"'{guide.field}' cannot be combined with 'tools' (tool_choice other than 'none'): the "
+                           "tool calls are constrained by a guide of their own", guide.field)  # fmt: skip
+    guide = guide or tools
     if guide is None:
         return plan, None
     choices = tuple(replace(c, guide_type=guide.guide_type, guide=guide.guide) for c in plan.choices)

@@ -24,7 +24,8 @@ INPUT_TYPES = {
     "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
     "top_k": "INT32", "min_p": "FP32", "seed": "UINT64", "stop_words": "BYTES", "min_tokens": "INT32",
     "num_speculative_tokens": "INT32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
-    "repetition_penalty": "FP32", "return_log_probs": "BOOL",
+    "repetition_penalty": "FP32", "return_log_probs": "BOOL", "num_top_log_probs": "INT32", "logit_bias_ids": "INT32",
+    "logit_bias_values": "FP32", "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES",
 }  # fmt: skip
 _NUMPY = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
 ORCHESTRATOR = "speculative_decoding"  # holds num_speculative_tokens; the ensemble's one step
@@ -45,6 +46,8 @@ class Step:
     token_ids: tuple[int, ...] = ()  # the tokens this response adds (output_token_ids)
     log_probs: tuple[float, ...] = ()  # theirs, with return_log_probs (output_log_probs)
     cum_log_prob: float = 0.0  # of the output so far, with return_log_probs (cum_log_probs)
+    # each token's likeliest alternatives, with num_top_log_probs (output_top_token_ids, output_top_log_probs)
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 class TritonUnavailable(RuntimeError):
@@ -73,7 +76,17 @@ def step_of(outputs: dict[str, Any]) -> Step:
         token_ids=tuple(int(t) for t in _flat(outputs.get("output_token_ids"))),
         log_probs=tuple(float(p) for p in _flat(outputs.get("output_log_probs"))),
         cum_log_prob=float(_scalar(outputs.get("cum_log_probs", 0.0))),
+        top=_alternatives(outputs.get("output_top_token_ids"), outputs.get("output_top_log_probs")),
     )
+
+
+def _alternatives(ids: Any, values: Any) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """``[..., tokens, n]`` ids and log probabilities as one tuple of (id, log prob) pairs per token."""
+    if ids is None or values is None or np.asarray(ids).size == 0:
+        return ()
+    ids, values = np.asarray(ids), np.asarray(values)
+    n = ids.shape[-1]
+    return tuple(tuple(zip(map(int, i), map(float, v))) for i, v in zip(ids.reshape(-1, n), values.reshape(-1, n)))
 
 
 def _flat(value: Any) -> list:

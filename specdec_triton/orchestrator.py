@@ -367,11 +367,12 @@ class Orchestrator:
         stats = RequestStats(num_draft_tokens=step.num_draft_tokens, num_accepted_tokens=step.num_accepted_tokens)
         log_probs = state.output_log_probs[:step.num_output_tokens]
         return generate_outputs(text, None, len(state.prompt_ids), step.num_output_tokens, stats,
-                                log_probs[num_sent:], sum(log_probs),
-                                state.output_ids[num_sent:step.num_output_tokens])  # fmt: skip
+                                log_probs[num_sent:], sum(log_probs), state.output_ids[num_sent:step.num_output_tokens],
+                                state.output_top_log_probs[num_sent:step.num_output_tokens])  # fmt: skip
 
     @staticmethod
     def _final_outputs(state: SequenceState, text: str, num_sent: int = 0) -> dict:
         log_probs = state.output_log_probs
         return generate_outputs(text, state.finish_reason, len(state.prompt_ids), len(state.output_ids), state.stats,
-                                log_probs[num_sent:], sum(log_probs), state.output_ids[num_sent:])  # fmt: skip
+                                log_probs[num_sent:], sum(log_probs), state.output_ids[num_sent:],
+                                state.output_top_log_probs[num_sent:])  # fmt: skip

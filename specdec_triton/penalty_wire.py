@@ -22,8 +22,9 @@ from specdec_triton.packing import each, flat, i32, i64
 from specdec_triton.plumbing import RequestError
 
 PENALTY_INPUTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "num_prompt_tokens", "bad_words_ids",
-                  "bad_words_lens", "num_bad_words", "return_log_probs")  # fmt: skip
-LOG_PROB_OUTPUTS = ("target_log_mass", "has_target_log_mass")
+                  "bad_words_lens", "num_bad_words", "return_log_probs", "num_top_log_probs")  # fmt: skip
+LOG_PROB_OUTPUTS = ("target_log_mass", "has_target_log_mass", "target_top_token_ids", "target_top_log_probs",
+                    "num_target_top")  # fmt: skip
 
 
 def penalty_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
@@ -41,7 +42,14 @@ def penalty_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
         })  # fmt: skip
     if any(r.log_probs for r in requests):
         inputs["return_log_probs"] = np.array([r.log_probs for r in requests], dtype=np.bool_)  # [S]
+    if any(r.num_top_log_probs for r in requests):
+        inputs["num_top_log_probs"] = i32([r.num_top_log_probs for r in requests])  # [S]
     return inputs
+
+
+def top_counts_of(inputs: Mapping[str, np.ndarray], count: int) -> list[int]:
+    """Each sequence's num_top_log_probs (0: none)."""
+    return each(inputs, "num_top_log_probs", count, int, 0)
 
 
 def penalties_of(inputs: Mapping[str, np.ndarray], count: int) -> list[tuple[Penalties, int, bool]]:
@@ -81,11 +89,34 @@ def _bad_words_of(inputs: Mapping[str, np.ndarray], count: int) -> list[tuple[tu
 
 
 def log_mass_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:
+    """The log masses; and each row's top alternatives (``num_target_top`` [S] per row, 0: none), rows flattened."""
     masses = [r.log_mass for r in results]
+    tops = [(r.top_token_ids, r.top_log_probs) if r.top_token_ids is not None else None for r in results]
     return {
         "target_log_mass": np.array([v for m in masses if m is not None for v in m.cpu().tolist()], np.float32),
         "has_target_log_mass": np.array([m is not None for m in masses], dtype=np.bool_),  # [S]
+        "target_top_token_ids": np.array([v for t in tops if t for v in t[0].reshape(-1).tolist()], np.int64),
+        "target_top_log_probs": np.array([v for t in tops if t for v in t[1].reshape(-1).tolist()], np.float32),
+        "num_target_top": i32([t[0].shape[-1] if t else 0 for t in tops]),  # [S]
     }
+
+
+def tops_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[int]) -> list[tuple[torch.Tensor | None, ...]]:
+    """Each sequence's (top ids [num_logits, n], their log probs [num_logits, n]), or (None, None)."""
+    if "num_target_top" not in outputs:
+        return [(None, None)] * len(num_logits)
+    ids = np.asarray(outputs["target_top_token_ids"], np.int64).reshape(-1)
+    values = np.asarray(outputs["target_top_log_probs"], np.float32).reshape(-1)
+    out, start = [], 0
+    for n, rows in zip(i32(outputs["num_target_top"]).reshape(-1).tolist(), num_logits):
+        if not n:
+            out.append((None, None))
+            continue
+        end = start + rows * n
+        out.append((torch.from_numpy(ids[start:end].reshape(rows, n).copy()),
+                    torch.from_numpy(values[start:end].reshape(rows, n).copy())))  # fmt: skip
+        start = end
+    return out
 
 
 def log_masses_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[int]) -> list[torch.Tensor | None]:

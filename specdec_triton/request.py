@@ -20,21 +20,23 @@ import numpy as np
 from specdec.engine import GenerationParams
 from specdec.grammar import GUIDE_TYPES, Grammar
 from specdec.penalties import Penalties
-from specdec.types import RequestStats, SamplingParams
+from specdec.top_log_probs import MAX_TOP_LOG_PROBS, Alternatives
+from specdec.types import RequestStats, SamplingParams, check_logit_bias
 from specdec_triton import trtllm
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 
 NATIVE_INPUTS = (
-    "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop_words",
+    "text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "logit_bias_ids",
+    "logit_bias_values", "seed", "stop_words",
     "end_id", "min_tokens", "exclude_input_in_output", "num_speculative_tokens",
     "bad_words", "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
-    "guided_decoding_guide_type", "guided_decoding_guide",
+    "num_top_log_probs", "guided_decoding_guide_type", "guided_decoding_guide",
 )  # fmt: skip
 GENERATE_INPUTS = NATIVE_INPUTS + trtllm.COMPAT_INPUTS
 GENERATE_OUTPUTS = (
     "text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
     "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "cum_log_probs", "output_log_probs",
-    "output_token_ids",
+    "output_token_ids", "output_top_token_ids", "output_top_log_probs",
 )  # fmt: skip
 
 
@@ -76,6 +78,7 @@ class GenerateRequest:
     bad_words: tuple[str, ...] = ()  # each tokenized on its own, like stop_words
     penalties: Penalties = Penalties()  # bad_words' token ids are added by generation_params
     return_log_probs: bool = False
+    num_top_log_probs: int = 0  # with return_log_probs: each output token's likeliest alternatives
     # structured output, TensorRT-LLM's names: the guide type (specdec.grammar.GUIDE_TYPES) and its text;
     # compiled by the orchestrator, which holds the tokenizer
     guide_type: str | None = None
@@ -98,6 +101,7 @@ class GenerateRequest:
                 top_p=scalar(inputs, "top_p", float, 1.0),
                 min_p=scalar(inputs, "min_p", float, 0.0),
                 seed=scalar(inputs, "seed", int),
+                logit_bias=_logit_bias(inputs),
             ),
             stop_words=stop_words,
             end_id=scalar(inputs, "end_id", int),
@@ -111,6 +115,7 @@ class GenerateRequest:
                 frequency_penalty=scalar(inputs, "frequency_penalty", float, 0.0),
             ),
             return_log_probs=scalar(inputs, "return_log_probs", bool, False),
+            num_top_log_probs=scalar(inputs, "num_top_log_probs", int, 0),
             **_guide(inputs),
         )
 
@@ -130,8 +135,14 @@ class GenerateRequest:
                 f"input 'num_speculative_tokens' must be in [0, {max_speculative_tokens}] "
                 f"(the model's num_speculative_tokens), got {k}"
             )
+        if self.num_top_log_probs and not (self.return_log_probs and 0 < self.num_top_log_probs <= MAX_TOP_LOG_PROBS):
+            raise RequestError(f"input 'num_top_log_probs' must be in [0, {MAX_TOP_LOG_PROBS}], and above 0 needs "
+                               f"'return_log_probs' true; got {self.num_top_log_probs}")  # fmt: skip
         if self.end_id is not None and not 0 <= self.end_id < vocab_size:
             raise RequestError(f"input 'end_id' must be a token id in [0, {vocab_size}), got {self.end_id}")
+        outside = [token for token, _ in self.sampling.logit_bias if not 0 <= token < vocab_size]
+        if outside:
+            raise RequestError(f"input 'logit_bias_ids' must hold token ids in [0, {vocab_size}), got {outside}")
         return GenerationParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             min_tokens=self.min_tokens,
@@ -141,6 +152,7 @@ class GenerateRequest:
             stop_token_sequences=tuple(tuple(seq) for seq in stop_token_sequences),
             penalties=replace(self.penalties, bad_words=tuple(tuple(seq) for seq in bad_word_sequences)),
             return_log_probs=self.return_log_probs,
+            num_top_log_probs=self.num_top_log_probs,
             grammar=grammar,
         )
 
@@ -164,6 +176,21 @@ def _guide(inputs: Mapping[str, np.ndarray]) -> dict:
     return {"guide_type": guide_type, "guide": guide or ""}
 
 
+def _logit_bias(inputs: Mapping[str, np.ndarray]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` as two inputs: the token ids, and the bias of each (added to its logit)."""
+    ids = np.asarray(inputs.get("logit_bias_ids", np.zeros(0, np.int64))).reshape(-1)
+    values = np.asarray(inputs.get("logit_bias_values", np.zeros(0, np.float32)), np.float32).reshape(-1)
+    if len(ids) != len(values):
+        raise RequestError(f"inputs 'logit_bias_ids' ({len(ids)} ids) and 'logit_bias_values' ({len(values)} "
+                           "values) must have one value per id")  # fmt: skip
+    bias = tuple(zip((int(t) for t in ids), (float(v) for v in values)))
+    try:
+        check_logit_bias(bias)
+    except ValueError as err:
+        raise RequestError(f"inputs 'logit_bias_ids' and 'logit_bias_values': {err}") from None
+    return bias
+
+
 def _words(inputs: Mapping[str, np.ndarray], name: str) -> tuple[str, ...]:
     words = tuple(texts(inputs, name) or ())
     if "" in words:
@@ -180,6 +207,7 @@ def generate_outputs(
     log_probs: Sequence[float] = (),
     cum_log_prob: float = 0.0,
     token_ids: Sequence[int] = (),
+    top_log_probs: Sequence[Alternatives] = (),
 ) -> dict[str, np.ndarray]:
     """One public response; the counts are cumulative over the request, ``finish_reason`` is '' until the end.
 
@@ -189,7 +217,11 @@ def generate_outputs(
     ``token_ids`` are the ids of the tokens this response adds, ``[1, tokens]`` like
     ``output_log_probs`` and paired with it when both are filled: a client that shows
     each token's log probability (the OpenAI server) needs to know which token it was.
+    ``top_log_probs``: each of those tokens' likeliest alternatives (``num_top_log_probs``),
+    ``[1, tokens, n]`` ids and log probabilities; ``[1, tokens, 0]`` when none were asked.
     """
+    n = len(top_log_probs[0]) if top_log_probs else 0
+    top_shape = (1, len(top_log_probs) if n else len(token_ids), n)
     return {
         "text_output": bytes_array([text_output]),
         "finish_reason": bytes_array([finish_reason or ""]),
@@ -201,4 +233,6 @@ def generate_outputs(
         "cum_log_probs": np.array([cum_log_prob], dtype=np.float32),  # [beams]
         "output_log_probs": np.array([list(log_probs)], dtype=np.float32).reshape(1, -1),  # [beams, tokens]
         "output_token_ids": np.array([list(token_ids)], dtype=np.int32).reshape(1, -1),  # [beams, tokens]
+        "output_top_token_ids": np.array([[t for t, _ in a] for a in top_log_probs], np.int32).reshape(top_shape),
+        "output_top_log_probs": np.array([[v for _, v in a] for a in top_log_probs], np.float32).reshape(top_shape),
     }

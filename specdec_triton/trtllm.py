@@ -30,6 +30,7 @@ from specdec_triton.plumbing import RequestError
 ALIASES = {"random_seed": "seed", "min_length": "min_tokens", "num_draft_tokens": "num_speculative_tokens"}
 
 # name -> (the one accepted value, why no other is)
+_BIAS_BY_IDS = "embedding bias by words is not supported; logit_bias_ids and logit_bias_values bias token ids"
 _NO_LOGITS = "logits are not returned; return_log_probs gives the output's log probabilities"
 ONLY_VALUE = {
     "beam_width": (1, "beam search is not supported: a request decodes one sequence (greedy or sampled)"),
@@ -55,8 +56,8 @@ UNSUPPORTED = {
     "prompt_embedding_table": "prompt tuning tables are not supported",
     "prompt_table_extra_id": "prompt tuning tables are not supported",
     "prompt_vocab_size": "prompt tuning tables are not supported",
-    "embedding_bias_words": "embedding bias is not supported",
-    "embedding_bias_weights": "embedding bias is not supported",
+    "embedding_bias_words": _BIAS_BY_IDS,
+    "embedding_bias_weights": _BIAS_BY_IDS,
     "lora_task_id": "LoRA adapters are not supported",
     "lora_weights": "LoRA adapters are not supported",
     "lora_config": "LoRA adapters are not supported",

@@ -40,13 +40,14 @@ from specdec.types import (
     VerifyResult,
 )
 from specdec_triton.packing import (
-    each, each_optional_position, flat, i32, i64, one, optional_positions, required, split, stack_probs,
+    cut, each, each_optional_position, flat, i32, i64, one, optional_positions, required, split, stack_probs,
     unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
 from specdec_triton.grammar_wire import GRAMMAR_INPUTS, grammar_inputs, with_allowed_tokens
 from specdec_triton.penalty_wire import (
-    LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs,
+    LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs, top_counts_of,
+    tops_of,
 )  # fmt: skip
 from specdec_triton.plumbing import RequestError, bytes_array, scalar, text, texts
 from specdec_triton.tree_wire import (
@@ -63,7 +64,7 @@ DRAFT_PROPOSER = "draft_proposer"
 TARGET_VERIFIER = "target_verifier"
 REJECTION_SAMPLER = "rejection_sampler"
 
-SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p")
+SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p", "logit_bias_ids", "logit_bias_values", "num_logit_bias")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
 PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
                   *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
@@ -137,18 +138,27 @@ def _is_default(sampling: SamplingParams) -> bool:
 
 
 def _sampling_inputs(sampling: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
-    """The sampling settings, left out when every sequence decodes greedily with no top-k / top-p / min-p.
+    """The sampling settings, left out when every sequence decodes greedily with no top-k / top-p / min-p;
+    the logit bias, left out when no sequence has one.
 
     Absent inputs read as those defaults, and every tensor a BLS request carries costs
     time on the step's critical path.
     """
+    inputs = {}
+    if any(s.logit_bias for s in sampling):  # every sequence's (id, bias) pairs, concatenated, and their counts
+        inputs = {
+            "logit_bias_ids": flat([[t for t, _ in s.logit_bias] for s in sampling]),
+            "logit_bias_values": np.array([b for s in sampling for _, b in s.logit_bias], np.float32),
+            "num_logit_bias": i32([len(s.logit_bias) for s in sampling]),  # [S]
+        }
     if all(_is_default(s) for s in sampling):
-        return {}
+        return inputs
     return {
         "temperature": np.array([s.temperature for s in sampling], dtype=np.float32),
         "top_k": i32([s.top_k for s in sampling]),
         "top_p": np.array([s.top_p for s in sampling], dtype=np.float32),
         "min_p": np.array([s.min_p for s in sampling], dtype=np.float32),
+        **inputs,
     }
 
 
@@ -157,8 +167,19 @@ def _sampling_of(inputs: Mapping[str, np.ndarray], count: int) -> list[SamplingP
     top_k = each(inputs, "top_k", count, int, 0)
     top_p = each(inputs, "top_p", count, float, 1.0)
     min_p = each(inputs, "min_p", count, float, 0.0)
-    return validated([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
-                      for t, k, p, m in zip(temperature, top_k, top_p, min_p)])  # fmt: skip
+    bias = _logit_bias_of(inputs, count)
+    return validated([SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, logit_bias=b)
+                      for t, k, p, m, b in zip(temperature, top_k, top_p, min_p, bias)])  # fmt: skip
+
+
+def _logit_bias_of(inputs: Mapping[str, np.ndarray], count: int) -> list[tuple[tuple[int, float], ...]]:
+    if "num_logit_bias" not in inputs:
+        return [()] * count
+    ids = split(inputs, "logit_bias_ids", "num_logit_bias", count)
+    values = np.asarray(inputs.get("logit_bias_values", np.zeros(0, np.float32)), np.float32).reshape(-1).tolist()
+    if len(values) != sum(len(i) for i in ids):
+        raise RequestError(f"input 'logit_bias_values' holds {len(values)} values for {sum(map(len, ids))} ids")
+    return [tuple(zip(seq_ids, seq_values)) for seq_ids, seq_values in zip(ids, cut(values, [len(i) for i in ids]))]
 
 
 def _ban_inputs(count_name: str, counts: Sequence[int], banned: Sequence[tuple[int, ...]]) -> dict[str, np.ndarray]:
@@ -275,6 +296,8 @@ def verify_requests_of(inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
         VerifyRequest(seq_id, position, token_ids, num_logits, sampling, num_banned, banned, *penalties)
         for seq_id, position, token_ids, num_logits, sampling, (num_banned, banned), penalties in fields
     ], inputs)  # fmt: skip
+    if "num_top_log_probs" in inputs:
+        requests = [replace(r, num_top_log_probs=n) for r, n in zip(requests, top_counts_of(inputs, count))]
     trees, paths = lists_of(inputs, "tree_parents", count), lists_of(inputs, "accepted_path", count)
     if not any(trees) and not any(paths):
         return requests
@@ -296,8 +319,9 @@ def verify_results_of(outputs: Mapping[str, np.ndarray], num_logits: Sequence[in
     """The results of a request whose sequences asked for ``num_logits`` rows each."""
     argmax = split(outputs, "target_token_ids", list(num_logits), len(num_logits))
     probs = unstack_probs(outputs, "target_probs", list(num_logits))
-    masses = log_masses_of(outputs, num_logits)
-    return [VerifyResult(torch.tensor(ids, dtype=torch.long), p, m) for ids, p, m in zip(argmax, probs, masses)]
+    masses, tops = log_masses_of(outputs, num_logits), tops_of(outputs, num_logits)
+    return [VerifyResult(torch.tensor(ids, dtype=torch.long), p, m, top_token_ids=t[0], top_log_probs=t[1])
+            for ids, p, m, t in zip(argmax, probs, masses, tops)]  # fmt: skip
 
 
 # --- rejection_sampler -------------------------------------------------------------------------

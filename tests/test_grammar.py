@@ -130,7 +130,8 @@ def test_a_grammar_that_cannot_complete_ends_with_length(shipped_pair, compiler)
     ("json_schema", "{not json", "json_schema guide does not compile"),
     ("regex", "[a-", "regex guide does not compile"),
     ("ebnf_grammar", "root ::= missing", "ebnf_grammar guide does not compile"),
-    ("xml", "<a/>", "guide type must be one of json, json_schema, regex, ebnf_grammar"),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "tagg"}}', "structural_tag guide does not compile"),
+    ("xml", "<a/>", "guide type must be one of json, json_schema, regex, ebnf_grammar, structural_tag"),
 ])  # fmt: skip
 def test_a_bad_guide_is_refused_by_name(guide_type, guide, named, compiler):
     with pytest.raises(GrammarError, match=re.escape(named)):

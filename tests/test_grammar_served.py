@@ -37,7 +37,7 @@ def test_a_schema_guides_the_served_output_as_the_engine_decodes_it(codec, model
      "input 'guided_decoding_guide': json_schema guide does not compile: Unsupported type"),
     (dict(guided_decoding_guide_type="regex", guided_decoding_guide="[a-"), "input 'guided_decoding_guide': regex"),
     (dict(guided_decoding_guide_type="yaml", guided_decoding_guide="a: 1"),
-     "input 'guided_decoding_guide_type' must be one of json, json_schema, regex, ebnf_grammar, got 'yaml'"),
+     "input 'guided_decoding_guide_type' must be one of json, json_schema, regex, ebnf_grammar, structural_tag, got 'yaml'"),
     (dict(guided_decoding_guide="a+"), "input 'guided_decoding_guide' needs 'guided_decoding_guide_type'"),
     (dict(guided_decoding_guide_type="regex"), "input 'guided_decoding_guide' is required for guide type 'regex'"),
     (dict(guided_decoding_guide_type="json", guided_decoding_guide="{}"), "must be empty for guide type 'json'"),

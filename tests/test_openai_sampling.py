@@ -141,10 +141,8 @@ def test_completion_logprobs_give_tokens_offsets_and_the_chosen_token_as_its_own
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs", "chosen token only"),
     ({"top_logprobs": 0}, "top_logprobs", "needs 'logprobs' true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-    ({"tools": [{"type": "function"}]}, "tools", "tool calling is not implemented"),
 ])  # fmt: skip
 def test_chat_refusals_name_the_field_and_the_reason(body, param, message):
     backend = FakeBackend(token_steps(" x"))

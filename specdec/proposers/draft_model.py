@@ -22,7 +22,7 @@ import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.proposers.base import check_propose_requests, proposals_in_order
-from specdec.sampling import check_banned, greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.sampling import apply_logit_bias, check_banned, greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 
@@ -136,10 +136,11 @@ class DraftModelProposer(OwnsOneModel):
             tokens = []  # len(live) x [1]
             for i in live:
                 banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)  # min_tokens
+                row = apply_logit_bias(logits[i], requests[i].sampling.logit_bias)  # [1, vocab]: as the target's
                 if generators[i] is None:
-                    tokens.append(greedy_tokens(logits[i], *banned))
+                    tokens.append(greedy_tokens(row, *banned))
                 else:
-                    q = process_logits(logits[i], requests[i].sampling, *banned)  # [1, vocab]
+                    q = process_logits(row, requests[i].sampling, *banned)  # [1, vocab]
                     tokens.append(sample_from_probs(q, generators[i]))
                     q_rows[i].append(q)
             for i, token in zip(live, torch.cat(tokens).tolist()):  # one device sync per step

@@ -37,7 +37,7 @@ from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.proposers.eagle3_tree import draft_dynamic_tree, draft_tree
-from specdec.sampling import make_generator, process_logits, sample_from_probs
+from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree, DynamicTree
 from specdec.types import Proposal, ProposeRequest, SamplingParams
 
@@ -379,7 +379,8 @@ class Eagle3Proposer:
             if generators[i] is None:
                 continue
             banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)
-            q = process_logits(self.head.target_logits(logits[i : i + 1]), requests[i].sampling, *banned)  # [1, vocab]
+            row = apply_logit_bias(self.head.target_logits(logits[i : i + 1]), requests[i].sampling.logit_bias)
+            q = process_logits(row, requests[i].sampling, *banned)  # [1, vocab]
             picked[i] = int(sample_from_probs(q, generators[i]))
             q_rows[i].append(q)
         return [picked[i] for i in live]

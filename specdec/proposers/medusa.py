@@ -25,7 +25,7 @@ import torch
 from specdec.heads.medusa import Medusa
 from specdec.proposers.base import proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
-from specdec.sampling import make_generator, process_logits, sample_from_probs
+from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree
 from specdec.types import Proposal, ProposeRequest
 
@@ -78,11 +78,14 @@ class MedusaProposer(DraftsFromLastHidden):
                 for p in proposals]  # fmt: skip
 
     def _logits(self, requests: list[ProposeRequest], depth: int) -> torch.Tensor:
-        """``[depth, B, vocab]``: the first ``depth`` heads' logits for each request, each head's banned ids at
-        -inf where ``min_tokens`` binds its draft (head ``i`` drafts output index ``i`` past the step's first)."""
+        """``[depth, B, vocab]``: the first ``depth`` heads' logits for each request, with its logit bias, each
+        head's banned ids at -inf where ``min_tokens`` binds its draft (head ``i`` drafts output index ``i``
+        past the step's first)."""
         hidden = torch.stack([self._seqs[r.seq_id].hidden for r in requests])  # [B, h]
         logits = self.model(hidden, depth)  # [depth, B, vocab] float32
         for i, r in enumerate(requests):
+            if r.sampling.logit_bias:  # as the target's distribution has it
+                logits[:, i] = apply_logit_bias(logits[:, i], r.sampling.logit_bias)
             if r.banned_token_ids and r.num_banned_tokens:
                 banned = torch.tensor(r.banned_token_ids, device=logits.device)
                 logits[: r.num_banned_tokens, i].index_fill_(-1, banned, float("-inf"))

@@ -13,7 +13,7 @@ import torch
 from specdec.heads.mlp_speculator import MLPSpeculator
 from specdec.proposers.base import proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
-from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.sampling import apply_logit_bias, greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
 
@@ -62,10 +62,11 @@ class MLPSpeculatorProposer(DraftsFromLastHidden):
             picked = []
             for i, r in enumerate(requests):
                 banned = (int(step < r.num_banned_tokens), r.banned_token_ids)
+                row = apply_logit_bias(logits[i : i + 1], r.sampling.logit_bias)  # [1, vocab]: as the target's
                 if generators[i] is None:
-                    picked.append(greedy_tokens(logits[i : i + 1], *banned))
+                    picked.append(greedy_tokens(row, *banned))
                 else:
-                    q = process_logits(logits[i : i + 1], r.sampling, *banned)  # [1, vocab]
+                    q = process_logits(row, r.sampling, *banned)  # [1, vocab]
                     picked.append(sample_from_probs(q, generators[i]))
                     if r.num_tokens > step:
                         q_rows[i].append(q)

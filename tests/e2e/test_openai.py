@@ -12,12 +12,15 @@ import sys
 import time
 import urllib.request
 
+from typing import Literal
+
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from client.generate import generate_http
 from test_concurrency import output_tokens, wait_until_idle
-from triton_server import REPO_ROOT
+from triton_server import REPO_ROOT, models_dir
 
 from bench.server import free_port
 
@@ -26,7 +29,8 @@ pytestmark = pytest.mark.server
 MAX_TOKENS = 32
 PROMPTS = ["Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            "Grüße aus München! Ça va très bien,", "1, 2, 3, 4, 5, 6, 7,", "<html><body><p>"]  # fmt: skip
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+TEMPLATE = ("{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 API_KEY = "sk-e2e-4fTq9"
 CHATS = [[{"role": "user", "content": "Write a function that adds two numbers."}],
@@ -81,6 +85,14 @@ def keyed_url(openai_server, tmp_path_factory):
     yield from standalone(openai_server, tmp_path_factory, {"SPECDEC_OPENAI_API_KEY": API_KEY})
 
 
+def token_ids_of(token: str) -> list[int]:
+    """The ids whose text is ``token`` (the served tokenizer's)."""
+    from specdec.models import load_tokenizer
+
+    tokenizer = load_tokenizer(models_dir() / "tiny-target")
+    return [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == token]
+
+
 def generate_text(server, prompt: str) -> str:
     """The reference: ``/v2/models/ensemble/generate``, greedy, the prompt left out."""
     result = generate_http(server.http_url, "ensemble", prompt,
@@ -131,8 +143,8 @@ def test_errors_come_in_openais_shape(openai_server):
     client = openai.OpenAI(base_url=openai_server.openai_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
         client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="chosen token only"):
-        client.completions.create(model="ensemble", prompt="hi", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias.*99999"):  # past the vocabulary: the model's refusal
+        client.completions.create(model="ensemble", prompt="hi", logit_bias={"99999": 5})
     with pytest.raises(openai.NotFoundError, match="served models: ensemble, speculative_decoding"):
         client.completions.create(model="gpt-4o", prompt="hi")
     with pytest.raises(openai.BadRequestError, match="exceeds max_model_len"):  # Triton's refusal, streamed or not
@@ -218,3 +230,43 @@ def test_an_api_key_guards_every_v1_endpoint_and_the_right_key_is_served(keyed_u
         missing = httpx.request(method, keyed_url + path, json=body, timeout=30)  # no Authorization header at all
         assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key", path
     assert httpx.get(keyed_url.removesuffix("/v1") + "/health", timeout=30).status_code == 200  # open to probes
+
+
+class Forecast(BaseModel):
+    """Bounded fields, so the shipped model's greedy document ends within max_tokens."""
+
+    city: Literal["Paris", "Oslo", "Rome"]
+    days: int = Field(ge=1, le=9)
+
+
+def test_tools_structured_output_alternatives_and_bias(openai_server, chat_url):
+    """The openai client's parse (a pydantic response_format, a pydantic function tool), streamed tool calls,
+    top_logprobs and logit_bias, through the real OpenAI face and Triton."""
+    client = openai.OpenAI(base_url=chat_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris for three days?"}]
+    kwargs = {"model": "speculative_decoding", "messages": messages, "temperature": 0, "max_tokens": 64}
+    parsed = client.chat.completions.parse(**kwargs, response_format=Forecast).choices[0]
+    assert parsed.finish_reason == "stop" and isinstance(parsed.message.parsed, Forecast)
+    tool = openai.pydantic_function_tool(Forecast, name="get_forecast")
+    kwargs["max_tokens"] = 128  # room for the call's wrapper around the arguments
+    called = client.chat.completions.parse(**kwargs, tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False).choices[0]  # fmt: skip
+    (call,) = called.message.tool_calls
+    assert called.finish_reason == "tool_calls" and isinstance(call.function.parsed_arguments, Forecast)
+    named = {"type": "function", "function": {"name": "get_forecast"}}
+    chunks = list(client.chat.completions.create(**kwargs, tools=[tool], tool_choice=named, stream=True))
+    calls = [d.tool_calls[0] for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+    assert calls[0].function.name == "get_forecast" and calls[0].id and all(c.index == 0 for c in calls)
+    assert "".join(c.function.arguments or "" for c in calls) == call.function.arguments  # greedy: the same call
+    chosen = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3).choices[0]
+    for token in chosen.logprobs.content:
+        assert len(token.top_logprobs) == 3 and token.top_logprobs[0].logprob >= token.top_logprobs[-1].logprob
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob, abs=1e-4)  # greedy: the likeliest
+    completion = client.completions.create(model="ensemble", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                           logprobs=2)  # fmt: skip
+    assert all(len(top) >= 2 for top in completion.choices[0].logprobs.top_logprobs)
+    first = chosen.logprobs.content[0].top_logprobs
+    banned = {str(i): -100 for i in token_ids_of(first[0].token)}
+    assert banned
+    biased = client.chat.completions.create(**kwargs, logit_bias=banned, logprobs=True, top_logprobs=1)
+    assert biased.choices[0].logprobs.content[0].token != first[0].token  # the target's argmax moved
