@@ -19,7 +19,7 @@ if [ $# -gt 0 ]; then
 fi
 status=0
 echo "[test] unit tests (${SPECDEC_TEST_WORKERS:-auto} workers)"
-"${pytest[@]}" -n "${SPECDEC_TEST_WORKERS:-auto}" --dist loadfile tests --ignore=tests/e2e || status=$?
+"${pytest[@]}" -n "${SPECDEC_TEST_WORKERS:-auto}" --dist worksteal tests --ignore=tests/e2e || status=$?
 echo "[test] end-to-end tests"
 "${pytest[@]}" tests/e2e || status=$?
 exit "$status"
