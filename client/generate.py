@@ -32,6 +32,7 @@ INPUT_TYPES = {
     "exclude_input_in_output": "BOOL", "num_speculative_tokens": "INT32", "bad_words": "BYTES",
     "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32", "return_log_probs": "BOOL",
     "beam_width": "INT32", "random_seed": "UINT64", "min_length": "INT32",
+    "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES",
 }  # fmt: skip
 _NUMPY = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
 COUNTS = ("num_input_tokens", "num_output_tokens", "total_accepted_draft_tokens", "total_draft_tokens")

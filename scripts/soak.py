@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/soak.py                                  # 1,000 requests, 32 at once (minutes)
     .venv/bin/python scripts/soak.py --requests 100 --concurrency 8 --client-kills 2
+    .venv/bin/python scripts/soak.py --requests 300 --concurrency 16 --guided-fraction 0.5   # free and JSON mixed
     .venv/bin/python scripts/soak.py --url localhost:8001 --pid <tritonserver pid>   # a server already running
     .venv/bin/python scripts/soak.py --repository /srv/repo        # a copy from scripts/new_repository.sh
 
@@ -12,7 +13,10 @@ SIGKILLed mid-stream (the server sees the connection drop). At the end it checks
 
 * errors: requests that failed other than by their own cancellation -- must be 0;
 * mismatches: completed outputs that differ from the target's own greedy output
-  (Hugging Face ``generate`` in this process, up to near-ties) -- must be 0;
+  (Hugging Face ``generate`` in this process, up to near-ties) -- must be 0; a share of
+  the requests (``--guided-fraction``) is constrained by a JSON schema instead, and its
+  output must be valid JSON of that schema and equal the same request's output at k = 0
+  (greedy under a grammar is the constrained target's own argmax, whatever was drafted);
 * leaked: sequences still held by any stateful model once the load is over -- must be 0;
 * RSS: the server's processes' resident memory after a warm-up and at the end,
   which must stay flat (within ``--rss-tolerance``).
@@ -48,11 +52,16 @@ PROMPTS = [
     "for i in range(10):", "The weather today is", "SELECT * FROM", "if __name__ == '__main__':",
 ]  # fmt: skip
 STATEFUL = ("speculative_decoding", "target_verifier", "draft_proposer")
+# a small schema the tiny target completes within a few dozen tokens: an object of bounded keys and values
+GUIDE = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "ok": {"type": "boolean"}, "tag": {"enum": ["a", "b", "c"]}},
+         "required": ["id", "ok", "tag"], "additionalProperties": False}  # fmt: skip
 
 
 @dataclass
 class Tally:
     completed: int = 0
+    guided: int = 0  # of the completed, those constrained by a JSON schema
     cancelled: int = 0
     errors: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
@@ -85,9 +94,30 @@ def killed_client(url: str, prompt: str) -> None:
     process.wait()
 
 
+def guided_problem(url: str, prompt: str, params: dict) -> str | None:
+    """What is wrong with a JSON-schema-constrained request's output, or None: valid, and k = 0's own."""
+    import json
+
+    guided = {**params, "max_tokens": 64, "guided_decoding_guide_type": "json_schema",
+              "guided_decoding_guide": json.dumps(GUIDE)}  # fmt: skip
+    text = generate_grpc(url, "ensemble", prompt, guided).text
+    plain = generate_grpc(url, "ensemble", prompt, {**guided, "num_speculative_tokens": 0}).text
+    if text != plain:
+        return f"{prompt!r}: {text!r} under speculation, {plain!r} at k = 0"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return f"{prompt!r}: not JSON: {text!r}"
+    if set(value) != set(GUIDE["required"]) or not (isinstance(value["id"], int) and 0 <= value["id"] <= 999
+                                                    and isinstance(value["ok"], bool) and value["tag"] in "abc"):
+        return f"{prompt!r}: not of the schema: {text!r}"
+    return None
+
+
 def run_load(args, url: str, reference) -> Tally:
     tally, rng = Tally(), random.Random(args.seed)
-    kinds = ["cancel" if rng.random() < args.cancel_fraction else "normal" for _ in range(args.requests)]
+    kinds = ["cancel" if rng.random() < args.cancel_fraction else
+             "guided" if rng.random() < args.guided_fraction else "normal" for _ in range(args.requests)]
     for i in rng.sample(range(args.requests), min(args.client_kills, args.requests)):
         kinds[i] = "kill"
     jobs: queue.Queue = queue.Queue()
@@ -109,6 +139,13 @@ def run_load(args, url: str, reference) -> Tally:
                         tally.completed += 1
                         if mismatch:
                             tally.mismatches.append(mismatch)
+                elif kind == "guided":
+                    problem = guided_problem(url, prompt, params)
+                    with tally.lock:
+                        tally.completed += 1
+                        tally.guided += 1
+                        if problem:
+                            tally.mismatches.append(f"request {i} (guided): {problem}")
                 elif kind == "cancel":
                     cancelled_request(url, prompt, args.max_tokens)
                     with tally.lock:
@@ -168,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cancel-fraction", type=float, default=0.1)
     parser.add_argument("--client-kills", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--guided-fraction", type=float, default=0.0,
+                        help="share of the requests constrained by a JSON schema (checked valid and equal to k = 0's)")
     parser.add_argument("--rss-tolerance", type=float, default=0.10, help="largest allowed RSS growth, a fraction")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="gRPC address of a running server (default: start one)")
@@ -214,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     growth = (rss_after / rss_before - 1) if rss_before else None
     print(f"{args.requests} requests at concurrency {args.concurrency} in {seconds:.1f} s: "
-          f"{tally.completed} completed, {tally.cancelled} cancelled, {args.client_kills} clients killed")
+          f"{tally.completed} completed ({tally.guided} guided), {tally.cancelled} cancelled, "
+          f"{args.client_kills} clients killed")
     print(f"errors {len(tally.errors)}, mismatches {len(tally.mismatches)}, leaked {int(sum(held.values()))} {held}")
     print(f"drafted {drafted} tokens, {accepted} accepted (the server's counters since it started)")
     if growth is not None:
