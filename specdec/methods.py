@@ -26,6 +26,8 @@ class Method:
     # drafts a static ``speculative_token_tree`` (``specdec.tree``); suffix decoding grows its own trees instead
     drafts_static_trees: bool = False
     drafts_dynamic_trees: bool = False  # EAGLE-2's dynamic tree (specdec.tree.DynamicTree)
+    # a head whose weights are the target's own (MTP layers): read from the target's checkpoint, no model path
+    in_target_checkpoint: bool = False
 
     def __post_init__(self):
         if self.kind not in (MODEL, HEAD, MODEL_FREE):
@@ -41,6 +43,7 @@ METHODS = {
         Method("eagle3", HEAD, drafts_static_trees=True, drafts_dynamic_trees=True),
         Method("mlp_speculator", HEAD),
         Method("medusa", HEAD, drafts_static_trees=True),
+        Method("mtp", HEAD, in_target_checkpoint=True),
     )
 }
 

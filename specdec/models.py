@@ -39,8 +39,29 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
 def load_causal_lm(path: str | os.PathLike, dtype: str = "auto", device: str | torch.device = "cpu") -> PreTrainedModel:
     """Load a local Hugging Face checkpoint in eval mode; never reaches a model hub."""
     path = check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device), local_files_only=True)
+    model_class = _skipping_mtp_layers(path)
+    model = model_class.from_pretrained(path, dtype=resolve_dtype(dtype, device), local_files_only=True)
     return model.to(device).eval()
+
+
+def _skipping_mtp_layers(path: str):
+    """``AutoModelForCausalLM``, or for a checkpoint with multi-token-prediction layers
+    (``num_nextn_predict_layers``, ``specdec.heads.mtp``) its architecture told to skip their
+    weights quietly, as transformers' own DeepSeek-V3 class does (``_keys_to_ignore_on_load_unexpected``):
+    otherwise every load prints a table of them as unexpected. Any other unexpected or missing key is
+    still reported."""
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    count = raw.get("num_nextn_predict_layers") or 0
+    if not count:
+        return AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    base = AutoModelForCausalLM._model_mapping[type(config)]
+    first = config.num_hidden_layers
+    patterns = [*(base._keys_to_ignore_on_load_unexpected or ()), *(rf"^model\.layers\.{first + i}\." for i in range(count))]
+    return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": patterns, "__module__": base.__module__})
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -154,12 +154,23 @@ def weight_names(path: str | os.PathLike) -> set[str]:
     return names
 
 
+def is_mtp_weight(name: str, num_layers: int) -> bool:
+    """Whether ``name`` is a multi-token-prediction layer's (``model.layers.{L}.*`` with ``L >= num_layers``,
+    DeepSeek-V3's layout, ``specdec.heads.mtp``): the model alone skips it, as vLLM's and transformers' do."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+
 def load_state_dict(
-    path: str | os.PathLike, dtype: torch.dtype, device: torch.device, tie_word_embeddings: bool
+    path: str | os.PathLike, dtype: torch.dtype, device: torch.device, tie_word_embeddings: bool,
+    num_layers: int | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The model's tensors; with ``num_layers``, without the MTP layers stored beside them."""
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         for name, tensor in load_file(file, device=str(device)).items():
+            if num_layers is not None and is_mtp_weight(name, num_layers):
+                continue
             if name.startswith("model.") or name == "lm_head.weight":  # skips e.g. rotary inv_freq buffers
                 state[name] = tensor.to(dtype)
     if tie_word_embeddings or "lm_head.weight" not in state:

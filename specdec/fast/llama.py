@@ -379,7 +379,8 @@ def load_fast_llama(
     biases = {n.split(".")[-2] for n in names if n.startswith("model.layers.0.") and n.endswith(".bias")}
     with torch.device("meta"):
         model = FastLlama(config, biases, triton_attention)
-    state = fuse_projections(load_state_dict(path, dtype, device, config.tie_word_embeddings), config.num_layers)
+    state = load_state_dict(path, dtype, device, config.tie_word_embeddings, config.num_layers)  # no MTP layers
+    state = fuse_projections(state, config.num_layers)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
     if pack_cpu_weights is None:

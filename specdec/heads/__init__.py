@@ -1,4 +1,5 @@
-"""Draft heads that read the target's hidden states: EAGLE-3, the MLP speculator and Medusa.
+"""Draft heads that read the target's hidden states: EAGLE-3, the MLP speculator, Medusa and the
+target's own MTP layer (``specdec.heads.mtp``, read from the target's checkpoint: ``path`` is not read).
 
 ``build_head_proposer`` loads a head directory (``specdec.heads.formats``) for the target
 checkpoint it drafts for and wraps it in its proposer; ``describe_head`` is what the
@@ -11,7 +12,7 @@ import os
 import torch
 
 from specdec.fast.checkpoint import read_config
-from specdec.methods import HEAD, names_of
+from specdec.methods import HEAD, METHODS, names_of
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 from specdec.fast.llama import default_triton_attention
 from specdec.models import resolve_dtype
@@ -28,6 +29,11 @@ def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathL
     from specdec.heads.medusa import medusa_config
     from specdec.heads.mlp_speculator import mlp_speculator_config
 
+    if METHODS[method].in_target_checkpoint:
+        from specdec.heads.mtp import mtp_config
+
+        mtp_config(target_path)  # refuses a target without MTP layers
+        return
     kind = head_kind(read_head_config(path))
     if kind != method:
         raise ValueError(
@@ -68,6 +74,9 @@ def build_head_proposer(
     """
     check_head(method, path, target_path)
     torch_dtype = resolve_dtype(dtype, device)
+    if method == "mtp":
+        return _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len,
+                             tree)  # fmt: skip
     if method == "eagle3":
         from specdec.heads.formats import load_eagle3
         from specdec.proposers.eagle3 import Eagle3Proposer
@@ -98,6 +107,27 @@ def build_head_proposer(
 
     model = load_mlp_speculator(path, target_path, torch_dtype, device)
     return MLPSpeculatorProposer(model, read_config(target_path).num_layers)
+
+
+def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len, tree):
+    """The target's own MTP layer as a chain proposer, placed and sized as an EAGLE-3 head is."""
+    from specdec.heads.mtp import load_mtp
+    from specdec.proposers.mtp import MTPProposer
+
+    if tree is not None and not (isinstance(tree, DraftTree) and tree.is_chain):
+        raise ValueError("speculative_token_tree: method 'mtp' drafts a chain only; trees are drafted by eagle3 and "
+                         "medusa")  # fmt: skip
+    head = load_mtp(target_path, torch_dtype, device)
+    if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
+        pack_linears(head)
+    if default_triton_attention(device):
+        head.use_triton_attention()
+    positions = read_config(target_path).max_position_embeddings
+    if max_model_len is not None and max_model_len > positions:
+        raise ValueError(f"max_model_len {max_model_len} exceeds target {str(target_path)!r}'s "
+                         f"max_position_embeddings {positions}")  # fmt: skip
+    compiled = cpu_compile and torch.device(device).type == "cpu"
+    return MTPProposer(head, max_num_seqs, max_model_len or positions, compiled, cuda_graphs)
 
 
 def describe_head(proposer, path: str | os.PathLike) -> ModelDescription:

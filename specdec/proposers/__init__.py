@@ -7,6 +7,7 @@ from specdec.proposers.eagle3 import Eagle3Proposer
 from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 from specdec.proposers.model_free import MODEL_FREE_METHODS, describe_model_free, model_free_proposer
+from specdec.proposers.mtp import MTPProposer
 from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
 from specdec.proposers.suffix import SUFFIX_DESCRIPTION, SuffixConfig, SuffixProposer
 
@@ -17,6 +18,7 @@ PROPOSERS = {
     "eagle3": Eagle3Proposer,  # reads the target's hidden states (specdec.heads)
     "mlp_speculator": MLPSpeculatorProposer,
     "medusa": MedusaProposer,
+    "mtp": MTPProposer,  # the target's own MTP layer (specdec.heads.mtp)
 }
 
 
@@ -35,6 +37,7 @@ __all__ = [
     "MedusaProposer",
     "MLPSpeculatorProposer",
     "MODEL_FREE_METHODS",
+    "MTPProposer",
     "NgramProposer",
     "SUFFIX_DESCRIPTION",
     "SuffixConfig",
