@@ -19,6 +19,7 @@ from bench.stats import Acceptance, RequestTiming, latency_summary, source_figur
 from specdec.engine import GenerationParams, SequenceState
 from specdec.fast import FastCausalLM
 from specdec.heads import HEAD_METHODS, build_head_proposer
+from specdec.methods import METHODS
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixConfig, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepCapabilities, StepReport, StepScheduler
@@ -36,7 +37,8 @@ def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cud
         return DraftModelProposer(FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len,
                                                cuda_graphs=cuda_graphs))  # fmt: skip
     if method in HEAD_METHODS:
-        path = getattr(args, method)  # the head's directory: args.eagle3, args.mlp_speculator or args.medusa
+        # the head's directory: args.eagle3, args.mlp_speculator or args.medusa; MTP layers are the target's own
+        path = args.target if METHODS[method].in_target_checkpoint else getattr(args, method)
         return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
                                    cuda_graphs=cuda_graphs if args.device != "cpu" else None, tree=tree)  # fmt: skip
     if method == "ngram":

@@ -16,6 +16,7 @@ from bench.results import step_time_keys
 from bench.roofline import memory_bandwidth_gbps, target_over_floor, weight_bytes_per_step
 from specdec.fast import FastCausalLM
 from specdec.heads import HEAD_METHODS
+from specdec.methods import METHODS
 from specdec_triton.plumbing import Parameters
 
 
@@ -48,7 +49,8 @@ def measure_step_times(args, target, draft, dtype: str, device: str, cuda_graphs
     times = forward_ms(shapes, context, repeats=args.timing_repeats, seed=args.seed)
     head_compiles = compiled and device == "cpu" and server_compiles(args.repository, PROPOSER_MODEL)
     for method in sorted({method_of(m) for m in args.methods} & set(HEAD_METHODS)):  # a head's own proposal
-        times.update(head_propose_ms(method, getattr(args, method), args.target, target.config.hidden_size, args.ks,
+        head = args.target if METHODS[method].in_target_checkpoint else getattr(args, method)  # MTP: the target's own
+        times.update(head_propose_ms(method, head, args.target, target.config.hidden_size, args.ks,
                                      dtype, device, head_compiles, cuda_graphs, context, args.timing_repeats,
                                      target_lm=models["target"]))  # fmt: skip
     return times

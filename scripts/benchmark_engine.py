@@ -7,8 +7,8 @@ this script measures the engine underneath, on any device and without ``tritonse
 each concurrency, with the configurations interleaved round by round:
 
 * ``k0`` -- plain decoding through the same scheduler (one target pass per token);
-* ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``medusa``, ``ngram`` or
-  ``suffix`` drafting K tokens every step; ``METHOD+tree:K`` (``eagle3``, ``medusa``) drafting
+* ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``medusa``, ``mtp`` (the target's own
+  MTP layer, read from ``--target``), ``ngram`` or ``suffix`` drafting K tokens every step; ``METHOD+tree:K`` (``eagle3``, ``medusa``) drafting
   the first K nodes of the static tree ``--token-tree``; ``METHOD+suffix:K`` (a model method)
   with suffix decoding in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
   ``METHOD+follow:K`` drafting at most K, each sequence as its acceptance and the measured
@@ -301,16 +301,14 @@ def add_ratios(rows: list[dict]) -> None:
 def hf_plain_row(args, prompts: list[list[int]], eos_token_ids: tuple[int, ...]) -> tuple[dict, list[list[int]]]:
     """HF ``generate`` on the same target, one prompt at a time (EOS banned until max_tokens): its row and outputs."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from bench.hf import generation_config, run_hf
     from bench.stats import latency_summary
     from bench.workload import Prompt
-    from specdec.models import resolve_dtype
+    from specdec.models import load_causal_lm
 
     transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype, args.device))
-    model.to(args.device).eval()
+    model = load_causal_lm(args.target, args.dtype, args.device)  # quiet about MTP layers the target may hold
     config = generation_config(args.max_tokens, list(eos_token_ids), ignore_eos=True)
     wrapped = [Prompt("", "", ids) for ids in prompts]
     list(run_hf(model, wrapped[:1], config, "plain"))  # warm-up

@@ -17,6 +17,7 @@ from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.fast.checkpoint import read_config
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
+from specdec.methods import METHODS
 from specdec.proposers import (
     PROPOSERS, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
 )  # fmt: skip
@@ -46,7 +47,8 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
                                        config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len,
                                        tree=config.token_tree)  # fmt: skip
         _check_stages(proposer, config)
-        return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, config.draft_model), config))
+        path = config.target_model if METHODS[config.method].in_target_checkpoint else config.draft_model  # MTP: its own
+        return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, path), config))
     _check_draft_window(config)
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
                   log=log, cpu_compile=config.cpu_compile)  # fmt: skip

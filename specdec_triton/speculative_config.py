@@ -28,7 +28,7 @@ from pathlib import Path
 ENV_VAR = "SPECDEC_SPECULATIVE_CONFIG"
 PARAMETER = "speculative_config"  # in the orchestrator's config.pbtxt
 ORCHESTRATOR = "speculative_decoding"
-METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa")
+METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa", "mtp")
 
 
 class SpeculativeConfigError(ValueError):
@@ -71,7 +71,9 @@ NEUTRAL = {"draft_tensor_parallel_size": (None, 1), "disable_logprobs": (None, T
 NOT_SUPPORTED_KEYS = ("quantization", "max_model_len", "revision", "code_revision",
                       "disable_padded_drafter_batch", "enforce_eager", "acceptance_method", "posterior_threshold",
                       "posterior_alpha", "draft_model_config", "target_model_config")  # fmt: skip
-NOT_SUPPORTED_METHODS = ("eagle", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp")
+NOT_SUPPORTED_METHODS = ("eagle", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp")  # vLLM's old MTP names: "mtp"
+# methods whose weights are the target's own (specdec.methods ``in_target_checkpoint``): no ``model`` key
+TARGET_CHECKPOINT_METHODS = ("mtp",)
 
 
 def parse(text: str) -> dict[str, dict[str, str]]:
@@ -113,6 +115,9 @@ def _check_keys(config: Mapping) -> None:
         raise SpeculativeConfigError(f"speculative_config method '{method}' is not supported yet; built: {list(METHODS)}")
     if method is not None and method not in METHODS:
         raise SpeculativeConfigError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
+    if method in TARGET_CHECKPOINT_METHODS and "model" in config:
+        raise SpeculativeConfigError(f"speculative_config key 'model' with method '{method}': its layers are read "
+                                     f"from the target's checkpoint (target_verifier's target_model); leave 'model' out")
 
 
 def _as_text(name: str, value, kind: type) -> str:
