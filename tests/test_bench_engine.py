@@ -80,8 +80,9 @@ def test_configs_parse_and_always_include_k0():
     assert parse("eagle3+suffix:8") == [("k0", 0), ("eagle3+suffix", 8)]
     assert parse("draft_model+follow:8") == [("k0", 0), ("draft_model+follow", 8)]  # k up to 8, as acceptance says
     assert parse("medusa:4,medusa+tree:8") == [("k0", 0), ("medusa", 4), ("medusa+tree", 8)]
+    assert parse("mtp:2") == [("k0", 0), ("mtp", 2)]  # the target's own MTP layer
     with pytest.raises(Exception, match="METHOD:K"):
-        parse("mtp:3")
+        parse("eagle:3")
     with pytest.raises(Exception, match="METHOD:K"):
         parse("suffix+suffix:3")
 
