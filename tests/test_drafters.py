@@ -1,6 +1,7 @@
 """Where a drafter runs, read from draft_proposer's config as the models read it, and the drafter built."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -112,6 +113,13 @@ def test_an_mlp_speculator_with_fewer_stages_than_a_step_asks_fails_its_load_nam
     assert behind_suffix.most_drafts == 2 and build_proposer(behind_suffix, "cpu").description.method == "mlp_speculator"
 
 
+def test_mtp_is_served_from_the_targets_own_checkpoint(tmp_path):
+    """The shipped target carries an MTP layer; draft_proposer's draft_model is not read for it."""
+    loaded = build_proposer(write_mlp_repository(tmp_path, 2, method="mtp", head="tiny-draft"), "cpu")
+    assert loaded.description.method == "mtp" and loaded.description.hidden_state_layers == (6,)
+    assert loaded.description.model == os.path.realpath(SHIPPED / "tiny-target")
+
+
 def write_tree_repository(tmp_path, method: str, tree: str, num_speculative_tokens: int, extra: str = ""):
     draft = {"eagle3": "tiny-eagle3", "mlp_speculator": "tiny-mlp-speculator"}.get(method, "tiny-draft")
     for model, parameters in (
@@ -140,6 +148,7 @@ def test_a_static_tree_loads_for_eagle3_and_reaches_its_proposer(tmp_path):
     ("eagle3", TREE, 8, "", "has 3 nodes, but num_speculative_tokens is 8"),
     ("eagle3", "[(0,), (1,)", 2, "", "Python literal"),
     ("ngram", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'ngram'"),
+    ("mtp", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'mtp'"),
     ("suffix", TREE, 3, "", "suffix_decoding_use_tree_spec"),
     ("draft_model", TREE, 3, "", "not 'draft_model'"),
     ("eagle3", TREE, 3, ', { key: "run_with_target" value: { string_value: "true" } }', "run_with_target"),
