@@ -7,8 +7,8 @@ do, the target's distribution of token ``t + 2`` from the target's final hidden 
 and token ``t + 1`` (``specdec.heads.mtp``). ``--ttt-steps`` > 1 also trains the layer fed its
 own output for later positions (``specdec.heads.mtp.train_forward``), weighted ``0.8 ** step``:
 drafting k tokens chains the one layer k times. The block starts from the target's last
-decoder layer, ``shared_head.norm`` from its final norm, ``eh_proj`` as the sum of the two
-normed inputs; the embedding and LM head are the target's, frozen, and are not written
+decoder layer, ``shared_head.norm`` from its final norm, ``eh_proj`` passing the normed hidden
+state alone; the embedding and LM head are the target's, frozen, and are not written
 (the loader shares them, as vLLM does).
 
 Then the layer's tensors are added to the target's ``model.safetensors`` (every existing
@@ -59,7 +59,7 @@ def build_mtp(target, arch) -> MTPHead:
         layer.input_layernorm.weight.copy_(last.input_layernorm.weight)
         layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
         layer.shared_head.norm.weight.copy_(target.model.norm.weight)
-        layer.eh_proj.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))  # [h, 2h]: e + h
+        layer.eh_proj.weight.copy_(torch.cat([torch.zeros(h, h), torch.eye(h)], 1))  # [h, 2h]: h alone at first
     head.embed_tokens.weight.requires_grad_(False)
     head.lm_head.weight.requires_grad_(False)
     return head
@@ -93,11 +93,11 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=REPO_ROOT / "models" / "training_report.json",
                         help="the JSON the run is recorded in, under 'mtp' (other entries kept)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--windows", type=int, default=768, help="training windows; the target runs once over each")
     parser.add_argument("--held-out-windows", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=96)
+    parser.add_argument("--batch-size", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--corpus-chars", type=int, default=4_000_000)
     parser.add_argument("--ttt-steps", type=int, default=2, help="chained passes trained (1: DeepSeek-V3's objective)")

@@ -1,8 +1,10 @@
 """The target's own MTP layer (specdec.heads.mtp, specdec.proposers.mtp): loading, refusals, losslessness, rollback."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +71,25 @@ def test_the_layer_is_added_beside_unchanged_tensors_and_model_loaders_skip_it(m
     fast = FastCausalLM(target_dir, max_num_seqs=1)  # its strict load holds the model's tensors alone
     logits = fast.forward([ForwardCall("s", 0, PROMPTS[3], len(PROMPTS[3]))])
     torch.testing.assert_close(logits[0], target(ids).logits[0], atol=1e-4, rtol=1e-4)
+
+
+# sha256 over the sorted names and bytes of the shipped target's tensors before its MTP layer was added
+SHIPPED_MODEL_TENSORS = "ce2d6b41259633520d223a228ebf11bec3afe607ef1590cd64fd7828369639c7"
+
+
+def test_the_shipped_target_carries_a_layer_beside_the_tensors_it_shipped_with(capfd):
+    path = Path(__file__).resolve().parent.parent / "models" / "tiny-target"
+    digest = hashlib.sha256()
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        own = sorted(n for n in f.keys() if not n.startswith("model.layers.6."))
+        for name in own:
+            digest.update(name.encode())
+            digest.update(f.get_tensor(name).view(torch.uint8).numpy().tobytes())
+    assert digest.hexdigest() == SHIPPED_MODEL_TENSORS and len(own) == 56
+    assert load_mtp(path, torch.float32, "cpu").config.aux_layers == (6,)
+    capfd.readouterr()
+    load_causal_lm(path, dtype="float32")
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())
 
 
 def test_the_loader_reads_back_what_was_written(mtp_target):

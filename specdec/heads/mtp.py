@@ -288,7 +288,9 @@ def write_into_target(head: MTPHead, target_path: str | os.PathLike) -> list[str
     state = {n: t for n, t in load_file(files[0]).items() if not is_mtp_weight(n, config.target_num_layers)}
     dtype = state["model.embed_tokens.weight"].dtype
     added = {n: t.to(dtype) for n, t in layer_tensors(head).items()}
+    mode = os.stat(files[0]).st_mode & 0o777
     save_file({**state, **added}, files[0], metadata=metadata)
+    os.chmod(files[0], mode)  # as it was (save_file's new file may be private)
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:
         raw = json.load(f)
