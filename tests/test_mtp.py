@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -179,3 +180,27 @@ def test_speculative_sampling_with_the_layer_matches_the_target_distribution(tmp
     assert sampler.accepted > 200 and sampler.drafted - sampler.accepted > 200, (sampler.accepted, sampler.drafted)
     assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
 
+
+
+def test_the_layer_built_for_training_starts_from_the_target_and_loads_as_trained(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from train_mtp import build_mtp, mtp_loss
+
+    target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, initializer_range=0.3)
+    target.save_pretrained(tmp_path / "target")
+    head = build_mtp(target, read_config(tmp_path / "target"))
+    last = target.model.layers[-1]
+    torch.testing.assert_close(head.layers[0].mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert not head.embed_tokens.weight.requires_grad and not head.lm_head.weight.requires_grad  # the target's
+    window = torch.tensor([PROMPTS[3][:12]])  # [1, T]
+    out = target(window, output_hidden_states=True)
+    features, logp = out.hidden_states[-1], out.logits.log_softmax(-1)  # the final normed state, as served
+    loss = mtp_loss(head, window, features, logp, ttt_steps=2)
+    loss.backward()
+    assert loss.isfinite() and head.layers[0].eh_proj.weight.grad.abs().sum() > 0
+    write_into_target(head, tmp_path / "target")
+    loaded = load_mtp(tmp_path / "target", torch.float32, "cpu")
+    with torch.no_grad():
+        for a, b in zip(train_forward(head, window[:, 1:], features[:, :-1], 2),
+                        train_forward(loaded, window[:, 1:], features[:, :-1], 2)):
+            torch.testing.assert_close(a, b)
