@@ -132,10 +132,11 @@ DRAFT_PROPOSER = (
         "`draft_model`: a small LM; `ngram`: prompt lookup; `suffix`: suffix decoding over the request's text "
         "and past responses ([speculative_config.md](speculative_config.md)); `eagle3`, `mlp_speculator`, `medusa`: "
         "a head over the target's hidden states ([drafters](drafters.md#draft-heads-eagle-3-and-the-mlp-speculator)); "
+        "`mtp`: the target's own MTP layer, read from its checkpoint ([drafters](drafters.md#the-targets-own-mtp-layer)); "
         "`ngram` and `suffix` run in speculative_decoding's process", choices=tuple(PROPOSERS)),  # fmt: skip
     Parameter("draft_model", "path", DEFAULT_DRAFT_MODEL,
-              "a Hugging Face checkpoint sharing the target's vocabulary, or a head's directory; not read (nor "
-              "resolved) under `ngram` and `suffix`"),  # fmt: skip
+              "a Hugging Face checkpoint sharing the target's vocabulary, or a head's directory; not read under `mtp`, "
+              "nor resolved under `ngram` and `suffix`"),  # fmt: skip
     Parameter("target_model", "path", None,
               "heads only: the target checkpoint the head drafts for, checked against it (a head without "
               "`embed_tokens` shares its embedding)", unset="target_verifier's `target_model`"),  # fmt: skip
