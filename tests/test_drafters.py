@@ -118,6 +118,10 @@ def test_mtp_is_served_from_the_targets_own_checkpoint(tmp_path):
     loaded = build_proposer(write_mlp_repository(tmp_path, 2, method="mtp", head="tiny-draft"), "cpu")
     assert loaded.description.method == "mtp" and loaded.description.hidden_state_layers == (6,)
     assert loaded.description.model == os.path.realpath(SHIPPED / "tiny-target")
+    write_mlp_repository(tmp_path, 2, ', { key: "run_with_target" value: { string_value: "true" } }', method="mtp",
+                         head="tiny-draft")  # fmt: skip
+    beside = read_draft_beside_target(tmp_path)  # target_verifier loads it beside the target
+    assert beside is not None and build_proposer(beside, "cpu").description == loaded.description
 
 
 def write_tree_repository(tmp_path, method: str, tree: str, num_speculative_tokens: int, extra: str = ""):
