@@ -60,7 +60,8 @@ def _skipping_mtp_layers(path: str):
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     base = AutoModelForCausalLM._model_mapping[type(config)]
     first = config.num_hidden_layers
-    patterns = [*(base._keys_to_ignore_on_load_unexpected or ()), *(rf"^model\.layers\.{first + i}\." for i in range(count))]
+    mtp_layers = (rf"^model\.layers\.{first + i}\." for i in range(count))  # layers num_hidden_layers + i
+    patterns = [*(base._keys_to_ignore_on_load_unexpected or ()), *mtp_layers]
     return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": patterns, "__module__": base.__module__})
 
 

@@ -116,6 +116,9 @@ def test_a_target_without_its_layers_or_a_tree_is_refused_by_name(mtp_target, tm
     (tmp_path / "plain" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match=r"lacks the MTP layer's weights \['model.layers.6.enorm.weight'"):
         build_head_proposer("mtp", tmp_path / "plain", tmp_path / "plain")
+    proposer = build_head_proposer("mtp", target_dir, target_dir)
+    with pytest.raises(ValueError, match=r"shape \(4, 10\); the MTP layer reads \[n, 32\] \(layers \(6,\)"):
+        proposer.propose([ProposeRequest("s", 0, [1, 2, 3, 4, 5], 2, SamplingParams(), 0, hidden_states=torch.zeros(4, 10))])
     with pytest.raises(ValueError, match="method 'mtp' drafts a chain only"):
         build_head_proposer("mtp", target_dir, target_dir, tree=parse_token_tree("[(0,), (1,), (0, 0)]"))
     with pytest.raises(speculative_config.SpeculativeConfigError, match="key 'model' with method 'mtp'"):

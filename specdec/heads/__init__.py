@@ -74,7 +74,7 @@ def build_head_proposer(
     """
     check_head(method, path, target_path)
     torch_dtype = resolve_dtype(dtype, device)
-    if method == "mtp":
+    if METHODS[method].in_target_checkpoint:  # the target's own MTP layer
         return _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len,
                              tree)  # fmt: skip
     if method == "eagle3":

@@ -51,6 +51,7 @@ class _Sequence:
 
 class Eagle3Proposer:
     method = "eagle3"
+    head_name = "EAGLE-3 head"  # in errors
 
     def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None,
                  cpu_compile: bool = False, cuda_graphs: bool | None = None, tree: DraftTree | DynamicTree | None = None):  # fmt: skip
@@ -171,7 +172,7 @@ class Eagle3Proposer:
             hidden = r.hidden_states
             if hidden is not None and (hidden.dim() != 2 or hidden.shape[1] != width):
                 raise ValueError(
-                    f"seq {r.seq_id!r}: hidden_states of shape {tuple(hidden.shape)}; the EAGLE-3 head reads "
+                    f"seq {r.seq_id!r}: hidden_states of shape {tuple(hidden.shape)}; the {self.head_name} reads "
                     f"[n, {width}] (layers {self.hidden_state_layers} of a target with hidden size "
                     f"{self.head.config.target_hidden_size})"
                 )

@@ -15,6 +15,7 @@ from specdec.proposers.eagle3 import Eagle3Proposer
 
 class MTPProposer(Eagle3Proposer):
     method = "mtp"
+    head_name = "MTP layer"
 
     def __init__(self, head: MTPHead, max_num_seqs: int = 8, max_model_len: int | None = None,
                  cpu_compile: bool = False, cuda_graphs: bool | None = None):  # fmt: skip
