@@ -6,16 +6,20 @@ orders are then correct up to float rounding); the test checks that it is so.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from specdec.models import CachedCausalLM
 from specdec.engine import GenerationParams
 from specdec.generate import generate
+from specdec.heads import build_head_proposer
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import RequestStats
 from specdec.verifier import TargetVerifier
 
+SHIPPED_TARGET = Path(__file__).resolve().parents[1] / "models" / "tiny-target"  # it carries an MTP layer
 TIE_TOLERANCE = 1e-4
 NUM_NEW_TOKENS = 24
 KS = (1, 3, 5)
@@ -116,7 +120,7 @@ def test_random_models_match_target_greedy(method, k, target_model, draft_model,
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix", "mtp"])
 def test_shipped_pair_matches_target_greedy(method, k, shipped_pair, hf_greedy):
     tokenizer, target = shipped_pair.tokenizer, shipped_pair.target
     eos = tokenizer.eos_token_id
@@ -125,6 +129,8 @@ def test_shipped_pair_matches_target_greedy(method, k, shipped_pair, hf_greedy):
         proposer = DraftModelProposer(CachedCausalLM(shipped_pair.draft))
     elif method == "suffix":
         proposer = SuffixProposer()
+    elif method == "mtp":  # the shipped target's own MTP layer, chained k times
+        proposer = build_head_proposer("mtp", SHIPPED_TARGET, SHIPPED_TARGET, max_num_seqs=1)
     else:
         proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
     accepted = 0
