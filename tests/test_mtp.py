@@ -19,6 +19,7 @@ from specdec.cached_lm import ForwardCall
 from specdec.fast.checkpoint import read_config
 from specdec.fast.runner import FastCausalLM
 from specdec.heads import build_head_proposer, check_head
+from specdec.heads.cuda_graphs import StaticHeadRunner
 from specdec.heads.mtp import MTPConfig, MTPHead, layer_tensors, load_mtp, train_forward, write_into_target
 from specdec.models import CachedCausalLM, load_causal_lm
 from specdec.rejection_sampler import RejectionSampler
@@ -207,3 +208,19 @@ def test_the_layer_built_for_training_starts_from_the_target_and_loads_as_traine
         for a, b in zip(train_forward(head, window[:, 1:], features[:, :-1], 2),
                         train_forward(loaded, window[:, 1:], features[:, :-1], 2)):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs CUDA")]),
+])  # fmt: skip
+def test_fixed_shape_passes_of_the_layer_are_lossless(mtp_target, device):
+    """The layer's passes at fixed shapes (captured on CUDA, the same passes uncaptured on CPU), as EAGLE-3's
+    run: the output stays HF's."""
+    target, target_dir, _, _ = mtp_target
+    lm = FastCausalLM(target_dir, dtype="float32", device=device, max_num_seqs=4)
+    proposer = build_head_proposer("mtp", target_dir, target_dir, "float32", device, max_num_seqs=4)
+    if device == "cpu":
+        proposer.graphs = StaticHeadRunner(proposer.head, proposer.cache)
+    assert proposer.graphs is not None
+    assert decode_every_prompt_as_hf(target, proposer, TargetVerifier(lm), (1, 3)) > 0
