@@ -41,6 +41,7 @@ METHODS = {
         Method("eagle3", HEAD, drafts_static_trees=True, drafts_dynamic_trees=True),
         Method("mlp_speculator", HEAD),
         Method("medusa", HEAD, drafts_static_trees=True),
+        Method("dflash", HEAD),  # a block of drafts from one pass (specdec.heads.dflash)
     )
 }
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from specdec.proposers.base import Proposer, check_propose_requests
+from specdec.proposers.dflash import DFlashProposer
 from specdec.proposers.draft_model import DraftModelProposer, check_draft_compatible
 from specdec.proposers.eagle3 import Eagle3Proposer
 from specdec.proposers.medusa import MedusaProposer
@@ -17,6 +18,7 @@ PROPOSERS = {
     "eagle3": Eagle3Proposer,  # reads the target's hidden states (specdec.heads)
     "mlp_speculator": MLPSpeculatorProposer,
     "medusa": MedusaProposer,
+    "dflash": DFlashProposer,
 }
 
 
@@ -30,6 +32,7 @@ def make_proposer(method: str, **kwargs) -> Proposer:
 __all__ = [
     "NGRAM_DESCRIPTION",
     "PROPOSERS",
+    "DFlashProposer",
     "DraftModelProposer",
     "Eagle3Proposer",
     "MedusaProposer",
