@@ -33,7 +33,9 @@ def dflash_server(tmp_path_factory):
     if not (models / "tiny-dflash").is_dir():
         pytest.skip(f"tiny-dflash not found under {models}")
     workdir = tmp_path_factory.mktemp("server_dflash")
-    repository = repository_copy(workdir, models, "", parameters={"speculation_follows_acceptance": "false"})
+    # method and draft_model left empty: the JSON sets them (a pbtxt key set elsewhere would have to agree)
+    parameters = {"draft_model": "", "speculation_follows_acceptance": "false"}
+    repository = repository_copy(workdir, models, "", parameters=parameters)
     config = {"method": "dflash", "model": str(models / "tiny-dflash"), "num_speculative_tokens": K}
     server = server_on_free_ports(workdir, repository, serve_args=(f"--speculative-config={json.dumps(config)}",))
     server.start()
