@@ -163,12 +163,13 @@ def head_propose_ms(
 ) -> dict[str, float]:
     """``{"<method>_propose_<k>": ms}``: a head's ``k``-draft proposal (``propose_ms``), loaded as the
     server loads it, each after a one-token forward of ``target_lm`` (untimed); an MLP speculator's
-    only for ``k`` up to its ``n_predict``, Medusa's up to its ``num_heads``."""
+    only for ``k`` up to its ``n_predict``, Medusa's up to its ``num_heads``, DFlash's up to ``block_size - 1``."""
     from specdec.heads import build_head_proposer
 
     proposer = build_head_proposer(method, head, target, dtype, device, max_num_seqs=1, cpu_compile=cpu_compile,
                                    cuda_graphs=cuda_graphs)  # fmt: skip
-    most = {"mlp_speculator": lambda: proposer.model.n_predict, "medusa": lambda: proposer.num_heads}
+    most = {"mlp_speculator": lambda: proposer.model.n_predict, "medusa": lambda: proposer.num_heads,
+            "dflash": lambda: proposer.max_drafts}  # fmt: skip
     ks = [k for k in ks if k >= 1 and (method not in most or k <= most[method]())]
     feature_size = len(proposer.hidden_state_layers) * target_hidden_size
     between = None

@@ -31,13 +31,13 @@ from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, Ve
 def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cuda_graphs: bool | None,
                    tree: DraftTree | None = None):  # fmt: skip
     """The proposer of ``method`` from the checkpoints ``args`` names (``draft``, ``eagle3``,
-    ``mlp_speculator``, ``medusa``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is;
+    ``mlp_speculator``, ``medusa``, ``dflash``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is;
     ``tree``: the static tree a head drafts (``speculative_token_tree``)."""
     if method == "draft_model":
         return DraftModelProposer(FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len,
                                                cuda_graphs=cuda_graphs))  # fmt: skip
     if method in HEAD_METHODS:
-        # the head's directory: args.eagle3, args.mlp_speculator or args.medusa; MTP layers are the target's own
+        # the head's directory: args.eagle3, args.mlp_speculator, args.medusa or args.dflash; MTP layers are the target's own
         path = args.target if METHODS[method].in_target_checkpoint else getattr(args, method)
         return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
                                    cuda_graphs=cuda_graphs if args.device != "cpu" else None, tree=tree)  # fmt: skip

@@ -92,6 +92,8 @@ def parse_args() -> argparse.Namespace:
                    help="the MLP speculator the mlp_speculator servers load")
     p.add_argument("--medusa", type=Path, default=REPO_ROOT / "models" / "tiny-medusa",
                    help="the Medusa heads the medusa servers load")
+    p.add_argument("--dflash", type=Path, default=REPO_ROOT / "models" / "tiny-dflash",
+                   help="the DFlash drafter the dflash servers load")
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--methods", default="suffix,draft_model,ngram",
                    help="draft_proposer methods, comma-separated, each on a server of its own with its own k = 0; "
@@ -187,7 +189,7 @@ def server_edits(args, method: str, shipped_k: int, fixed: bool) -> dict[str, di
     k; the ``default`` row has a server of its own, as shipped.
     """
     checkpoints = {"draft_model": args.draft, "eagle3": args.eagle3, "mlp_speculator": args.mlp_speculator,
-                   "medusa": args.medusa}
+                   "medusa": args.medusa, "dflash": args.dflash}
     edits = checkpoint_edits(args.target, method, checkpoints.get(method))
     edits[ORCHESTRATOR] = {}
     if fixed:

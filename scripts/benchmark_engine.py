@@ -7,7 +7,7 @@ this script measures the engine underneath, on any device and without ``tritonse
 each concurrency, with the configurations interleaved round by round:
 
 * ``k0`` -- plain decoding through the same scheduler (one target pass per token);
-* ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``medusa``, ``mtp`` (the target's own
+* ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``medusa``, ``dflash``, ``mtp`` (the target's own
   MTP layer, read from ``--target``), ``ngram`` or ``suffix`` drafting K tokens every step; ``METHOD+tree:K`` (``eagle3``, ``medusa``) drafting
   the first K nodes of the static tree ``--token-tree``; ``METHOD+suffix:K`` (a model method)
   with suffix decoding in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
@@ -97,6 +97,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eagle3", type=Path, default=REPO_ROOT / "models" / "tiny-eagle3", help="EAGLE-3 head directory")
     p.add_argument("--mlp-speculator", type=Path, default=REPO_ROOT / "models" / "tiny-mlp-speculator")
     p.add_argument("--medusa", type=Path, default=REPO_ROOT / "models" / "tiny-medusa", help="Medusa heads directory")
+    p.add_argument("--dflash", type=Path, default=REPO_ROOT / "models" / "tiny-dflash", help="DFlash drafter directory")
     p.add_argument("--configs", type=parse_configs, default=parse_configs("k0,draft_model:4"))
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--cuda-graphs", default="on", help="on, off or on,off (CUDA only)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train a draft head (EAGLE-3, MLP speculator or Medusa) for a target by self-distillation, and measure it.
+"""Train a draft head (EAGLE-3, MLP speculator, Medusa or DFlash) for a target by self-distillation, and measure it.
 
 The head learns the target's own next-token distributions (soft labels, as EAGLE does)
 from the target's hidden states over the training text of ``train_tiny_models.py`` (the
@@ -22,6 +22,9 @@ LM head starts from the target's rows.
   token i + 2 on); the blocks start at zero (the identity, as Medusa's release starts them) and
   the LM heads from the target's, ``--medusa-lm-head shared`` keeping one, the target's, frozen
   (the format's ``original_lm_head``). ``--eval-tree`` also measures a static tree.
+* ``dflash``: a block drafter of ``--num-layers`` layers over the target's layer outputs
+  ``--target-layer-ids``, trained on blocks of ``--block-size`` (``train_dflash.py``), with a
+  held-out report of each block position's top-1 agreement with the target's greedy token.
 
 Then the head is written (speculators / MLPSpeculator format) and run in the real engine
 at ``--k`` (greedy), beside ``--baseline-draft``, on the held-out prompts of
@@ -50,12 +53,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from eval_tiny_models import run  # noqa: E402
+from train_dflash import add_arguments as add_dflash_arguments, fit_dflash, held_out_report  # noqa: E402
 from train_tiny_models import corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
 
 from bench.workload import held_out_texts, select_prompts  # noqa: E402
 from specdec.build import build_lm  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import build_head_proposer  # noqa: E402
+from specdec.heads.dflash import save_dflash  # noqa: E402
 from specdec.heads.eagle3 import Eagle3Head, default_aux_layers, eagle3_config_for, train_forward  # noqa: E402
 from specdec.heads.formats import save_eagle3  # noqa: E402
 from specdec.heads.medusa import Medusa, MedusaConfig, save_medusa  # noqa: E402
@@ -283,7 +288,7 @@ def evaluate(args, tokenizer) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", choices=("eagle3", "mlp_speculator", "medusa"), required=True)
+    parser.add_argument("--method", choices=("eagle3", "mlp_speculator", "medusa", "dflash"), required=True)
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -303,7 +308,7 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=0, help="eagle3: the head's width; 0 = the target's")
     parser.add_argument("--intermediate-size", type=int, default=0, help="eagle3: 0 = the target's MLP ratio")
     parser.add_argument("--num-layers", type=int, default=1,
-                        help="eagle3: decoder layers (the first reads the embedding, the rest are Llama layers)")
+                        help="eagle3: decoder layers (the first reads the embedding, the rest are Llama layers); dflash")
     parser.add_argument("--init-from", help="eagle3 narrower than the target: a causal LM of the head's width "
                         "whose embedding, LM head and final norm start the head's (default: random)")
     parser.add_argument("--aux-layers", help="eagle3: comma-separated target hidden-state ids")
@@ -322,6 +327,7 @@ def main() -> None:
     parser.add_argument("--medusa-lm-head", choices=("shared", "own"), default="shared",
                         help="medusa: one LM head, the target's, frozen (original_lm_head), or one trained per head")
     parser.add_argument("--eval-tree", help="medusa, eagle3: also measure this speculative_token_tree (all its nodes)")
+    add_dflash_arguments(parser)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=24, help="as benchmark_engine.py's --num-prompts")
     parser.add_argument("--eval-seed", type=int, default=0, help="as benchmark_engine.py's --seed")
@@ -358,6 +364,10 @@ def main() -> None:
         # at the target's width the embedding is the target's, frozen: the loader shares it, as vLLM does
         shared = head.config.hidden_size == arch.hidden_size
         save_eagle3(head, args.out, verifier=str(args.target), num_speculative_tokens=args.k, embedding=not shared)
+    elif args.method == "dflash":
+        head, losses = fit_dflash(args, target, arch, data, windows, target_outputs, train)
+        save_dflash(head, args.out)
+        dflash_held_out = held_out_report(head, target, tokenizer, args, training_windows)
     elif args.method == "medusa":
         head = build_medusa(target, arch, args)
         pool = target_outputs(target, windows, args, (arch.num_layers,), None)
@@ -386,6 +396,7 @@ def main() -> None:
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
         "train_seconds": round(train_seconds),
         "written": written,
+        **({"held_out_blocks": dflash_held_out} if args.method == "dflash" else {}),
         "eval": {"prompts": "benchmark_engine.py's held-out slices, EOS banned", "num_prompts": args.eval_prompts,
                  "seed": args.eval_seed, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                  "results": results},  # fmt: skip

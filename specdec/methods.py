@@ -44,6 +44,7 @@ METHODS = {
         Method("mlp_speculator", HEAD),
         Method("medusa", HEAD, drafts_static_trees=True),
         Method("mtp", HEAD, in_target_checkpoint=True),
+        Method("dflash", HEAD),  # a block of drafts from one pass (specdec.heads.dflash)
     )
 }
 

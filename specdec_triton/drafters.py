@@ -19,7 +19,7 @@ from specdec.fast.checkpoint import read_config
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.methods import METHODS
 from specdec.proposers import (
-    PROPOSERS, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
+    PROPOSERS, DFlashProposer, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
 )  # fmt: skip
 from specdec.tree import DraftTree
 from specdec.types import ModelDescription
@@ -30,7 +30,8 @@ from specdec_triton.repository_config import model_settings
 
 @dataclass(frozen=True)
 class LoadedDraft:
-    proposer: object  # a specdec Proposer: DraftModelProposer, Eagle3Proposer, MLPSpeculatorProposer, MedusaProposer, or model-free
+    proposer: object  # a specdec Proposer: DraftModelProposer, a head's (Eagle3Proposer, MLPSpeculatorProposer,
+    # MedusaProposer, DFlashProposer), or model-free
     description: ModelDescription
 
 
@@ -64,13 +65,18 @@ def _with_suffix_first(description: ModelDescription, config: DraftProposerConfi
 
 
 def _check_stages(proposer, config: DraftProposerConfig) -> None:
-    """An MLP speculator drafts at most its ``n_predict`` stages, Medusa at most its ``num_heads`` heads: a
-    server whose steps ask more would say ready and then fail every request, so the load fails instead,
-    naming both values and the fix."""
+    """An MLP speculator drafts at most its ``n_predict`` stages, Medusa at most its ``num_heads`` heads,
+    DFlash at most ``block_size - 1`` masks: a server whose steps ask more would say ready and then fail
+    every request, so the load fails instead, naming both values and the fix."""
     if isinstance(proposer, MLPSpeculatorProposer):
-        head, name, stages, unit = "MLP speculator", "n_predict", proposer.model.n_predict, "stages"
+        head, stages = "MLP speculator", proposer.model.n_predict
+        has = f"n_predict={stages} stages"
     elif isinstance(proposer, MedusaProposer):
-        head, name, stages, unit = "Medusa head", "num_heads", proposer.num_heads, "heads"
+        head, stages = "Medusa head", proposer.num_heads
+        has = f"num_heads={stages} heads"
+    elif isinstance(proposer, DFlashProposer):
+        head, stages = "DFlash drafter", proposer.max_drafts
+        has = f"block_size={proposer.block_size} (the last token and {stages} masks)"
     else:
         return
     if isinstance(config.token_tree, DraftTree):  # a tree's depth is what reaches the heads; its nodes are k
@@ -80,7 +86,7 @@ def _check_stages(proposer, config: DraftProposerConfig) -> None:
                    and config.suffix_first.model_num_speculative_tokens else "speculative_decoding's "
                    "num_speculative_tokens (and the largest k of num_speculative_tokens_per_batch_size)")  # fmt: skip
         raise ValueError(
-            f"{head} {config.draft_model!r} has {name}={stages} {unit}, but a step may ask it for "
+            f"{head} {config.draft_model!r} has {has}, but a step may ask it for "
             f"{config.most_drafts} drafts: set {setting} to at most {stages}"
         )
 

@@ -130,8 +130,9 @@ DRAFT_PROPOSER = (
     Parameter(
         "method", "str", "draft_model",
         "`draft_model`: a small LM; `ngram`: prompt lookup; `suffix`: suffix decoding over the request's text "
-        "and past responses ([speculative_config.md](speculative_config.md)); `eagle3`, `mlp_speculator`, `medusa`: "
-        "a head over the target's hidden states ([drafters](drafters.md#draft-heads-eagle-3-and-the-mlp-speculator)); "
+        "and past responses ([speculative_config.md](speculative_config.md)); `eagle3`, `mlp_speculator`, `medusa`, "
+        "`dflash`: a head over the target's hidden states ([drafters](drafters.md#draft-heads-eagle-3-and-the-mlp-speculator), "
+        "[DFlash](drafters.md#dflash-a-block-of-drafts-in-one-pass)); "
         "`mtp`: the target's own MTP layer, read from its checkpoint ([drafters](drafters.md#the-targets-own-mtp-layer)); "
         "`ngram` and `suffix` run in speculative_decoding's process", choices=tuple(PROPOSERS)),  # fmt: skip
     Parameter("draft_model", "path", DEFAULT_DRAFT_MODEL,
@@ -170,7 +171,7 @@ DRAFT_PROPOSER = (
     Parameter("speculative_num_steps", "int", 0,
               "`eagle3` with `speculative_eagle_topk`: the dynamic tree's depth (head passes + 1)", minimum=0),
     Parameter("enable_suffix_decoding", "bool", False,
-              "with `draft_model` or a head (`eagle3`, `mlp_speculator`, `medusa`): suffix decoding first, the model only for a "
+              "with `draft_model` or a head (`eagle3`, `mlp_speculator`, `medusa`, `dflash`): suffix decoding first, the model only for a "
               "sequence whose suffix draft scores under `suffix_decoding_min_score` "
               "([drafters](drafters.md#suffix-decoding-in-front-of-a-model)); refused with `ngram` and `suffix`"),
     Parameter("suffix_decoding_min_score", "float", DEFAULT_MIN_SCORE,
@@ -182,7 +183,7 @@ DRAFT_PROPOSER = (
     _DTYPE,
     _ENGINE,
     _MAX_NUM_SEQS,
-    replace(_CPU_COMPILE, meaning="`draft_model` and `eagle3` (the MLP speculator and Medusa run eagerly): "
+    replace(_CPU_COMPILE, meaning="`draft_model` and `eagle3` (the MLP speculator, Medusa and DFlash run eagerly): "
                                   + _CPU_COMPILE.meaning),  # fmt: skip
     SEQUENCE_IDLE_TIMEOUT_S,
     Parameter("max_model_len", "int", None,

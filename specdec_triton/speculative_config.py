@@ -28,7 +28,7 @@ from pathlib import Path
 ENV_VAR = "SPECDEC_SPECULATIVE_CONFIG"
 PARAMETER = "speculative_config"  # in the orchestrator's config.pbtxt
 ORCHESTRATOR = "speculative_decoding"
-METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa", "mtp")
+METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa", "mtp", "dflash")
 
 
 class SpeculativeConfigError(ValueError):

@@ -90,11 +90,12 @@ def test_the_served_benchmark_points_each_method_at_its_checkpoint_and_the_targe
     spec = importlib.util.spec_from_file_location("benchmark", REPO_ROOT / "scripts" / "benchmark.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    target, draft, eagle3, mlp, medusa = (tmp_path / name for name in ("target", "draft", "eagle3", "mlp", "medusa"))
-    args = argparse.Namespace(target=target, draft=draft, eagle3=eagle3, mlp_speculator=mlp, medusa=medusa, ks=[2],
-                              synthetic_acceptance_rate=None)  # fmt: skip
+    target, draft, eagle3, mlp, medusa, dflash = (tmp_path / name for name in ("target", "draft", "eagle3", "mlp",
+                                                                               "medusa", "dflash"))  # fmt: skip
+    args = argparse.Namespace(target=target, draft=draft, eagle3=eagle3, mlp_speculator=mlp, medusa=medusa,
+                              dflash=dflash, ks=[2], synthetic_acceptance_rate=None)  # fmt: skip
     for method, checkpoint in (("draft_model", draft), ("eagle3", eagle3), ("mlp_speculator", mlp),
-                               ("medusa", medusa), ("ngram", None)):  # fmt: skip
+                               ("medusa", medusa), ("dflash", dflash), ("ngram", None)):  # fmt: skip
         proposer = script.server_edits(args, method, shipped_k=4, fixed=True)["draft_proposer"]
         assert proposer["method"] == method
         assert proposer["target_model"] == ""  # a head drafts for target_verifier's, which is the target

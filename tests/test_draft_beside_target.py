@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from eagle3_heads import PROMPTS, random_head
+from test_dflash import write_dflash
 from test_medusa import write_medusa
 from test_mlp_speculator import write_speculator
 from test_mtp import random_mtp
@@ -119,8 +120,8 @@ class BesideStages(SeparateStages):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A 6-layer target with an MTP layer in its checkpoint, a two-layer EAGLE-3 head, a 4-stage MLP speculator
-    and 4 Medusa heads for it, a one-layer draft model."""
+    """A 6-layer target with an MTP layer in its checkpoint, a two-layer EAGLE-3 head, a 4-stage MLP speculator,
+    4 Medusa heads and a two-layer DFlash drafter of K drafts for it, a one-layer draft model."""
     root = tmp_path_factory.mktemp("beside")
     target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, initializer_range=0.3)
     target.save_pretrained(root / "target")
@@ -128,6 +129,7 @@ def models(tmp_path_factory):
     write_speculator(root / "mlp", VOCAB, 32, n_predict=K, tie=False)
     write_medusa(root / "medusa", VOCAB, 32, num_heads=K)
     write_into_target(random_mtp(root / "target", 2), root / "target")
+    write_dflash(root / "dflash", root / "target", block_size=K + 1, mask=VOCAB - 1, layer_ids=(1, 5))
     draft = build_tiny_llama(seed=1, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, initializer_range=0.3)
     return target, draft, root
 
@@ -138,7 +140,7 @@ def build(models, method):
     verifier = TargetVerifier(CachedCausalLM(target))
     if method == "draft_model":
         return DraftModelProposer(CachedCausalLM(draft)), verifier, ()
-    head = root / {"eagle3": "head", "mlp_speculator": "mlp", "medusa": "medusa", "mtp": "target"}[method]
+    head = root / {"eagle3": "head", "mlp_speculator": "mlp", "medusa": "medusa", "mtp": "target", "dflash": "dflash"}[method]
     proposer = build_head_proposer(method, head, root / "target", max_num_seqs=8)
     return proposer, verifier, describe_head(proposer, str(head)).hidden_state_layers
 
@@ -161,7 +163,7 @@ def decode(stages, layers, params_of, rows_stay: bool, on_step=None,
     return [(list(state.output_ids), state.stats.num_accepted_tokens) for state in states]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator", "medusa", "mtp"])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator", "medusa", "mtp", "dflash"])
 @pytest.mark.parametrize("k", [1, 3, K])
 def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(models, method, k):
     def params(i):
@@ -193,7 +195,7 @@ def test_a_k_that_follows_acceptance_beside_the_target_keeps_the_targets_output(
     assert verifier.num_active_sequences == 0 and len(stages.beside.rows) == 0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator", "mtp"])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator", "mtp", "dflash"])
 def test_sampled_output_equals_the_two_stage_output_seed_for_seed(models, method):
     def params(i):
         sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)

@@ -155,6 +155,7 @@ def test_a_static_tree_loads_for_eagle3_and_reaches_its_proposer(tmp_path):
     ("mtp", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'mtp'"),
     ("suffix", TREE, 3, "", "suffix_decoding_use_tree_spec"),
     ("draft_model", TREE, 3, "", "not 'draft_model'"),
+    ("dflash", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'dflash'"),
     ("eagle3", TREE, 3, ', { key: "run_with_target" value: { string_value: "true" } }', "run_with_target"),
 ])  # fmt: skip
 def test_a_bad_tree_fails_the_load_naming_the_key(tmp_path, method, tree, k, extra, named):
@@ -185,6 +186,17 @@ def test_medusa_with_fewer_heads_than_a_step_asks_fails_its_load_naming_both(tmp
         build_proposer(config, "cpu")
     loaded = build_proposer(write_mlp_repository(tmp_path, 4, method="medusa", head="tiny-medusa"), "cpu")
     assert loaded.description.method == "medusa" and loaded.description.hidden_state_layers == (6,)
+
+
+def test_dflash_asked_more_drafts_than_its_block_holds_fails_its_load_naming_block_size(tmp_path):
+    """The shipped drafter has block_size=9: the last token and 8 masks, so at most 8 drafts a step."""
+    config = write_mlp_repository(tmp_path, 9, method="dflash", head="tiny-dflash")
+    with pytest.raises(ValueError, match=r"DFlash drafter .* has block_size=9 \(the last token and 8 masks\), but a "
+                                         r"step may ask it for 9 drafts: set speculative_decoding's "
+                                         r"num_speculative_tokens .* to at most 8"):  # fmt: skip
+        build_proposer(config, "cpu")
+    loaded = build_proposer(write_mlp_repository(tmp_path, 8, method="dflash", head="tiny-dflash"), "cpu")
+    assert loaded.description.method == "dflash" and loaded.description.hidden_state_layers == (2, 4, 6)
 
 
 def test_target_verifier_warms_tree_passes_only_when_the_drafter_makes_trees(tmp_path):

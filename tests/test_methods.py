@@ -13,7 +13,7 @@ from specdec_triton import speculative_config
 def test_every_reader_of_a_methods_kind_agrees_with_the_declaration():
     assert tuple(PROPOSERS) == tuple(METHODS)  # one proposer class per declared method
     assert tuple(speculative_config.METHODS) == tuple(METHODS)  # kept torch-free for serve.sh's check
-    assert HEAD_METHODS == names_of(HEAD) == ("eagle3", "mlp_speculator", "medusa", "mtp")
+    assert HEAD_METHODS == names_of(HEAD) == ("eagle3", "mlp_speculator", "medusa", "mtp", "dflash")
     in_target = tuple(name for name, method in METHODS.items() if method.in_target_checkpoint)
     assert speculative_config.TARGET_CHECKPOINT_METHODS == in_target == ("mtp",)
     assert tuple(MODEL_FREE_METHODS) == names_of(MODEL_FREE) == ("ngram", "suffix")

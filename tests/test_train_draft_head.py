@@ -2,6 +2,7 @@
 it), the MLP speculator and the Medusa heads it builds."""
 from __future__ import annotations
 
+import math
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -137,3 +138,42 @@ def test_medusas_loss_scores_head_i_at_t_on_the_targets_distribution_at_t_plus_1
         labels = target_logp[:, 1 + i : 1 + i + span]
         losses.append(-(labels.exp() * logits.log_softmax(-1)).sum(-1).mean())
     assert torch.allclose(medusa_loss(medusa, window, last, target_logp), sum(losses) / 2, atol=1e-5)
+
+
+def test_dflash_trains_each_block_as_the_served_proposer_drafts_it(tmp_path):
+    """Every block of a window, attending to the context before its anchor and to itself only (the
+    block-sparse mask), has the logits a served step computes for the same sequence; the loss scores
+    block position j on the target's row anchor + j - 1, and the layers start from the target's."""
+    from specdec.fast.checkpoint import read_config
+    from specdec.heads import build_head_proposer
+    from specdec.heads.dflash import save_dflash
+    from specdec.types import ProposeRequest, SamplingParams
+    from train_dflash import block_logits, build_dflash, dflash_loss
+
+    target = build_tiny_llama(seed=0, vocab_size=40, hidden_size=32, num_hidden_layers=4, initializer_range=0.3)
+    target.save_pretrained(tmp_path / "target")
+    args = Namespace(block_size=4, target_layer_ids="1,3", num_layers=2, dflash_init_layers="last", seed=0)
+    model = build_dflash(target, read_config(tmp_path / "target"), args, torch.randint(1, 39, (500,)))
+    assert torch.equal(model.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+    assert model.config.hidden_state_layers == (2, 4) and model.config.mask_token_id == 39  # never drawn: rarest
+    with torch.no_grad():
+        for p in model.fc.parameters():
+            p.add_(torch.randn_like(p))
+    save_dflash(model, tmp_path / "head")
+    window = torch.randint(1, 39, (1, 12), generator=torch.Generator().manual_seed(1))  # [1, T]
+    with torch.no_grad():
+        out = target(window, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in (2, 4)], -1)  # [1, T, 64]
+        anchors = torch.tensor([[3, 5, 9]])  # [1, A]
+        trained = block_logits(model, window, features, anchors)  # [1, A, 3, vocab]
+    proposer = build_head_proposer("dflash", tmp_path / "head", tmp_path / "target")
+    for i, a in enumerate(anchors[0].tolist()):  # a served sequence of a + 1 tokens: context 0 .. a - 1
+        (proposal,) = proposer.propose([ProposeRequest(f"s{a}", 0, window[0, : a + 1].tolist(), 3, SamplingParams(),
+                                                       0, hidden_states=features[0, :a])])  # fmt: skip
+        assert proposal.token_ids.tolist() == trained[0, i].argmax(-1).tolist(), a
+    logp = out.logits.log_softmax(-1)
+    per_row = [-(logp[0, a + j].exp() * trained[0, i, j].log_softmax(-1)).sum()
+               for i, a in enumerate(anchors[0].tolist()) for j in range(3)]  # position j + 1: row a + j
+    weights = torch.tensor([1.0, math.exp(-1 / 2), math.exp(-2 / 2)] * 3)
+    want = (torch.stack(per_row) * weights).sum() / 3 / weights[:3].sum()
+    torch.testing.assert_close(dflash_loss(model, window, features, logp, anchors, decay=2.0), want)

@@ -1,4 +1,4 @@
-"""Draft heads that read the target's hidden states: EAGLE-3, the MLP speculator, Medusa and the
+"""Draft heads that read the target's hidden states: EAGLE-3, the MLP speculator, Medusa, DFlash and the
 target's own MTP layer (``specdec.heads.mtp``, read from the target's checkpoint: ``path`` is not read).
 
 ``build_head_proposer`` loads a head directory (``specdec.heads.formats``) for the target
@@ -42,6 +42,10 @@ def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathL
         )
     if method == "eagle3":
         eagle3_config(path, read_config(target_path), os.fspath(target_path))
+    elif method == "dflash":
+        from specdec.heads.dflash import dflash_config
+
+        dflash_config(path, target_path)
     elif method == "medusa":
         medusa_config(path, target_path)
     else:
@@ -63,13 +67,13 @@ def build_head_proposer(
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
 
     ``tree``: the static draft tree it drafts (``specdec.tree``; None or a chain: a chain); EAGLE-3 and
-    Medusa draft trees, the MLP speculator a chain only. A tree deeper than Medusa's heads is refused.
+    Medusa draft trees, the MLP speculator and DFlash a chain only. A tree deeper than Medusa's heads is refused.
 
     ``max_model_len``: the tokens a sequence may hold in the head's cache and feature buffer
     (None: the target's ``max_position_embeddings``, as vLLM sizes a head).
 
     ``cpu_compile``: an EAGLE-3 head's forward compiled on CPU (``specdec.fast.cpu_compile``);
-    ignored on GPU and for the MLP speculator and Medusa, whose passes are a few plain ops. ``cuda_graphs``: an
+    ignored on GPU and for the MLP speculator, Medusa and DFlash (one eager pass a step). ``cuda_graphs``: an
     EAGLE-3 head's passes replay captured graphs (None: wherever it runs on CUDA).
     """
     check_head(method, path, target_path)
@@ -102,6 +106,18 @@ def build_head_proposer(
     if tree is not None and not tree.is_chain:
         raise ValueError(f"speculative_token_tree: method {method!r} drafts a chain only; trees are drafted by "
                          f"eagle3 and medusa")  # fmt: skip
+    if method == "dflash":
+        from specdec.heads.dflash import load_dflash
+        from specdec.proposers.dflash import DFlashProposer
+
+        model = load_dflash(path, target_path, torch_dtype, device)
+        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
+            pack_linears(model)  # as the fast engine does: small-row passes near memory bandwidth
+        positions = read_config(target_path).max_position_embeddings  # the context spans the target's positions
+        if max_model_len is not None and max_model_len > positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds target {str(target_path)!r}'s "
+                             f"max_position_embeddings {positions}")  # fmt: skip
+        return DFlashProposer(model, max_num_seqs, max_model_len or positions)
     from specdec.heads.mlp_speculator import load_mlp_speculator
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 

@@ -47,10 +47,12 @@ def read_head_config(path: str | os.PathLike) -> dict:
 
 
 def head_kind(raw: dict) -> str | None:
-    """``eagle3``, ``mlp_speculator``, ``medusa`` or None (a plain causal LM) for a ``config.json``."""
+    """``eagle3``, ``mlp_speculator``, ``medusa``, ``dflash`` or None (a plain causal LM) for a ``config.json``."""
     kind = raw.get("speculators_model_type")
     if kind is not None:
         return kind
+    if "dflash_config" in raw or any("dflash" in a.lower() for a in raw.get("architectures") or ()):
+        return "dflash"  # z-lab's DFlashDraftModel (and DFlash2DraftModel, which the loader refuses by name)
     if raw.get("model_type") == "mlp_speculator":
         return "mlp_speculator"
     if raw.get("model_type") == "medusa" or "medusa_num_heads" in raw:  # vLLM's layout, or the original release's

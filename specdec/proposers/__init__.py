@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from specdec.proposers.base import Proposer, check_propose_requests
+from specdec.proposers.dflash import DFlashProposer
 from specdec.proposers.draft_model import DraftModelProposer, check_draft_compatible
 from specdec.proposers.eagle3 import Eagle3Proposer
 from specdec.proposers.medusa import MedusaProposer
@@ -19,6 +20,7 @@ PROPOSERS = {
     "mlp_speculator": MLPSpeculatorProposer,
     "medusa": MedusaProposer,
     "mtp": MTPProposer,  # the target's own MTP layer (specdec.heads.mtp)
+    "dflash": DFlashProposer,
 }
 
 
@@ -32,6 +34,7 @@ def make_proposer(method: str, **kwargs) -> Proposer:
 __all__ = [
     "NGRAM_DESCRIPTION",
     "PROPOSERS",
+    "DFlashProposer",
     "DraftModelProposer",
     "Eagle3Proposer",
     "MedusaProposer",
