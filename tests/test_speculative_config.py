@@ -51,7 +51,7 @@ def test_a_bare_model_means_a_draft_model():
     "text, message",
     [
         ('{"method": "suffix", "bogus_key": 1}', r"unknown key 'bogus_key'; supported keys: \[.*'method'"),
-        ('{"method": "deepseek_mtp"}', r"method 'deepseek_mtp' is not supported yet; built: \[.*'mtp'\]"),
+        ('{"method": "deepseek_mtp"}', r"method 'deepseek_mtp' is not supported yet; built: \[.*'mtp', 'dflash'\]"),
         ('{"method": "lookahead"}', r"method must be one of \['draft_model', 'ngram', 'suffix', 'eagle3', 'mlp_speculator', 'medusa', 'mtp', 'dflash'\], got 'lookahead'"),
         ('{"draft_tensor_parallel_size": 2}', r"'draft_tensor_parallel_size' = 2 is not supported"),
         ('{"quantization": "fp8"}', r"key 'quantization' is not supported"),

@@ -173,7 +173,7 @@ def test_draft_proposer_config_per_method(tmp_path):
     base = str(tmp_path)
     ngram = DraftProposerConfig.from_parameters(params(base, method="ngram", prompt_lookup_max="3"))
     assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", None, 3)
-    with pytest.raises(ParameterError, match=r"'method' must be one of \('draft_model', 'ngram', 'suffix', 'eagle3', 'mlp_speculator', 'medusa', 'dflash'\), got 'eagle'"):
+    with pytest.raises(ParameterError, match=r"'method' must be one of \('draft_model', 'ngram', 'suffix', 'eagle3', 'mlp_speculator', 'medusa', 'mtp', 'dflash'\), got 'eagle'"):
         DraftProposerConfig.from_parameters(params(base, method="eagle"))
     with pytest.raises(ParameterError, match=r"'draft_model' must be an existing path"):
         DraftProposerConfig.from_parameters(params(base, method="draft_model", draft_model="nowhere"))
