@@ -8,6 +8,7 @@ from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 from specdec.proposers.model_free import MODEL_FREE_METHODS, describe_model_free, model_free_proposer
 from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
+from specdec.proposers.pard import ParallelDraftProposer, read_mask_token
 from specdec.proposers.suffix import SUFFIX_DESCRIPTION, SuffixConfig, SuffixProposer
 
 PROPOSERS = {
@@ -36,6 +37,7 @@ __all__ = [
     "MLPSpeculatorProposer",
     "MODEL_FREE_METHODS",
     "NgramProposer",
+    "ParallelDraftProposer",
     "SUFFIX_DESCRIPTION",
     "SuffixConfig",
     "SuffixProposer",
@@ -45,4 +47,5 @@ __all__ = [
     "describe_model_free",
     "make_proposer",
     "model_free_proposer",
+    "read_mask_token",
 ]
