@@ -20,6 +20,7 @@ from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.proposers import (
     PROPOSERS, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
 )  # fmt: skip
+from specdec.proposers.pard import ParallelDraftProposer, read_mask_token
 from specdec.tree import DraftTree
 from specdec.types import ModelDescription
 from specdec_triton import wire
@@ -48,10 +49,12 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
         _check_stages(proposer, config)
         return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, config.draft_model), config))
     _check_draft_window(config)
+    mask_token = read_mask_token(config.draft_model) if config.parallel_drafting else None  # before the load
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
                   log=log, cpu_compile=config.cpu_compile)  # fmt: skip
     description = describe_lm(lm, config.draft_model, config.method)
-    return LoadedDraft(PROPOSERS[config.method](lm), _with_suffix_first(description, config))  # a causal LM's
+    proposer = ParallelDraftProposer(lm, mask_token) if mask_token is not None else PROPOSERS[config.method](lm)
+    return LoadedDraft(proposer, _with_suffix_first(description, config))  # a causal LM's
 
 
 def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:

@@ -59,6 +59,8 @@ SETTINGS = {
     "enable_suffix_decoding": Setting("draft_proposer", "enable_suffix_decoding", bool, ("", "false")),
     "rejection_sample_method": Setting("rejection_sampler", "rejection_sample_method", str, ("", "probabilistic")),
     "speculative_token_tree": Setting("draft_proposer", "speculative_token_tree", str, ("",)),  # checked at load
+    # PARD: a draft_model drafting every token of a step in one forward (refused for other methods at load)
+    "parallel_drafting": Setting("draft_proposer", "parallel_drafting", bool, ("", "false")),
     **_SUFFIX,
 }
 # set by any speculative_config: vLLM has no per-batch-size table, k is fixed
