@@ -53,7 +53,13 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
                   log=log, cpu_compile=config.cpu_compile)  # fmt: skip
     description = describe_lm(lm, config.draft_model, config.method)
-    proposer = ParallelDraftProposer(lm, mask_token) if mask_token is not None else PROPOSERS[config.method](lm)
+    if mask_token is None:
+        proposer = PROPOSERS[config.method](lm)
+    else:
+        proposer = ParallelDraftProposer(lm, mask_token)
+        if log is not None:
+            log(f"parallel_drafting: {config.draft_model} drafts a step's tokens in one forward, mask token "
+                f"{mask_token} (pard_token)")
     return LoadedDraft(proposer, _with_suffix_first(description, config))  # a causal LM's
 
 
