@@ -8,9 +8,9 @@ one forward. This script fine-tunes a copy of ``--draft`` (``models/tiny-draft``
 
 * **Data.** Windows of ``--seq-len`` tokens from the training text of ``train_tiny_models.py``
   (the standard library's ``.py`` files, the same held-out split), ``--generated-share`` of
-  them the target's greedy continuation of their first ``--prompt-tokens`` tokens. In a
-  generated window the tokens after any prefix *are* the target's greedy continuation of it,
-  which is what a greedy draft is accepted against; the text windows keep the draft general.
+  them (all, by default) the target's greedy continuation of their first ``--prompt-tokens``
+  tokens. In a generated window the tokens after any prefix *are* the target's greedy
+  continuation of it, which is what a greedy draft is accepted against.
 * **Objective.** Each window is fed once as text (every position predicts the next token, the
   draft's old task, offset 0) and ``--chains`` times as a chain of ``K - 1`` masks
   (``K = --max-k``) after a random prefix: mask ``j`` sits at position ``prefix + j``, attends
@@ -221,13 +221,14 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=REPO_ROOT / "models" / "training_report.json",
                         help="the shipped models' report; this run's entry is its 'draft_pard'")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-k", type=int, default=8, help="K: chains of K - 1 masks, drafts 1..K trained")
-    parser.add_argument("--chains", type=int, default=24, help="mask chains per window")
+    parser.add_argument("--max-k", type=int, default=4, help="K: chains of K - 1 masks, drafts 1..K trained")
+    parser.add_argument("--chains", type=int, default=32, help="mask chains per window")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--windows", type=int, default=768, help="training windows (the target continues a share once)")
-    parser.add_argument("--generated-share", type=float, default=0.75)
+    parser.add_argument("--windows", type=int, default=576, help="training windows (the target continues a share once)")
+    parser.add_argument("--generated-share", type=float, default=1.0,
+                        help="share of windows continued by the target (1.0: every label is its greedy token)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="text tokens a generated window starts from")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--corpus-chars", type=int, default=4_000_000)
