@@ -80,6 +80,9 @@ def test_configs_parse_and_always_include_k0():
     assert parse("eagle3+suffix:8") == [("k0", 0), ("eagle3+suffix", 8)]
     assert parse("draft_model+follow:8") == [("k0", 0), ("draft_model+follow", 8)]  # k up to 8, as acceptance says
     assert parse("medusa:4,medusa+tree:8") == [("k0", 0), ("medusa", 4), ("medusa+tree", 8)]
+    assert parse("draft_model+pard:6") == [("k0", 0), ("draft_model+pard", 6)]  # parallel_drafting
+    with pytest.raises(Exception, match=r"\+pard \(parallel_drafting\) is for draft_model"):
+        parse("eagle3+pard:4")
     with pytest.raises(Exception, match="METHOD:K"):
         parse("mtp:3")
     with pytest.raises(Exception, match="METHOD:K"):
