@@ -183,7 +183,9 @@ def _parallel_drafting(read: Reader, method: str) -> bool:
     enabled = read("parallel_drafting")
     if enabled and not METHODS[method].parallel_drafting:
         able = [m.name for m in METHODS.values() if m.parallel_drafting]
-        why = " (parallel EAGLE drafting needs a P-EAGLE head, which this server does not load)" if method == "eagle3" else ""
+        why = ""
+        if method == "eagle3":
+            why = " (parallel EAGLE drafting needs a P-EAGLE head, which this server does not load)"
         raise ParameterError(f"draft_proposer: parameter 'parallel_drafting' true is for methods {able}, not "
                              f"{method!r}{why}")  # fmt: skip
     return enabled

@@ -29,6 +29,7 @@ ENV_VAR = "SPECDEC_SPECULATIVE_CONFIG"
 PARAMETER = "speculative_config"  # in the orchestrator's config.pbtxt
 ORCHESTRATOR = "speculative_decoding"
 METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa")
+PARALLEL_DRAFTING_METHODS = ("draft_model",)  # specdec.methods' parallel_drafting, kept torch-free as METHODS is
 
 
 class SpeculativeConfigError(ValueError):
@@ -115,6 +116,9 @@ def _check_keys(config: Mapping) -> None:
         raise SpeculativeConfigError(f"speculative_config method '{method}' is not supported yet; built: {list(METHODS)}")
     if method is not None and method not in METHODS:
         raise SpeculativeConfigError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
+    if config.get("parallel_drafting") is True and config.get("method", "draft_model") not in PARALLEL_DRAFTING_METHODS:
+        raise SpeculativeConfigError(f"speculative_config key 'parallel_drafting' true is for methods "
+                                     f"{list(PARALLEL_DRAFTING_METHODS)}, not {method!r}")  # fmt: skip
 
 
 def _as_text(name: str, value, kind: type) -> str:

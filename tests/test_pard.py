@@ -166,3 +166,7 @@ def test_vllms_key_sets_the_draft_proposers():
                                           "parallel_drafting": "true"}  # fmt: skip
     with pytest.raises(sc.SpeculativeConfigError, match=r"'parallel_drafting' must be true or false, got 1"):
         sc.parse('{"method": "draft_model", "parallel_drafting": 1}')
+    with pytest.raises(sc.SpeculativeConfigError, match=r"key 'parallel_drafting' true is for methods "
+                                                         r"\['draft_model'\], not 'eagle3'"):  # fmt: skip
+        sc.parse('{"method": "eagle3", "model": "/ckpt/head", "parallel_drafting": true}')  # before serve.sh starts
+    assert sc.parse('{"model": "/ckpt/pard", "parallel_drafting": true}')["draft_proposer"]["parallel_drafting"] == "true"
