@@ -33,7 +33,7 @@ agreement with the target's greedy tokens on held-out generated windows (offset 
 token, as a chain drafter's first draft), for the PARD draft and the draft it started from;
 and greedy decoding of held-out prompts through the engine at ``--eval-k`` with the PARD
 draft drafting in parallel and the original draft drafting a chain (tokens per step,
-acceptance per position). Seeded, on CPU in about ten minutes with the defaults.
+acceptance per position). Seeded, on CPU in about 13 minutes with the defaults (one thread).
 
     python scripts/train_pard_draft.py --out models/tiny-draft-pard
 """
@@ -223,10 +223,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-k", type=int, default=4, help="K: chains of K - 1 masks, drafts 1..K trained")
     parser.add_argument("--chains", type=int, default=32, help="mask chains per window")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--windows", type=int, default=576, help="training windows (the target continues a share once)")
+    parser.add_argument("--windows", type=int, default=1536, help="training windows (the target continues a share once)")
     parser.add_argument("--generated-share", type=float, default=1.0,
                         help="share of windows continued by the target (1.0: every label is its greedy token)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="text tokens a generated window starts from")
