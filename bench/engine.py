@@ -20,7 +20,9 @@ from specdec.engine import GenerationParams, SequenceState
 from specdec.fast import FastCausalLM
 from specdec.heads import HEAD_METHODS, build_head_proposer
 from specdec.methods import METHODS
-from specdec.proposers import DraftModelProposer, NgramProposer, SuffixConfig, SuffixProposer
+from specdec.proposers import (
+    DraftModelProposer, NgramProposer, ParallelDraftProposer, SuffixConfig, SuffixProposer, read_mask_token,
+)  # fmt: skip
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepCapabilities, StepReport, StepScheduler
 from specdec.speculation_length import SpeculationLength
@@ -29,13 +31,15 @@ from specdec.types import Proposal, ProposeRequest, SampleCall, SampleResult, Ve
 
 
 def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cuda_graphs: bool | None,
-                   tree: DraftTree | None = None):  # fmt: skip
+                   tree: DraftTree | None = None, parallel: bool = False):  # fmt: skip
     """The proposer of ``method`` from the checkpoints ``args`` names (``draft``, ``eagle3``,
     ``mlp_speculator``, ``medusa``, ``dflash``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is;
-    ``tree``: the static tree a head drafts (``speculative_token_tree``)."""
+    ``tree``: the static tree a head drafts (``speculative_token_tree``); ``parallel``: the draft model
+    ``args.pard_draft`` drafting in parallel (PARD, ``parallel_drafting``)."""
     if method == "draft_model":
-        return DraftModelProposer(FastCausalLM(args.draft, args.dtype, args.device, max_num_seqs, max_model_len,
-                                               cuda_graphs=cuda_graphs))  # fmt: skip
+        path = args.pard_draft if parallel else args.draft
+        lm = FastCausalLM(path, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
+        return ParallelDraftProposer(lm, read_mask_token(path)) if parallel else DraftModelProposer(lm)
     if method in HEAD_METHODS:
         # the head's directory: args.eagle3, args.mlp_speculator, args.medusa or args.dflash; MTP layers are the target's own
         path = args.target if METHODS[method].in_target_checkpoint else getattr(args, method)

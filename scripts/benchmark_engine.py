@@ -12,7 +12,8 @@ each concurrency, with the configurations interleaved round by round:
   the first K nodes of the static tree ``--token-tree``; ``METHOD+suffix:K`` (a model method)
   with suffix decoding in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
   ``METHOD+follow:K`` drafting at most K, each sequence as its acceptance and the measured
-  step costs say (``specdec.follow_acceptance``, the served default);
+  step costs say (``specdec.follow_acceptance``, the served default); ``draft_model+pard:K``
+  the draft model ``--pard-draft`` drafting K tokens in one forward (PARD, ``parallel_drafting``);
 * each of them with CUDA graphs captured and without (``--cuda-graphs on,off``, CUDA only);
 * ``hf plain`` -- Hugging Face ``generate`` on the same target, one request at a time.
 
@@ -66,6 +67,7 @@ METHODS = (*MODEL_METHODS, *MODEL_FREE_METHODS, *(m + SUFFIX_FIRST for m in MODE
 HF_PLAIN = "hf plain"
 FOLLOW = "+follow"  # a configuration whose k follows each sequence's acceptance, under K
 TREE = "+tree"  # a head drafting --token-tree's first K nodes instead of a chain of K
+PARALLEL = "+pard"  # a draft model drafting its K tokens in one forward (parallel_drafting)
 
 
 def parse_configs(text: str) -> list[tuple[str, int]]:
@@ -77,8 +79,11 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
             continue
         method, _, k = item.partition(":")
         if _base(method) not in METHODS or not k.isdigit() or int(k) < 1:
-            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0, METHOD:K, METHOD{FOLLOW}:K or "
-                                             f"METHOD{TREE}:K with METHOD in {METHODS}, K >= 1")  # fmt: skip
+            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0, METHOD:K, METHOD{FOLLOW}:K, "
+                                             f"METHOD{TREE}:K or draft_model{PARALLEL}:K with METHOD in {METHODS}, "
+                                             f"K >= 1")  # fmt: skip
+        if PARALLEL in method and _base(method) != "draft_model":
+            raise argparse.ArgumentTypeError(f"config {item!r}: {PARALLEL} (parallel_drafting) is for draft_model")
         configs.append((method, int(k)))
     if ("k0", 0) not in configs:
         configs.insert(0, ("k0", 0))  # every ratio is against it
@@ -86,14 +91,16 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
 
 
 def _base(method: str) -> str:
-    """The method a configuration runs, without its ``+follow`` or ``+tree``."""
-    return method.removesuffix(FOLLOW).removesuffix(TREE)
+    """The method a configuration runs, without its ``+follow``, ``+pard`` or ``+tree``."""
+    return method.removesuffix(FOLLOW).removesuffix(PARALLEL).removesuffix(TREE)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "tiny-target")
     p.add_argument("--draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft")
+    p.add_argument("--pard-draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft-pard",
+                   help="draft_model+pard:K's draft: a PARD checkpoint naming its mask token (pard_token)")
     p.add_argument("--eagle3", type=Path, default=REPO_ROOT / "models" / "tiny-eagle3", help="EAGLE-3 head directory")
     p.add_argument("--mlp-speculator", type=Path, default=REPO_ROOT / "models" / "tiny-mlp-speculator")
     p.add_argument("--medusa", type=Path, default=REPO_ROOT / "models" / "tiny-medusa", help="Medusa heads directory")
@@ -233,7 +240,8 @@ class Run:
         if method.endswith(TREE):
             dynamic = self.args.dynamic_tree
             tree = DynamicTree(*map(int, dynamic.split(","))) if dynamic else parse_token_tree(self.args.token_tree)
-        return build_proposer(method_of(_base(method)), self.args, self.max_num_seqs, self.max_model_len, graphs, tree)
+        return build_proposer(method_of(_base(method)), self.args, self.max_num_seqs, self.max_model_len, graphs, tree,
+                              parallel=PARALLEL in method)  # fmt: skip
 
     def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):
         """One phase of ``method``'s stages; a METHOD+suffix one with a fresh router (the phases repeat the prompts)."""

@@ -28,6 +28,10 @@ class Method:
     drafts_dynamic_trees: bool = False  # EAGLE-2's dynamic tree (specdec.tree.DynamicTree)
     # a head whose weights are the target's own (MTP layers): read from the target's checkpoint, no model path
     in_target_checkpoint: bool = False
+    # drafts k tokens in one forward from mask tokens (PARD, vLLM's ``parallel_drafting``:
+    # specdec.proposers.pard) when its checkpoint names a mask token; eagle3 would need a
+    # P-EAGLE head, which is not built, so it declares none
+    parallel_drafting: bool = False
 
     def __post_init__(self):
         if self.kind not in (MODEL, HEAD, MODEL_FREE):
@@ -37,7 +41,7 @@ class Method:
 METHODS = {
     m.name: m
     for m in (
-        Method("draft_model", MODEL),
+        Method("draft_model", MODEL, parallel_drafting=True),
         Method("ngram", MODEL_FREE),
         Method("suffix", MODEL_FREE),
         Method("eagle3", HEAD, drafts_static_trees=True, drafts_dynamic_trees=True),

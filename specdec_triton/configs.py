@@ -78,6 +78,8 @@ class DraftProposerConfig:
     # speculative_token_tree, or speculative_eagle_topk and speculative_num_steps: the tree a head drafts
     # (specdec.tree); None: a chain
     token_tree: DraftTree | DynamicTree | None = None
+    # draft_model: PARD, all k drafts from one forward over mask tokens (specdec.proposers.pard)
+    parallel_drafting: bool = default("draft_proposer", "parallel_drafting")
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> DraftProposerConfig:
@@ -98,6 +100,7 @@ class DraftProposerConfig:
             sequence_idle_timeout_s=_idle_timeout(read),
             target_model=_head_target(read, method),
             max_model_len=_draft_max_model_len(read, method),
+            parallel_drafting=_parallel_drafting(read, method),
         )
         config = replace(config, most_drafts=_most_drafts(read, config))
         config = replace(config, token_tree=_token_tree(read, config))
@@ -172,6 +175,20 @@ def _suffix_first_config(read: Reader, method: str, suffix: SuffixConfig) -> Suf
         return SuffixFirstConfig(suffix, min_score, model_tokens)
     except ValueError as err:
         raise ParameterError(f"draft_proposer: parameter {err}") from None
+
+
+def _parallel_drafting(read: Reader, method: str) -> bool:
+    """vLLM's ``parallel_drafting``, for the methods that declare it (``specdec.methods``); refused by name for
+    the others. Whether the checkpoint names a mask token is checked where it loads (``specdec_triton.drafters``)."""
+    enabled = read("parallel_drafting")
+    if enabled and not METHODS[method].parallel_drafting:
+        able = [m.name for m in METHODS.values() if m.parallel_drafting]
+        why = ""
+        if method == "eagle3":
+            why = " (parallel EAGLE drafting needs a P-EAGLE head, which this server does not load)"
+        raise ParameterError(f"draft_proposer: parameter 'parallel_drafting' true is for methods {able}, not "
+                             f"{method!r}{why}")  # fmt: skip
+    return enabled
 
 
 def _draft_max_model_len(read: Reader, method: str) -> int | None:

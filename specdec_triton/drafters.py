@@ -21,6 +21,7 @@ from specdec.methods import METHODS
 from specdec.proposers import (
     PROPOSERS, DFlashProposer, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
 )  # fmt: skip
+from specdec.proposers.pard import ParallelDraftProposer, read_mask_token
 from specdec.tree import DraftTree
 from specdec.types import ModelDescription
 from specdec_triton import wire
@@ -51,10 +52,18 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
         path = config.target_model if METHODS[config.method].in_target_checkpoint else config.draft_model  # MTP: its own
         return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, path), config))
     _check_draft_window(config)
+    mask_token = read_mask_token(config.draft_model) if config.parallel_drafting else None  # before the load
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
                   log=log, cpu_compile=config.cpu_compile)  # fmt: skip
     description = describe_lm(lm, config.draft_model, config.method)
-    return LoadedDraft(PROPOSERS[config.method](lm), _with_suffix_first(description, config))  # a causal LM's
+    if mask_token is None:
+        proposer = PROPOSERS[config.method](lm)
+    else:
+        proposer = ParallelDraftProposer(lm, mask_token)
+        if log is not None:
+            log(f"parallel_drafting: {config.draft_model} drafts a step's tokens in one forward, mask token "
+                f"{mask_token} (pard_token)")
+    return LoadedDraft(proposer, _with_suffix_first(description, config))  # a causal LM's
 
 
 def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:

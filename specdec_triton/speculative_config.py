@@ -29,6 +29,7 @@ ENV_VAR = "SPECDEC_SPECULATIVE_CONFIG"
 PARAMETER = "speculative_config"  # in the orchestrator's config.pbtxt
 ORCHESTRATOR = "speculative_decoding"
 METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa", "mtp", "dflash")
+PARALLEL_DRAFTING_METHODS = ("draft_model",)  # specdec.methods' parallel_drafting, kept torch-free as METHODS is
 
 
 class SpeculativeConfigError(ValueError):
@@ -59,6 +60,8 @@ SETTINGS = {
     "enable_suffix_decoding": Setting("draft_proposer", "enable_suffix_decoding", bool, ("", "false")),
     "rejection_sample_method": Setting("rejection_sampler", "rejection_sample_method", str, ("", "probabilistic")),
     "speculative_token_tree": Setting("draft_proposer", "speculative_token_tree", str, ("",)),  # checked at load
+    # PARD: a draft_model drafting every token of a step in one forward (refused for other methods at load)
+    "parallel_drafting": Setting("draft_proposer", "parallel_drafting", bool, ("", "false")),
     **_SUFFIX,
 }
 # set by any speculative_config: vLLM has no per-batch-size table, k is fixed
@@ -118,6 +121,9 @@ def _check_keys(config: Mapping) -> None:
     if method in TARGET_CHECKPOINT_METHODS and "model" in config:
         raise SpeculativeConfigError(f"speculative_config key 'model' with method '{method}': its layers are read "
                                      f"from the target's checkpoint (target_verifier's target_model); leave 'model' out")
+    if config.get("parallel_drafting") is True and config.get("method", "draft_model") not in PARALLEL_DRAFTING_METHODS:
+        raise SpeculativeConfigError(f"speculative_config key 'parallel_drafting' true is for methods "
+                                     f"{list(PARALLEL_DRAFTING_METHODS)}, not {method!r}")  # fmt: skip
 
 
 def _as_text(name: str, value, kind: type) -> str:

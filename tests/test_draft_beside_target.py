@@ -28,7 +28,7 @@ from specdec.heads import build_head_proposer, describe_head
 from specdec.heads.formats import save_eagle3
 from specdec.heads.mtp import write_into_target
 from specdec.models import CachedCausalLM
-from specdec.proposers import DraftModelProposer
+from specdec.proposers import DraftModelProposer, ParallelDraftProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.scheduler import StepCapabilities, StepScheduler
 from specdec.speculation_length import SpeculationLength
@@ -140,6 +140,8 @@ def build(models, method):
     verifier = TargetVerifier(CachedCausalLM(target))
     if method == "draft_model":
         return DraftModelProposer(CachedCausalLM(draft)), verifier, ()
+    if method == "draft_model+parallel":  # PARD: every draft from one forward over mask tokens
+        return ParallelDraftProposer(CachedCausalLM(draft), mask_token_id=3), verifier, ()
     head = root / {"eagle3": "head", "mlp_speculator": "mlp", "medusa": "medusa", "mtp": "target", "dflash": "dflash"}[method]
     proposer = build_head_proposer(method, head, root / "target", max_num_seqs=8)
     return proposer, verifier, describe_head(proposer, str(head)).hidden_state_layers
@@ -163,7 +165,7 @@ def decode(stages, layers, params_of, rows_stay: bool, on_step=None,
     return [(list(state.output_ids), state.stats.num_accepted_tokens) for state in states]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator", "medusa", "mtp", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "draft_model+parallel", "mlp_speculator", "medusa", "mtp", "dflash"])
 @pytest.mark.parametrize("k", [1, 3, K])
 def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(models, method, k):
     def params(i):
@@ -195,7 +197,7 @@ def test_a_k_that_follows_acceptance_beside_the_target_keeps_the_targets_output(
     assert verifier.num_active_sequences == 0 and len(stages.beside.rows) == 0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mlp_speculator", "mtp", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "draft_model+parallel", "mlp_speculator", "mtp", "dflash"])
 def test_sampled_output_equals_the_two_stage_output_seed_for_seed(models, method):
     def params(i):
         sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)

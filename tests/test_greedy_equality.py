@@ -10,17 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from specdec.models import CachedCausalLM
+from specdec.models import CachedCausalLM, load_causal_lm
 from specdec.engine import GenerationParams
 from specdec.generate import generate
 from specdec.heads import build_head_proposer
-from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
+from specdec.proposers import DraftModelProposer, NgramProposer, ParallelDraftProposer, SuffixProposer, read_mask_token
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import RequestStats
 from specdec.verifier import TargetVerifier
 
 SHIPPED_TARGET = Path(__file__).resolve().parents[1] / "models" / "tiny-target"  # it carries an MTP layer
 TIE_TOLERANCE = 1e-4
+SHIPPED_PARD = Path(__file__).resolve().parents[1] / "models" / "tiny-draft-pard"
 NUM_NEW_TOKENS = 24
 KS = (1, 3, 5)
 
@@ -88,6 +89,8 @@ def make_proposer(method: str, target, draft):
         return DraftModelProposer(CachedCausalLM(draft))
     if method == "draft_equal":
         return DraftModelProposer(CachedCausalLM(target))
+    if method == "draft_parallel":  # PARD's one forward over masks; a random draft was never taught the mask
+        return ParallelDraftProposer(CachedCausalLM(draft), mask_token_id=7)
     if method == "suffix":  # one proposer for all prompts: each response joins its global tree
         return SuffixProposer()
     return NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
@@ -100,7 +103,7 @@ def random_references(target_model, hf_greedy):
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("method", ["draft_random", "draft_equal", "ngram", "suffix"])
+@pytest.mark.parametrize("method", ["draft_random", "draft_equal", "draft_parallel", "ngram", "suffix"])
 def test_random_models_match_target_greedy(method, k, target_model, draft_model, random_references):
     proposer = make_proposer(method, target_model, draft_model)
     vocab = target_model.config.vocab_size
@@ -120,13 +123,18 @@ def test_random_models_match_target_greedy(method, k, target_model, draft_model,
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix", "mtp"])
+@pytest.mark.parametrize("method", ["draft_model", "draft_model+parallel", "ngram", "suffix", "mtp"])
 def test_shipped_pair_matches_target_greedy(method, k, shipped_pair, hf_greedy):
     tokenizer, target = shipped_pair.tokenizer, shipped_pair.target
     eos = tokenizer.eos_token_id
     assert eos is not None, "the shipped tokenizer must define an EOS token"
     if method == "draft_model":
         proposer = DraftModelProposer(CachedCausalLM(shipped_pair.draft))
+    elif method == "draft_model+parallel":
+        if not SHIPPED_PARD.is_dir():
+            pytest.skip(f"{SHIPPED_PARD} not trained (scripts/train_pard_draft.py)")
+        pard = load_causal_lm(SHIPPED_PARD, dtype="float32")
+        proposer = ParallelDraftProposer(CachedCausalLM(pard), read_mask_token(SHIPPED_PARD))
     elif method == "suffix":
         proposer = SuffixProposer()
     elif method == "mtp":  # the shipped target's own MTP layer, chained k times

@@ -18,6 +18,8 @@ def test_every_reader_of_a_methods_kind_agrees_with_the_declaration():
     assert speculative_config.TARGET_CHECKPOINT_METHODS == in_target == ("mtp",)
     assert tuple(MODEL_FREE_METHODS) == names_of(MODEL_FREE) == ("ngram", "suffix")
     assert names_of(MODEL) == ("draft_model",)
+    parallel = tuple(name for name, method in METHODS.items() if method.parallel_drafting)
+    assert speculative_config.PARALLEL_DRAFTING_METHODS == parallel == ("draft_model",)
 
 
 def test_a_method_of_an_unknown_kind_is_refused_naming_it():

@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 from specdec.models import CachedCausalLM
 from specdec.engine import GenerationParams
 from specdec.generate import generate
-from specdec.proposers import DraftModelProposer, SuffixConfig, SuffixProposer
+from specdec.proposers import DraftModelProposer, ParallelDraftProposer, SuffixConfig, SuffixProposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.sampling import make_generator, process_logits, sample_from_probs
 from specdec.types import SampleResult, SamplingParams, VerifyResult
@@ -144,6 +144,17 @@ def test_speculative_sampling_matches_target_distribution(models, method):
     counts = sample_first_tokens(target, draft, sampler, NUM_SAMPLES)
     assert 0.05 < sampler.accepted / sampler.drafted < 0.95, "both accepted and rejected drafts must occur"
     assert chisquare_pvalue(counts, joint) > 1e-3
+
+
+def test_parallel_drafts_keep_target_distribution(models):
+    """PARD: draft j is drawn from its own mask row's q_j, which does not see drafts 1 .. j - 1; given that q_j
+    the sampler stays lossless (Leviathan et al.'s argument needs only that the draft was drawn from it)."""
+    target, draft = models
+    proposer = ParallelDraftProposer(CachedCausalLM(draft), mask_token_id=5)
+    sampler = CountingSampler(RejectionSampler("probabilistic"))
+    counts = sample_first_tokens(target, draft, sampler, NUM_SAMPLES, proposer=proposer)
+    assert 0.05 < sampler.accepted / sampler.drafted < 0.95, "both accepted and rejected drafts must occur"
+    assert chisquare_pvalue(counts, exact_joint(target)) > 1e-3
 
 
 def test_suffix_drafts_keep_target_distribution(models):

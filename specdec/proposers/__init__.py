@@ -10,6 +10,7 @@ from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 from specdec.proposers.model_free import MODEL_FREE_METHODS, describe_model_free, model_free_proposer
 from specdec.proposers.mtp import MTPProposer
 from specdec.proposers.ngram import NGRAM_DESCRIPTION, NgramProposer
+from specdec.proposers.pard import ParallelDraftProposer, read_mask_token
 from specdec.proposers.suffix import SUFFIX_DESCRIPTION, SuffixConfig, SuffixProposer
 
 PROPOSERS = {
@@ -42,6 +43,7 @@ __all__ = [
     "MODEL_FREE_METHODS",
     "MTPProposer",
     "NgramProposer",
+    "ParallelDraftProposer",
     "SUFFIX_DESCRIPTION",
     "SuffixConfig",
     "SuffixProposer",
@@ -51,4 +53,5 @@ __all__ = [
     "describe_model_free",
     "make_proposer",
     "model_free_proposer",
+    "read_mask_token",
 ]
