@@ -38,8 +38,8 @@ def tree_server(request, tmp_path_factory):
     elif request.param == "medusa":  # vLLM's JSON in draft_proposer's speculative_config parameter
         config = {"method": "medusa", "model": str(models / HEADS["medusa"]), "num_speculative_tokens": 8,
                   "speculative_token_tree": TREE}  # fmt: skip
-        parameters = {"speculative_config": json.dumps(config).replace('"', '\\"'),
-                      "speculation_follows_acceptance": "false"}  # fmt: skip
+        parameters = {"speculative_config": json.dumps(config).replace('"', '\\"'), "draft_model": "",
+                      "speculation_follows_acceptance": "false"}  # fmt: skip (draft_model: the JSON's, set once)
         repository, serve_args = repository_copy(workdir, models, "medusa", parameters=parameters), ()
     else:
         parameters = {**HEAD_PARAMETERS, "draft_model": str(models / HEADS[request.param])}
