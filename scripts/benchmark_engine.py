@@ -12,7 +12,7 @@ each concurrency, with the configurations interleaved round by round:
   the first K nodes of the static tree ``--token-tree``; ``METHOD+suffix:K`` (a model method)
   with suffix decoding in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
   ``METHOD+follow:K`` drafting at most K, each sequence as its acceptance and the measured
-  step costs say (``specdec.follow_acceptance``, the served default); ``draft_model+pard:K``
+  step costs say (``specdec.follow_acceptance``; off by default when served); ``draft_model+pard:K``
   the draft model ``--pard-draft`` drafting K tokens in one forward (PARD, ``parallel_drafting``);
 * each of them with CUDA graphs captured and without (``--cuda-graphs on,off``, CUDA only);
 * ``hf plain`` -- Hugging Face ``generate`` on the same target, one request at a time.
