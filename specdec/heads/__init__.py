@@ -86,17 +86,9 @@ def build_head_proposer(
         from specdec.proposers.eagle3 import Eagle3Proposer
 
         head = load_eagle3(path, target_path, torch_dtype, device)
+        positions = _place_decoder_head(head, target_path, torch_dtype, device, max_model_len)
         compiled = cpu_compile and torch.device(device).type == "cpu"
-        if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
-            pack_linears(head)  # as the fast engine does: small-row passes near memory bandwidth
-        if default_triton_attention(device):
-            head.use_triton_attention()
-        # the head's cache spans the target's positions (as in vLLM), not those its layer config names
-        positions = read_config(target_path).max_position_embeddings
-        if max_model_len is not None and max_model_len > positions:
-            raise ValueError(f"max_model_len {max_model_len} exceeds target {str(target_path)!r}'s "
-                             f"max_position_embeddings {positions}")  # fmt: skip
-        return Eagle3Proposer(head, max_num_seqs, max_model_len or positions, compiled, cuda_graphs, tree)
+        return Eagle3Proposer(head, max_num_seqs, positions, compiled, cuda_graphs, tree)
     if method == "medusa":
         from specdec.heads.medusa import load_medusa
         from specdec.proposers.medusa import MedusaProposer
@@ -134,6 +126,18 @@ def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, c
         raise ValueError("speculative_token_tree: method 'mtp' drafts a chain only; trees are drafted by eagle3 and "
                          "medusa")  # fmt: skip
     head = load_mtp(target_path, torch_dtype, device)
+    positions = _place_decoder_head(head, target_path, torch_dtype, device, max_model_len)
+    compiled = cpu_compile and torch.device(device).type == "cpu"
+    return MTPProposer(head, max_num_seqs, positions, compiled, cuda_graphs)
+
+
+def _place_decoder_head(head, target_path, torch_dtype, device, max_model_len: int | None) -> int:
+    """Set up a head that runs a decoder layer with its own cache (EAGLE-3, MTP); the positions its cache spans.
+
+    Its linears packed on CPU as the fast engine packs the target's (small-row passes near memory
+    bandwidth), the Triton attention where it runs; its cache spans the target's positions (as in
+    vLLM), not those its layer config names, or ``max_model_len`` where that is fewer.
+    """
     if torch.device(device).type == "cpu" and cpu_packing_available(torch_dtype):
         pack_linears(head)
     if default_triton_attention(device):
@@ -142,8 +146,7 @@ def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, c
     if max_model_len is not None and max_model_len > positions:
         raise ValueError(f"max_model_len {max_model_len} exceeds target {str(target_path)!r}'s "
                          f"max_position_embeddings {positions}")  # fmt: skip
-    compiled = cpu_compile and torch.device(device).type == "cpu"
-    return MTPProposer(head, max_num_seqs, max_model_len or positions, compiled, cuda_graphs)
+    return max_model_len or positions
 
 
 def describe_head(proposer, path: str | os.PathLike) -> ModelDescription:
