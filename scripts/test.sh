@@ -6,7 +6,8 @@
 #   scripts/test.sh ARGS...      # pytest ARGS as given, in one process (e.g. -k greedy, -m "not server")
 #
 # The unit tests run one torch thread each (tests/conftest.py), so pytest-xdist spreads their
-# files over the cores (`SPECDEC_TEST_WORKERS`, default: one per core). The end-to-end tests
+# tests over the cores (`SPECDEC_TEST_WORKERS`, default: one per core, at most 4, as each worker
+# holds its own models and compiled graphs in memory). The end-to-end tests
 # stay serial: each starts tritonservers of six model processes, and their fault tests time
 # how fast a server answers, which a second server starting beside it would distort.
 set -euo pipefail
@@ -17,9 +18,11 @@ pytest=(.venv/bin/python -m pytest -q -ra)
 if [ $# -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
+cores="$(nproc 2>/dev/null || echo 2)"
+workers="${SPECDEC_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
 status=0
-echo "[test] unit tests (${SPECDEC_TEST_WORKERS:-auto} workers)"
-"${pytest[@]}" -n "${SPECDEC_TEST_WORKERS:-auto}" --dist worksteal tests --ignore=tests/e2e || status=$?
+echo "[test] unit tests ($workers workers)"
+"${pytest[@]}" -n "$workers" --dist worksteal tests --ignore=tests/e2e || status=$?
 echo "[test] end-to-end tests"
 "${pytest[@]}" tests/e2e || status=$?
 exit "$status"
