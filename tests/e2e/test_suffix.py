@@ -81,9 +81,9 @@ def test_a_bad_repository_speculative_config_fails_the_load_naming_the_key(tmp_p
     repository = repository_copy(tmp_path, models_dir(), "draft_model", only=("speculative_decoding",))
     config = repository / "speculative_decoding" / "config.pbtxt"
     text = config.read_text().replace('key: "speculative_config" value: { string_value: "" }',
-                                      'key: "speculative_config" value: { string_value: "{\\"method\\": \\"mtp\\"}" }')
+                                      'key: "speculative_config" value: { string_value: "{\\"method\\": \\"eagle\\"}" }')
     assert text != config.read_text()
     config.write_text(text)
     server = server_on_free_ports(tmp_path, repository)
     assert server.run_until_exit() != 0
-    assert "speculative_config method 'mtp' is not supported yet" in server.log_tail(200)
+    assert "speculative_config method 'eagle' is not supported yet" in server.log_tail(200)
