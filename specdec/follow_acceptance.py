@@ -4,7 +4,8 @@ A step is worth what it yields per second (*goodput*, Liu et al. 2024, "Optimizi
 Speculative Decoding for Serving Large Language Models Using Goodput"). A sequence's
 ``j``-th draft adds to the step's expected tokens the chance that drafts 1 .. j all pass
 (``a^j`` at a per-draft acceptance rate ``a``, as in ``specdec.speculation_length``) and
-costs one draft token and one verify position, ``c`` seconds. So the step's goodput is
+costs one draft token and one verify position, ``c`` seconds (the propose call, and a chain
+drafter's forward per depth, are paid once a step: ``specdec.step_costs``). So the step's goodput is
 highest when it makes exactly the drafts worth more than the seconds they take at that
 goodput: each sequence drafts the largest ``k <= cap`` whose ``k``-th draft is worth more
 than ``c * N / T``, where ``N / T`` is the step's expected tokens per second with those
@@ -21,7 +22,7 @@ The parts, each pure:
 * :func:`probe_every` -- a sequence at k = 0 learns nothing of its drafts, so every so
   many steps it drafts one (a *probe*), no more often than costs :data:`PROBE_SHARE` of
   its tokens: drafts that pass again are seen, and drafted more;
-* :class:`CostMeter` -- the costs as running means of the steps' measured seconds.
+* ``specdec.step_costs.CostMeter`` -- the costs, fitted to the steps' measured seconds.
 
 :class:`DraftLengths` is the thin stateful layer the step scheduler holds: the
 population's estimate and the meter. Each sequence's estimate is its state's
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from specdec.speculation_length import SpeculationLength
+from specdec.step_costs import CostMeter, DraftCosts, StepTiming
 
 if TYPE_CHECKING:  # the state imports this module for its estimate
     from specdec.engine import SequenceState
@@ -50,8 +52,6 @@ PRIOR_WEIGHT = 4.0
 PRIOR_FLOOR = 0.5
 INITIAL_RATE = 0.8  # the population's rate before any step: the first requests draft up to the table's k
 PROBE_SHARE = 0.01  # the most of the tokens that probes of sequences at k = 0 may cost
-COST_DECAY = 0.98  # a step's timing weighs this much of the one before: the costs of about the last 50 steps
-MIN_ROWS_SPREAD = 0.25  # variance of the rows verified (rows^2) below which no slope can be read off the steps
 
 
 @dataclass(frozen=True)
@@ -103,45 +103,35 @@ class AcceptanceEstimate:
         return values
 
 
-@dataclass(frozen=True)
-class DraftCosts:
-    """What a step's parts cost, in seconds: the three inputs of the goodput rule."""
-
-    step_s: float  # the step's cost that no draft or sequence changes: fixed verify cost, calls, the loop
-    verify_row_s: float  # each position the target verifies: a sequence's last token, and each draft
-    draft_s: float  # each draft token one sequence is proposed
-
-    def __post_init__(self) -> None:
-        if min(self.step_s, self.verify_row_s, self.draft_s) < 0 or self.step_s + self.verify_row_s <= 0:
-            raise ValueError(f"costs must be >= 0 and a step must take time, got {self}")
-
-    def seconds(self, num_sequences: int, num_drafts: int) -> float:
-        return self.step_s + self.verify_row_s * (num_sequences + num_drafts) + self.draft_s * num_drafts
-
-
 def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts) -> list[int]:
     """Each sequence's k (at most ``len(values[i])``) that together maximise the step's expected tokens per second.
 
     ``values[i][j - 1]`` is what sequence ``i``'s ``j``-th draft adds to the step's expected
-    tokens, falling with ``j`` (``a^j`` at a known rate ``a``). Every draft costs the same,
-    so the best set of drafts is the most valuable ones: sorted by value, drafts are added
-    while each is worth more than its seconds at the goodput so far (a draft raises ``N /
-    T`` exactly when ``value / c > N / T``), which stops at the maximum because the values
-    only fall. A sequence's values fall with ``j``, so its drafts taken are ``1 .. k_i``.
-    Ties draft less.
+    tokens, falling with ``j`` (``a^j`` at a known rate ``a``). For a depth ``D`` (the longest
+    chain, whose forwards and call are paid once, ``DraftCosts.depth_s``), every further
+    draft costs the same, so the best ``m`` drafts are the ``m`` most valuable, and since a
+    sequence's values fall with ``j`` they are its drafts ``1 .. k_i``. Among those, drafts
+    raise ``N / T`` exactly while each is worth more than its seconds at the goodput so far
+    (``value / c > N / T``): the first that is not is where to stop. Each depth's best is
+    compared with the others' and with no drafts at all. Ties draft less.
     """
     if any(v < 0 or v > 1 for row in values for v in row):
         raise ValueError(f"a draft adds between 0 and 1 expected tokens, got {[list(row) for row in values]}")
-    ranked = sorted(((v, i) for i, row in enumerate(values) for v in row), reverse=True)
-    tokens, seconds = float(len(values)), costs.seconds(len(values), 0)  # each sequence's recovered or bonus token
+    n = len(values)
+    best_ks, best = [0] * n, n / costs.seconds(n, 0, 0)  # each sequence's recovered or bonus token
     per_draft = costs.verify_row_s + costs.draft_s
-    ks = [0] * len(values)
-    for value, i in ranked:
-        if value * seconds <= tokens * per_draft:  # value / per_draft <= tokens / seconds: no gain
-            break
-        tokens, seconds = tokens + value, seconds + per_draft
-        ks[i] += 1
-    return ks
+    for depth in range(1, max(map(len, values), default=0) + 1):
+        ranked = sorted(((v, i) for i, row in enumerate(values) for v in row[:depth]), reverse=True)
+        tokens, seconds = float(n), costs.seconds(n, depth, depth) - depth * per_draft  # the depth's fixed part
+        ks = [0] * n
+        for value, i in ranked:
+            if value * seconds <= tokens * per_draft:  # value / per_draft <= tokens / seconds: no gain
+                break
+            tokens, seconds = tokens + value, seconds + per_draft
+            ks[i] += 1
+        if max(ks) == depth and tokens / seconds > best:  # a shorter longest chain was priced at its own depth
+            best_ks, best = ks, tokens / seconds
+    return best_ks
 
 
 def probe_every(costs: DraftCosts, num_sequences: int) -> int:
@@ -152,8 +142,8 @@ def probe_every(costs: DraftCosts, num_sequences: int) -> int:
     sequence every ``n`` steps (each yielding about a token per sequence) so loses
     ``G * c / n`` of the tokens.
     """
-    goodput = num_sequences / costs.seconds(num_sequences, 0)
-    lost = goodput * (costs.verify_row_s + costs.draft_s)
+    goodput = num_sequences / costs.seconds(num_sequences, 0, 0)
+    lost = goodput * (costs.seconds(num_sequences, 1, 1) - costs.seconds(num_sequences, 0, 0))  # alone: the call too
     return max(1, math.ceil(lost / PROBE_SHARE))
 
 
@@ -164,63 +154,6 @@ def choose_ks(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost
     every = probe_every(costs, len(estimates))
     return [1 if k == 0 and cap > 0 and e.steps_without_drafts >= every else k
             for k, cap, e in zip(ks, caps, estimates)]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """What one step fed and took: the meter's one observation."""
-
-    rows: int  # positions the target verified: prompts, and each sequence's last token and drafts
-    num_drafts: int  # draft tokens proposed
-    propose_s: float  # the propose call's seconds (0 where the draft runs inside the verify call)
-    rest_s: float  # the rest of the step: the verify call, the sampler, the loop
-
-
-@dataclass(frozen=True)
-class CostMeter:
-    """:class:`DraftCosts` as running means of measured steps, older ones fading by :data:`COST_DECAY`.
-
-    The rest of the step is fitted as a line in the rows verified: its slope is the cost
-    of a verify position and its intercept the step's fixed cost. Prefills (a whole
-    prompt) and steps of different batch sizes and k spread the rows, which is what lets
-    the slope be read; before any spread every second is charged to the rows, so that the
-    first steps after a start do not draft the cap where verifying rows is dear. A draft
-    token costs the propose calls' seconds over the drafts they made (calls that fed a
-    prompt left out: ``StepLengths.steady``); where the draft runs inside the verify call,
-    its cost is in the slope, since drafts add rows.
-    """
-
-    weight: float = 0.0  # decayed count of steps
-    rows: float = 0.0  # decayed sums, over steps: rows, rest_s, rows^2, rows * rest_s
-    rest_s: float = 0.0
-    rows_sq: float = 0.0
-    rows_rest: float = 0.0
-    num_drafts: float = 0.0  # decayed sums, over drafting steps
-    propose_s: float = 0.0
-
-    def after(self, timing: StepTiming) -> CostMeter:
-        """The meter with one more step measured."""
-        if timing.rows < 1 or timing.num_drafts < 0 or min(timing.propose_s, timing.rest_s) < 0:
-            raise ValueError(f"a step verifies at least one row and takes no negative time, got {timing}")
-        d, x, y = COST_DECAY, float(timing.rows), timing.rest_s
-        drafted = timing.num_drafts > 0
-        return CostMeter(d * self.weight + 1, d * self.rows + x, d * self.rest_s + y, d * self.rows_sq + x * x,
-                         d * self.rows_rest + x * y, d * self.num_drafts + timing.num_drafts,
-                         d * self.propose_s + (timing.propose_s if drafted else 0.0))  # fmt: skip
-
-    def costs(self) -> DraftCosts | None:
-        """The costs measured so far; None before any step."""
-        if self.weight == 0 or self.rest_s <= 0:
-            return None
-        mean_x, mean_y = self.rows / self.weight, self.rest_s / self.weight
-        spread = self.rows_sq / self.weight - mean_x**2
-        if spread > MIN_ROWS_SPREAD:
-            slope = (self.rows_rest / self.weight - mean_x * mean_y) / spread
-            slope = min(max(slope, 0.0), mean_y / mean_x)  # neither a negative cost nor a negative intercept
-        else:  # the rows never varied: every second is the rows', so no draft looks free
-            slope = mean_y / mean_x
-        draft_s = self.propose_s / self.num_drafts if self.num_drafts > 0 else 0.0
-        return DraftCosts(step_s=max(0.0, mean_y - slope * mean_x), verify_row_s=slope, draft_s=draft_s)
 
 
 @dataclass(frozen=True)
@@ -248,12 +181,16 @@ class DraftLengths:
         # every sequence's drafts; its rate starts at INITIAL_RATE, outweighed after a step or two
         self.population = AcceptanceEstimate(prior_weight=1.0)
         self.meter = CostMeter()
+        self.steps_exploring = 0
 
     def choose(self, states: Sequence[SequenceState]) -> StepLengths:
         """Each ``SequenceState``'s k in a step; the cap for all before any step is measured.
 
-        Until a draft's cost has been measured, a sequence drafts at most one: a first step
-        at the cap could cost many plain steps where drafts are dear.
+        Until a draft's cost and a verify row's have been read (a draft made, and the rows
+        varied), each sequence drafts one every other step: a step at the cap could cost
+        many plain steps where drafts are dear, a step without drafts teaches nothing of
+        them, and steps that alternate between no draft and one vary the rows, which is what
+        lets a row's cost be read.
         """
         cap = self.speculation.k_for(len(states))
         if not self.speculation.follows_acceptance:  # the table alone: nothing else to read per step
@@ -261,9 +198,11 @@ class DraftLengths:
         costs = self.fixed_costs or self.meter.costs()
         if cap == 0 or costs is None:
             ks = [cap] * len(states)
+        elif not (self.fixed_costs or (self.meter.rows_read and self.meter.measured_drafts)):
+            self.steps_exploring += 1
+            ks = [min(self.steps_exploring % 2, state.num_draft_tokens()) for state in states]
         else:
-            most = cap if self.fixed_costs or self.meter.num_drafts > 0 else 1
-            caps = [min(most, state.num_draft_tokens()) for state in states]
+            caps = [min(cap, state.num_draft_tokens()) for state in states]
             prior = self.population.rate(INITIAL_RATE)
             ks = choose_ks([state.acceptance for state in states], caps, costs, prior)
         feeds = [s.num_unsent_to_proposer() for s, k in zip(states, ks) if k and s.num_draft_tokens()]
@@ -280,5 +219,8 @@ class DraftLengths:
             self.population = self.population.observed(sum(a for _, a in drafting),
                                                        sum(float(a < n) for n, a in drafting))  # fmt: skip
         num_drafts = sum(n for n, _ in drafting) if lengths.steady else 0  # a prompt fed costs more than drafts
-        timing = StepTiming(rows, num_drafts, propose_s if num_drafts else 0.0, max(0.0, step_s - propose_s))
+        depth = max((n for n, _ in drafting), default=0) if num_drafts else 0
+        decode = rows == len(judged) + sum(n for n, _ in drafting)  # else a prompt was among the rows
+        timing = StepTiming(rows, num_drafts, depth, propose_s if num_drafts else 0.0, max(0.0, step_s - propose_s),
+                            decode)  # fmt: skip
         self.meter = self.meter.after(timing)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -16,17 +16,15 @@ import torch
 from specdec.follow_acceptance import (
     PROBE_SHARE,
     AcceptanceEstimate,
-    CostMeter,
-    DraftCosts,
     DraftLengths,
     StepLengths,
-    StepTiming,
     choose_ks,
     goodput_ks,
     probe_every,
 )
 from specdec.scheduler import StepScheduler
 from specdec.speculation_length import SpeculationLength
+from specdec.step_costs import DraftCosts
 from specdec.types import Proposal
 from test_scheduler import VOCAB, ScriptedStages, greedy_reference, make_state, next_token, run_all
 
@@ -41,7 +39,7 @@ def step_k(estimate: AcceptanceEstimate, costs=GPU, cap=CAP, population_rate=0.8
 
 def goodput(values, ks, costs) -> float:
     tokens = sum(1 + sum(row[:k]) for row, k in zip(values, ks))
-    return tokens / costs.seconds(len(values), sum(ks))
+    return tokens / costs.seconds(len(values), sum(ks), max(ks, default=0))
 
 
 def test_a_step_counts_its_accepted_drafts_and_at_most_one_rejection():
@@ -74,7 +72,13 @@ def test_draft_values_are_the_chance_that_every_draft_up_to_each_passes():
     assert AcceptanceEstimate(0.0, 50.0).draft_values(0.0, 3) == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("costs", [GPU, COMPUTE_BOUND, DraftCosts(1e-3, 1e-3, 1e-3), DraftCosts(0.0, 1e-3, 0.0)])
+SERVED_DRAFT = DraftCosts(step_s=5e-3, verify_row_s=1e-4, draft_s=5e-4, call_s=2e-3)  # a hop to the draft's model
+# a draft model at many streams: each depth is a forward over the batch, a further sequence at that depth nearly free
+DRAFT_FORWARDS = DraftCosts(step_s=5e-3, verify_row_s=1e-4, draft_s=2e-5, call_s=1e-4, depth_s=1.5e-3)
+
+
+@pytest.mark.parametrize("costs", [GPU, COMPUTE_BOUND, DraftCosts(1e-3, 1e-3, 1e-3), DraftCosts(0.0, 1e-3, 0.0),
+                                   SERVED_DRAFT, DraftCosts(1e-3, 1e-4, 1e-4, call_s=5e-3), DRAFT_FORWARDS])  # fmt: skip
 def test_goodput_ks_maximise_expected_tokens_per_second(costs):
     rng = random.Random(1)
     for _ in range(40):
@@ -84,6 +88,14 @@ def test_goodput_ks_maximise_expected_tokens_per_second(costs):
         best = max(goodput(values, c, costs) for c in itertools.product(*(range(cap + 1) for cap in caps)))
         assert goodput(values, ks, costs) == pytest.approx(best, rel=1e-12)
         assert all(0 <= k <= cap for k, cap in zip(ks, caps))
+
+
+def test_a_call_cost_is_paid_once_so_a_few_drafts_may_lose_where_more_win():
+    values = [[0.8**j for j in range(1, 9)]]
+    per_token = DraftCosts(5e-3, 1e-4, 5e-4 + 2e-3 / 4)  # the call's 2 ms charged to each of 4 drafts
+    assert goodput_ks(values, SERVED_DRAFT) == [6] and goodput_ks(values, per_token) == [4]
+    assert goodput_ks([[0.3, 0.09]], SERVED_DRAFT) == [0]  # worth a draft's cost, not the call's too
+    assert goodput_ks([[0.3, 0.09]], replace(SERVED_DRAFT, call_s=0.0)) == [1]
 
 
 def test_the_cap_bounds_k_and_free_drafts_fill_it():
@@ -124,14 +136,14 @@ def test_a_sequence_at_zero_probes_and_drafts_more_again_once_its_drafts_pass():
     assert step_k(estimate, population_rate=0.02) == CAP
 
 
-@pytest.mark.parametrize("costs", [GPU, COMPUTE_BOUND, DraftCosts(10e-3, 0.0, 5e-3)])
+@pytest.mark.parametrize("costs", [GPU, COMPUTE_BOUND, DraftCosts(10e-3, 0.0, 5e-3), SERVED_DRAFT])
 def test_failing_drafts_cost_no_more_than_the_probe_share(costs):
     estimate, seconds, steps = AcceptanceEstimate(0.0, 20.0), 0.0, 2000
     for _ in range(steps):
         k = step_k(estimate, costs, population_rate=0.0)
-        seconds += costs.seconds(1, k)
+        seconds += costs.seconds(1, k, k)
         estimate = estimate.after(k, 0)
-    assert steps * costs.seconds(1, 0) / seconds >= 1 - 1.5 * PROBE_SHARE  # tokens/s against k = 0
+    assert steps * costs.seconds(1, 0, 0) / seconds >= 1 - 1.5 * PROBE_SHARE  # tokens/s against k = 0
 
 
 def test_where_a_verify_position_is_dear_a_batch_drafts_less():
@@ -142,19 +154,12 @@ def test_where_a_verify_position_is_dear_a_batch_drafts_less():
     assert min(choose_ks(estimates, [CAP] * 16, batched_draft, 0.7)) >= 4
 
 
-def test_the_meter_reads_the_costs_off_the_steps():
-    assert CostMeter().costs() is None
-    meter = CostMeter()
-    for i in range(200):  # rows of 4 .. 36 and some prefills; a propose call of 0.5 ms a draft
-        rows, drafts = (4 + 8 * (i % 5), 8 * (i % 5)) if i % 20 else (300, 0)
-        meter = meter.after(StepTiming(rows, drafts, 5e-4 * drafts, 10e-3 + 2e-5 * rows))
-    costs = meter.costs()
-    assert costs.step_s == pytest.approx(10e-3) and costs.verify_row_s == pytest.approx(2e-5)
-    assert costs.draft_s == pytest.approx(5e-4)
-    unspread = CostMeter().after(StepTiming(100, 0, 0.0, 20e-3))  # one prefill: nothing tells rows from the rest
-    assert unspread.costs() == DraftCosts(step_s=0.0, verify_row_s=2e-4, draft_s=0.0)
-    with pytest.raises(ValueError, match="at least one row"):
-        CostMeter().after(StepTiming(0, 0, 0.0, 1e-3))
+def test_a_depth_is_paid_once_so_a_batch_drafts_to_one_depth():
+    estimates = [AcceptanceEstimate(90.0, 10.0)] + [AcceptanceEstimate(35.0, 15.0)] * 15  # 0.9, and 0.7 per draft
+    ks = choose_ks(estimates, [CAP] * 16, DRAFT_FORWARDS, 0.7)
+    assert ks == [1] * 16  # a second forward over all sixteen is worth less than its seconds
+    per_token = replace(DRAFT_FORWARDS, depth_s=0.0, draft_s=DRAFT_FORWARDS.depth_s / 16)  # its cost shared out
+    assert choose_ks(estimates, [CAP] * 16, per_token, 0.7) == [5] + [1] * 15  # the 0.9 one: 4 forwards for all
 
 
 @dataclass
@@ -181,19 +186,44 @@ def test_with_the_knob_off_every_sequence_drafts_the_table_s_k():
     assert (lengths.meter, lengths.population) == before
 
 
-def test_the_cap_applies_until_a_step_is_measured_and_one_draft_until_a_draft_is():
+def test_the_cap_applies_until_a_step_is_measured_and_one_draft_until_both_costs_are():
     lengths = DraftLengths(SpeculationLength(CAP, follows_acceptance=True))
-    assert lengths.choose([FakeState()]).ks == (CAP,)
-    lengths.observe([(0, 0)], 100, StepLengths(CAP, (CAP,)), 0.0, 20e-3)  # a prefill
-    lengths.observe([(0, 0)], 1, StepLengths(CAP, (0,)), 0.0, 10e-3)
-    assert lengths.choose([FakeState()]).ks == (1,)
+    assert lengths.choose([FakeState()]).ks == (CAP,)  # nothing measured: the table's k
+    lengths.observe([(0, 0)], 100, StepLengths(CAP, (CAP,)), 0.0, 20e-3)  # a prefill: no row's cost read off it
+    assert lengths.meter.costs() is None and lengths.choose([FakeState()]).ks == (CAP,)
     prompt_fed = lengths.choose([FakeState(unsent=50)])
     assert not prompt_fed.steady
-    lengths.observe([(1, 1)], 2, prompt_fed, 30e-3, 40e-3)  # the draft read a prompt: not a draft's cost
-    assert lengths.meter.num_drafts == 0 and lengths.choose([FakeState()]).ks == (1,)
-    lengths.observe([(1, 1)], 2, lengths.choose([FakeState()]), 1e-4, 10e-3)
-    assert lengths.meter.costs().draft_s == pytest.approx(1e-4) and lengths.choose([FakeState()]).ks == (CAP,)
+    lengths.observe([(CAP, CAP)], CAP + 1, prompt_fed, 30e-3, 40e-3)  # the draft read a prompt: not a draft's cost
+    assert not lengths.meter.measured_drafts and lengths.choose([FakeState()]).ks == (1,)  # one draft, to read its cost
+    lengths.observe([(1, 1)], 2, StepLengths(CAP, (1,)), 1e-4, 10e-3)
+    costs = lengths.meter.costs()  # one sequence: its depth and its drafts are one number, read as depth
+    assert lengths.meter.measured_drafts and (costs.depth_s, costs.draft_s) == (pytest.approx(1e-4), 0.0)
+    assert lengths.choose([FakeState()]).ks == (CAP,)
     assert lengths.population.rate(0.8) > 0.8
+
+
+@pytest.mark.parametrize("num_sequences", [1, 16])
+@pytest.mark.parametrize("passing", [False, True])
+def test_costs_read_off_the_steps_bring_failing_drafts_to_probes_and_passing_ones_to_the_cap(num_sequences, passing):
+    """The whole loop on measured (made-up) seconds: a row 0.1 ms, a draft forward 1.5 ms, at 1 and 16 streams."""
+    lengths, states = DraftLengths(SpeculationLength(CAP, follows_acceptance=True)), []
+    states = [FakeState(AcceptanceEstimate()) for _ in range(num_sequences)]
+    lengths.observe([(0, 0)] * num_sequences, 100 * num_sequences, StepLengths(CAP, (0,) * num_sequences), 0.0, 0.05)
+    drafted = []
+    for step in range(400):
+        chosen = lengths.choose(states)
+        ks = list(chosen.ks)
+        accepted = [k if passing else 0 for k in ks]
+        rows, depth = num_sequences + sum(ks), max(ks)
+        propose_s = (0.2e-3 + 1.5e-3 * depth) if depth else 0.0
+        lengths.observe(list(zip(ks, accepted)), rows, chosen, propose_s, propose_s + 5e-3 + 1e-4 * rows)
+        states = [replace(s, acceptance=s.acceptance.after(k, a)) for s, k, a in zip(states, ks, accepted)]
+        drafted.append(sum(ks))
+    late = drafted[100:]
+    if passing:  # every draft passes: each sequence drafts the cap, at one stream and at sixteen
+        assert min(late) == CAP * num_sequences
+    else:  # a probe now and then: well under the probe share of the steps' seconds
+        assert sum(late) <= len(late) * num_sequences * 0.05
 
 
 class RightAndWrongDrafts(ScriptedStages):
