@@ -51,6 +51,11 @@ DECAY = 0.95
 PRIOR_WEIGHT = 4.0
 PRIOR_FLOOR = 0.5
 INITIAL_RATE = 0.8  # the population's rate before any step: the first requests draft up to the table's k
+# How much more than plain decoding's goodput a step's drafts must promise. The rule's model
+# leaves costs out: a draft model reads each prompt (and what it missed while at k = 0) before
+# its first draft, and the measured costs carry a busy machine's noise. Drafts that promise
+# less than this are as likely to lose as to win, and k = 0 never loses to itself.
+DRAFT_MARGIN = 0.15
 PROBE_SHARE = 0.01  # the most of the tokens that probes of sequences at k = 0 may cost
 
 
@@ -103,7 +108,7 @@ class AcceptanceEstimate:
         return values
 
 
-def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts) -> list[int]:
+def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts, margin: float = 0.0) -> list[int]:
     """Each sequence's k (at most ``len(values[i])``) that together maximise the step's expected tokens per second.
 
     ``values[i][j - 1]`` is what sequence ``i``'s ``j``-th draft adds to the step's expected
@@ -113,12 +118,13 @@ def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts) -> list[int
     sequence's values fall with ``j`` they are its drafts ``1 .. k_i``. Among those, drafts
     raise ``N / T`` exactly while each is worth more than its seconds at the goodput so far
     (``value / c > N / T``): the first that is not is where to stop. Each depth's best is
-    compared with the others' and with no drafts at all. Ties draft less.
+    compared with the others' and with no drafts at all, which drafts must beat by
+    ``margin`` (a share of its goodput). Ties draft less.
     """
     if any(v < 0 or v > 1 for row in values for v in row):
         raise ValueError(f"a draft adds between 0 and 1 expected tokens, got {[list(row) for row in values]}")
     n = len(values)
-    best_ks, best = [0] * n, n / costs.seconds(n, 0, 0)  # each sequence's recovered or bonus token
+    best_ks, best = [0] * n, (1 + margin) * n / costs.seconds(n, 0, 0)  # each sequence's recovered or bonus token
     per_draft = costs.verify_row_s + costs.draft_s
     for depth in range(1, max(map(len, values), default=0) + 1):
         ranked = sorted(((v, i) for i, row in enumerate(values) for v in row[:depth]), reverse=True)
@@ -134,26 +140,32 @@ def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts) -> list[int
     return best_ks
 
 
-def probe_every(costs: DraftCosts, num_sequences: int) -> int:
+def probe_every(costs: DraftCosts, num_sequences: int, unsent: int = 0) -> int:
     """Steps between a non-drafting sequence's one-draft probes: a probe then spends at most :data:`PROBE_SHARE`.
 
-    A probe that fails yields nothing for its ``c`` seconds, which the step would have
-    turned into ``G * c`` tokens at its goodput without drafts ``G``; one probe per
-    sequence every ``n`` steps (each yielding about a token per sequence) so loses
-    ``G * c / n`` of the tokens.
+    A probe that fails yields nothing for its seconds, which the step would have turned
+    into ``G * c`` tokens at its goodput without drafts ``G``; one probe per sequence every
+    ``n`` steps (each yielding about a token per sequence) so loses ``G * c / n`` of the
+    tokens. Its seconds are a draft's, and, alone in its step, the call's and a depth's; and
+    the ``unsent`` tokens its drafter must read first (``DraftCosts.feed_s``): a draft model
+    that never drafted for a sequence reads its whole prompt, which makes the first probe
+    of a long prompt the dearest.
     """
     goodput = num_sequences / costs.seconds(num_sequences, 0, 0)
-    lost = goodput * (costs.seconds(num_sequences, 1, 1) - costs.seconds(num_sequences, 0, 0))  # alone: the call too
-    return max(1, math.ceil(lost / PROBE_SHARE))
+    probe_s = costs.seconds(num_sequences, 1, 1) - costs.seconds(num_sequences, 0, 0) + costs.feed_s * unsent
+    return max(1, math.ceil(goodput * probe_s / PROBE_SHARE))
 
 
 def choose_ks(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], costs: DraftCosts,
-              population_rate: float) -> list[int]:  # fmt: skip
-    """The goodput rule over each sequence's rate, and a probe of one draft for a sequence long at k = 0."""
-    ks = goodput_ks([e.draft_values(population_rate, cap) for e, cap in zip(estimates, caps)], costs)
-    every = probe_every(costs, len(estimates))
-    return [1 if k == 0 and cap > 0 and e.steps_without_drafts >= every else k
-            for k, cap, e in zip(ks, caps, estimates)]  # fmt: skip
+              population_rate: float, unsent: Sequence[int] | None = None) -> list[int]:  # fmt: skip
+    """The goodput rule over each sequence's rate, and a probe of one draft for a sequence long at k = 0.
+
+    ``unsent``: the tokens each sequence's drafter has not read (its probe's catch-up).
+    """
+    ks = goodput_ks([e.draft_values(population_rate, cap) for e, cap in zip(estimates, caps)], costs, DRAFT_MARGIN)
+    unsent = unsent or [0] * len(estimates)
+    return [1 if k == 0 and cap > 0 and e.steps_without_drafts >= probe_every(costs, len(estimates), u) else k
+            for k, cap, e, u in zip(ks, caps, estimates, unsent)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,7 @@ class StepLengths:
     # no drafting sequence feeds its proposer more than cap + 1 tokens (its prompt, or what
     # it missed at k = 0): the propose call then costs what its drafts cost, and is measured
     steady: bool = True
+    fed: int = 0  # tokens the drafting sequences feed their proposer
 
 
 class DraftLengths:
@@ -182,9 +195,10 @@ class DraftLengths:
         self.population = AcceptanceEstimate(prior_weight=1.0)
         self.meter = CostMeter()
         self.steps_exploring = 0
+        self.steps_without_drafts = 0  # steps in which no sequence drafted: the population's own probe
 
     def choose(self, states: Sequence[SequenceState]) -> StepLengths:
-        """Each ``SequenceState``'s k in a step; the cap for all before any step is measured.
+        """Each ``SequenceState``'s k in a step.
 
         Until a draft's cost and a verify row's have been read (a draft made, and the rows
         varied), each sequence drafts one every other step: a step at the cap could cost
@@ -196,17 +210,34 @@ class DraftLengths:
         if not self.speculation.follows_acceptance:  # the table alone: nothing else to read per step
             return StepLengths(cap, (cap,) * len(states), True)
         costs = self.fixed_costs or self.meter.costs()
-        if cap == 0 or costs is None:
-            ks = [cap] * len(states)
-        elif not (self.fixed_costs or (self.meter.rows_read and self.meter.measured_drafts)):
+        if cap == 0:
+            ks = [0] * len(states)
+        elif costs is None or not (self.fixed_costs or (self.meter.rows_read and self.meter.measured_drafts)):
             self.steps_exploring += 1
             ks = [min(self.steps_exploring % 2, state.num_draft_tokens()) for state in states]
         else:
             caps = [min(cap, state.num_draft_tokens()) for state in states]
             prior = self.population.rate(INITIAL_RATE)
-            ks = choose_ks([state.acceptance for state in states], caps, costs, prior)
+            unsent = [state.num_unsent_to_proposer() for state in states]
+            ks = choose_ks([state.acceptance for state in states], caps, costs, prior, unsent)
+            ks = self._population_probe(ks, caps, unsent, costs)
         feeds = [s.num_unsent_to_proposer() for s, k in zip(states, ks) if k and s.num_draft_tokens()]
-        return StepLengths(cap, tuple(ks), max(feeds, default=0) <= cap + 1)
+        return StepLengths(cap, tuple(ks), max(feeds, default=0) <= cap + 1, sum(feeds))
+
+    def _population_probe(self, ks: list[int], caps: list[int], unsent: list[int], costs: DraftCosts) -> list[int]:
+        """One draft for the sequence cheapest to probe, once no sequence has drafted for its probe's interval.
+
+        A sequence's own probes can be rarer than its life (its catch-up is long); requests
+        come and go, so without this, drafts that failed once would never be tried again.
+        """
+        self.steps_without_drafts = 0 if any(ks) else self.steps_without_drafts + 1
+        able = [i for i, cap in enumerate(caps) if cap > 0]
+        if any(ks) or not able:
+            return ks
+        cheapest = min(able, key=lambda i: unsent[i])
+        if self.steps_without_drafts >= probe_every(costs, len(ks), unsent[cheapest]):
+            ks, self.steps_without_drafts = [1 if i == cheapest else 0 for i in range(len(ks))], 0
+        return ks
 
     def observe(self, judged: Sequence[tuple[int, int]], rows: int, lengths: StepLengths, propose_s: float,
                 step_s: float) -> None:  # fmt: skip
@@ -221,6 +252,9 @@ class DraftLengths:
         num_drafts = sum(n for n, _ in drafting) if lengths.steady else 0  # a prompt fed costs more than drafts
         depth = max((n for n, _ in drafting), default=0) if num_drafts else 0
         decode = rows == len(judged) + sum(n for n, _ in drafting)  # else a prompt was among the rows
-        timing = StepTiming(rows, num_drafts, depth, propose_s if num_drafts else 0.0, max(0.0, step_s - propose_s),
-                            decode)  # fmt: skip
+        steady_fed = sum(1 + a for n, a in drafting)  # each drafting sequence's last token and its accepted drafts
+        fed = 0 if lengths.steady else max(0, lengths.fed - steady_fed)
+        depth = depth or max((n for n, _ in drafting), default=0)
+        timing = StepTiming(rows, num_drafts, depth, propose_s if drafting else 0.0, max(0.0, step_s - propose_s),
+                            decode, fed)  # fmt: skip
         self.meter = self.meter.after(timing)

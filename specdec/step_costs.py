@@ -36,9 +36,12 @@ class DraftCosts:
     draft_s: float  # each draft token one sequence is proposed, beyond its depth's forward
     call_s: float = 0.0  # the propose call's own cost, paid once by a step that drafts at all
     depth_s: float = 0.0  # each draft position any sequence reaches: a chain drafter's sequential forward
+    # each token a drafter reads before its drafts beyond the last one and the accepted: a
+    # prompt, or what a sequence missed at k = 0 (a draft model's catch-up; nothing for n-gram)
+    feed_s: float = 0.0
 
     def __post_init__(self) -> None:
-        parts = (self.step_s, self.verify_row_s, self.draft_s, self.call_s, self.depth_s)
+        parts = (self.step_s, self.verify_row_s, self.draft_s, self.call_s, self.depth_s, self.feed_s)
         if min(parts) < 0 or self.step_s + self.verify_row_s <= 0:
             raise ValueError(f"costs must be >= 0 and a step must take time, got {self}")
 
@@ -64,6 +67,9 @@ class StepTiming:
     # rows cost far less each than a decode row's (one wide matrix product), and one prefill of
     # thousands of rows would set the slope alone: the rows' cost is read off decode steps only
     decode: bool = True
+    # tokens the propose call read beyond a steady step's (each drafting sequence's last token
+    # and accepted drafts): with num_drafts 0, a call that read prompts or a catch-up
+    fed: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,18 +131,23 @@ class CostMeter:
     # the last (intercept, slope) read while the rows varied: a batch that keeps one k for a while
     # lets the spread fade, and the rows cost no less for it
     rows_read: tuple[float, float] | None = None
+    fed: tuple[float, float] = (0.0, 0.0)  # decayed sums over calls that read prompts: tokens read, seconds beyond drafts
 
     def after(self, timing: StepTiming) -> CostMeter:
         """The meter with one more step measured."""
         if timing.rows < 1 or timing.num_drafts < 0 or min(timing.propose_s, timing.rest_s) < 0:
             raise ValueError(f"a step verifies at least one row and takes no negative time, got {timing}")
-        rest, propose, rows_read = self.rest, self.propose, self.rows_read
+        rest, propose, rows_read, fed = self.rest, self.propose, self.rows_read, self.fed
         if timing.decode:
             rest = rest.after(float(timing.rows), 0.0, timing.rest_s)
             rows_read = rest.fit()[:2] if rest.spread() else rows_read
         if timing.num_drafts > 0:
             propose = propose.after(float(timing.depth), float(timing.num_drafts), timing.propose_s)
-        return CostMeter(rest, propose, rows_read)
+        elif timing.fed > 0 and propose.weight > 0:  # what the call took beyond a steady call of its depth
+            call_s, depth_s, _ = propose.fit()
+            beyond = max(0.0, timing.propose_s - call_s - depth_s * max(1, timing.depth))
+            fed = (COST_DECAY * fed[0] + timing.fed, COST_DECAY * fed[1] + beyond)
+        return CostMeter(rest, propose, rows_read, fed)
 
     @property
     def measured_drafts(self) -> bool:
@@ -151,4 +162,5 @@ class CostMeter:
         call_s, depth_s, draft_s = 0.0, 0.0, 0.0
         if self.propose.weight > 0 and self.propose.means()[2] > 0:
             call_s, depth_s, draft_s = self.propose.fit()
-        return DraftCosts(step_s, verify_row_s, draft_s, call_s, depth_s)
+        feed_s = self.fed[1] / self.fed[0] if self.fed[0] > 0 else 0.0
+        return DraftCosts(step_s, verify_row_s, draft_s, call_s, depth_s, feed_s)

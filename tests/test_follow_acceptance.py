@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from specdec.follow_acceptance import (
+    DRAFT_MARGIN,
+    PRIOR_WEIGHT,
     PROBE_SHARE,
     AcceptanceEstimate,
     DraftLengths,
@@ -74,7 +76,7 @@ def test_draft_values_are_the_chance_that_every_draft_up_to_each_passes():
 
 SERVED_DRAFT = DraftCosts(step_s=5e-3, verify_row_s=1e-4, draft_s=5e-4, call_s=2e-3)  # a hop to the draft's model
 # a draft model at many streams: each depth is a forward over the batch, a further sequence at that depth nearly free
-DRAFT_FORWARDS = DraftCosts(step_s=5e-3, verify_row_s=1e-4, draft_s=2e-5, call_s=1e-4, depth_s=1.5e-3)
+DRAFT_FORWARDS = DraftCosts(step_s=5e-3, verify_row_s=1e-4, draft_s=2e-5, call_s=1e-4, depth_s=1.2e-3)
 
 
 @pytest.mark.parametrize("costs", [GPU, COMPUTE_BOUND, DraftCosts(1e-3, 1e-3, 1e-3), DraftCosts(0.0, 1e-3, 0.0),
@@ -146,6 +148,23 @@ def test_failing_drafts_cost_no_more_than_the_probe_share(costs):
     assert steps * costs.seconds(1, 0, 0) / seconds >= 1 - 1.5 * PROBE_SHARE  # tokens/s against k = 0
 
 
+def test_a_probe_that_must_catch_a_draft_up_on_a_prompt_waits_longer():
+    costs = replace(SERVED_DRAFT, feed_s=1e-4)
+    assert probe_every(costs, 1, unsent=500) > 5 * probe_every(costs, 1, unsent=1)
+    failing = AcceptanceEstimate(0.0, 30.0, steps_without_drafts=probe_every(costs, 2, unsent=1))
+    assert choose_ks([failing, failing], [CAP, CAP], costs, 0.0, unsent=[1, 500]) == [1, 0]
+
+
+def test_the_population_probes_its_cheapest_sequence_once_no_one_has_drafted_for_a_probe_s_interval():
+    costs = replace(SERVED_DRAFT, feed_s=1e-4)
+    lengths = DraftLengths(SpeculationLength(CAP, follows_acceptance=True), costs=costs)
+    lengths.population = AcceptanceEstimate(0.0, 50.0)  # every recent draft failed
+    states = [FakeState(AcceptanceEstimate(0.0, 0.0, prior_weight=PRIOR_WEIGHT), unsent=u) for u in (300, 40)]
+    chosen = [lengths.choose(states).ks for _ in range(probe_every(costs, 2, 40))]
+    assert chosen[:-1] == [(0, 0)] * (len(chosen) - 1) and chosen[-1] == (0, 1)  # new requests: none probes alone
+    assert lengths.choose(states).ks == (0, 0)
+
+
 def test_where_a_verify_position_is_dear_a_batch_drafts_less():
     estimates = [AcceptanceEstimate(35.0, 15.0)] * 16  # 0.7 per draft
     assert choose_ks(estimates[:1], [CAP], COMPUTE_BOUND, 0.8)[0] > 0
@@ -160,6 +179,13 @@ def test_a_depth_is_paid_once_so_a_batch_drafts_to_one_depth():
     assert ks == [1] * 16  # a second forward over all sixteen is worth less than its seconds
     per_token = replace(DRAFT_FORWARDS, depth_s=0.0, draft_s=DRAFT_FORWARDS.depth_s / 16)  # its cost shared out
     assert choose_ks(estimates, [CAP] * 16, per_token, 0.7) == [5] + [1] * 15  # the 0.9 one: 4 forwards for all
+
+
+def test_drafts_must_promise_more_than_the_margin_over_plain_decoding():
+    values, costs = [[0.3]], DraftCosts(step_s=5e-3, verify_row_s=1e-4, draft_s=1e-3)
+    gain = goodput(values, [1], costs) / goodput(values, [0], costs) - 1  # about 7 %: within the margin
+    assert 0 < gain < DRAFT_MARGIN and goodput_ks(values, costs) == [1]
+    assert choose_ks([AcceptanceEstimate(300.0, 700.0)], [1], costs, 0.3) == [0]
 
 
 @dataclass
@@ -186,19 +212,22 @@ def test_with_the_knob_off_every_sequence_drafts_the_table_s_k():
     assert (lengths.meter, lengths.population) == before
 
 
-def test_the_cap_applies_until_a_step_is_measured_and_one_draft_until_both_costs_are():
+def test_until_both_costs_are_read_each_sequence_drafts_one_every_other_step():
     lengths = DraftLengths(SpeculationLength(CAP, follows_acceptance=True))
-    assert lengths.choose([FakeState()]).ks == (CAP,)  # nothing measured: the table's k
-    lengths.observe([(0, 0)], 100, StepLengths(CAP, (CAP,)), 0.0, 20e-3)  # a prefill: no row's cost read off it
-    assert lengths.meter.costs() is None and lengths.choose([FakeState()]).ks == (CAP,)
+    assert [lengths.choose([FakeState()] * 2).ks for _ in range(3)] == [(1, 1), (0, 0), (1, 1)]
+    lengths.observe([(0, 0)], 100, StepLengths(CAP, (0,)), 0.0, 20e-3)  # a prefill: no row's cost read off it
+    assert lengths.meter.costs() is None
+    lengths.choose([FakeState()])
     prompt_fed = lengths.choose([FakeState(unsent=50)])
-    assert not prompt_fed.steady
-    lengths.observe([(CAP, CAP)], CAP + 1, prompt_fed, 30e-3, 40e-3)  # the draft read a prompt: not a draft's cost
-    assert not lengths.meter.measured_drafts and lengths.choose([FakeState()]).ks == (1,)  # one draft, to read its cost
+    assert not prompt_fed.steady and prompt_fed.ks == (1,)
+    lengths.observe([(1, 1)], 2, StepLengths(CAP, (1,), steady=False), 30e-3, 40e-3)  # the draft read a prompt
+    assert not lengths.meter.measured_drafts and lengths.choose([FakeState()]).ks == (0,)
     lengths.observe([(1, 1)], 2, StepLengths(CAP, (1,)), 1e-4, 10e-3)
     costs = lengths.meter.costs()  # one sequence: its depth and its drafts are one number, read as depth
     assert lengths.meter.measured_drafts and (costs.depth_s, costs.draft_s) == (pytest.approx(1e-4), 0.0)
-    assert lengths.choose([FakeState()]).ks == (CAP,)
+    assert lengths.meter.rows_read is None and lengths.choose([FakeState()]).ks == (1,)  # still exploring
+    lengths.observe([(0, 0)], 1, StepLengths(CAP, (0,)), 0.0, 9.9e-3)  # rows 2, 2, 1: now they varied
+    assert lengths.meter.rows_read is not None and lengths.choose([FakeState()]).ks == (CAP,)
     assert lengths.population.rate(0.8) > 0.8
 
 

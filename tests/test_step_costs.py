@@ -54,6 +54,13 @@ def test_the_propose_call_is_its_own_cost_a_cost_per_depth_and_one_per_draft():
     assert (costs.call_s, costs.depth_s, costs.draft_s) == (0.0, pytest.approx(13e-3 / 4), pytest.approx(1e-4))
 
 
+def test_a_call_that_read_a_prompt_gives_the_cost_of_a_token_read():
+    steps = [StepTiming(1 + k, k, k, 2e-3 + 5e-4 * k, 5e-3) for k in (1, 2, 3, 4) * 50]
+    prompts = [StepTiming(2, 0, 1, 2e-3 + 5e-4 + 2e-5 * n, 5e-3, fed=n) for n in (100, 300) * 5]
+    assert metered(steps + prompts).costs().feed_s == pytest.approx(2e-5)
+    assert metered(prompts + steps).costs().feed_s == 0.0  # before a steady call: nothing to tell the drafts' part
+
+
 def test_noise_never_gives_a_negative_cost():
     rng, steps = random.Random(1), []
     for _ in range(100):
