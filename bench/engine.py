@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from bench.stats import Acceptance, RequestTiming, latency_summary, source_figures
 from specdec.engine import GenerationParams, SequenceState
+from specdec.follow_acceptance import DraftLengths
 from specdec.fast import FastCausalLM
 from specdec.heads import HEAD_METHODS, build_head_proposer
 from specdec.methods import METHODS
@@ -135,6 +136,7 @@ def run_phase(
     match_greedy_here: bool = True,
     name: str = "phase",
     follows_acceptance: bool = False,
+    lengths: DraftLengths | None = None,
 ) -> PhaseResult:
     """Decode ``prompts`` closed loop, ``concurrency`` in flight, through one ``StepScheduler``.
 
@@ -142,19 +144,26 @@ def run_phase(
     value), or with ``follows_acceptance`` the most each sequence drafts, as its acceptance
     says (``specdec.follow_acceptance``). ``match_greedy_here`` False sends every step to
     the sampler, as a server whose rejection sampler runs the synthetic method must.
+    ``lengths``: the scheduler's ``DraftLengths`` to carry on with (what it learned of the
+    costs and the drafts' acceptance), as a server's scheduler carries it from request to
+    request; None: a new one, which learns from nothing.
     """
     speculation = SpeculationLength(params.num_speculative_tokens, follows_acceptance=follows_acceptance)
     return asyncio.run(_run_phase(stages, prompts, params, concurrency, hidden_layers, match_greedy_here, name,
-                                  speculation))  # fmt: skip
+                                  speculation, lengths))  # fmt: skip
 
 
 async def _run_phase(stages, prompts, params, concurrency, hidden_layers, match_greedy_here, name,
-                     speculation) -> PhaseResult:  # fmt: skip
+                     speculation, lengths) -> PhaseResult:  # fmt: skip
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     reports: list[StepReport] = []
     scheduler = StepScheduler(stages, speculation, max_num_seqs=concurrency, match_greedy_here=match_greedy_here,
                               on_step=reports.append)  # fmt: skip
+    if lengths is not None:
+        if lengths.speculation != speculation:
+            raise ValueError(f"the lengths carried on were for {lengths.speculation}, not this phase's {speculation}")
+        scheduler.lengths = lengths
     timings: list[RequestTiming | None] = [None] * len(prompts)
     states: list[SequenceState | None] = [None] * len(prompts)
     queue = list(enumerate(prompts))

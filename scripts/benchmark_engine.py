@@ -12,7 +12,8 @@ each concurrency, with the configurations interleaved round by round:
   the first K nodes of the static tree ``--token-tree``; ``METHOD+suffix:K`` (a model method)
   with suffix decoding in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
   ``METHOD+follow:K`` drafting at most K, each sequence as its acceptance and the measured
-  step costs say (``specdec.follow_acceptance``; off by default when served); ``draft_model+pard:K``
+  step costs say (``specdec.follow_acceptance``), what it learned carried from phase to phase
+  (the warm-up's included) as a server's scheduler carries it from request to request; ``draft_model+pard:K``
   the draft model ``--pard-draft`` drafting K tokens in one forward (PARD, ``parallel_drafting``);
 * each of them with CUDA graphs captured and without (``--cuda-graphs on,off``, CUDA only);
 * ``hf plain`` -- Hugging Face ``generate`` on the same target, one request at a time.
@@ -52,6 +53,8 @@ from bench.engine import LocalStages, build_proposer, run_phase  # noqa: E402
 from bench.repository import SUFFIX_FIRST, method_of, suffix_first  # noqa: E402
 from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
+from specdec.follow_acceptance import DraftLengths  # noqa: E402
+from specdec.speculation_length import SpeculationLength  # noqa: E402
 from specdec.fast import FastCausalLM  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads import HEAD_METHODS  # noqa: E402
@@ -181,6 +184,7 @@ class Run:
         self.failures: list[str] = []
         self.k0_outputs: list[list[int]] | None = None
         self.hf: dict | None = None
+        self.lengths: dict[tuple[str, int], DraftLengths] = {}  # a +follow configuration's, kept across its phases
 
     @property
     def greedy(self) -> bool:
@@ -250,8 +254,12 @@ class Run:
             config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
             stages = SuffixFirstStages(stages, SuffixFirst(config))
         layers = getattr(proposer, "hidden_state_layers", ())
+        follows = method.endswith(FOLLOW)
+        lengths = None
+        if follows:  # what the configuration learned carries on from phase to phase, as in a server
+            lengths = self.lengths.setdefault((method, k), DraftLengths(SpeculationLength(k, follows_acceptance=True)))
         return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name,
-                         follows_acceptance=method.endswith(FOLLOW))  # fmt: skip
+                         follows_acceptance=follows, lengths=lengths)  # fmt: skip
 
 
 def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:

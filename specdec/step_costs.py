@@ -143,8 +143,8 @@ class CostMeter:
             rows_read = rest.fit()[:2] if rest.spread() else rows_read
         if timing.num_drafts > 0:
             propose = propose.after(float(timing.depth), float(timing.num_drafts), timing.propose_s)
-        elif timing.fed > 0 and propose.weight > 0:  # what the call took beyond a steady call of its depth
-            call_s, depth_s, _ = propose.fit()
+        elif timing.fed > 0:  # what the call took beyond a steady call of its depth (before one: all of it)
+            call_s, depth_s, _ = propose.fit() if propose.weight > 0 and propose.means()[2] > 0 else (0.0, 0.0, 0.0)
             beyond = max(0.0, timing.propose_s - call_s - depth_s * max(1, timing.depth))
             fed = (COST_DECAY * fed[0] + timing.fed, COST_DECAY * fed[1] + beyond)
         return CostMeter(rest, propose, rows_read, fed)
