@@ -236,10 +236,11 @@ SPECULATIVE_DECODING = (
               allowed="each k <= `num_speculative_tokens`"),  # fmt: skip
     Parameter("speculative_disable_by_batch_size", "int", 0,
               "steps draft nothing while more sequences than this run; 0: never", minimum=0),
-    Parameter("speculation_follows_acceptance", "bool", False,
+    Parameter("speculation_follows_acceptance", "bool", True,
               "under the table's cap, each sequence drafts what its own acceptance and the measured step costs "
               "earn (SmartSpec's goodput rule): drafts that keep failing, fewer, down to a probe now and then; "
-              "false: every sequence drafts the cap ([scheduling.md](scheduling.md#speculation-that-follows-acceptance))"),
+              "false: every sequence drafts the cap, exactly as the table says "
+              "([scheduling.md](scheduling.md#speculation-that-follows-acceptance))"),
     Parameter("default_max_tokens", "int", 64, "`max_tokens` of a request that sends none", minimum=1),
     Parameter("ignored_request_parameters", "pattern", None,
               "request parameters whose whole name it matches (headers Triton forwards, e.g. with "

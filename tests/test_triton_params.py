@@ -130,9 +130,9 @@ def test_component_configs_parse_and_reject(tmp_path):
     with pytest.raises(ParameterError, match=r"'synthetic_acceptance_rate' must be a number in \[0.0, 1.0\]"):
         RejectionSamplerConfig.from_parameters(params(synthetic_acceptance_rate="2"))
     assert OrchestratorConfig.from_parameters(params()) == OrchestratorConfig(
-        4, 64, SpeculationLength(4, follows_acceptance=False))
-    following = OrchestratorConfig.from_parameters(params(speculation_follows_acceptance="true")).speculation
-    assert following == SpeculationLength(4, follows_acceptance=True)
+        4, 64, SpeculationLength(4, follows_acceptance=True))  # on by default
+    fixed = OrchestratorConfig.from_parameters(params(speculation_follows_acceptance="false")).speculation
+    assert fixed == SpeculationLength(4, follows_acceptance=False)
     with pytest.raises(ParameterError, match=r"'speculation_follows_acceptance' must be a boolean"):
         OrchestratorConfig.from_parameters(params(speculation_follows_acceptance="sometimes"))
     with pytest.raises(ParameterError, match=r"'num_speculative_tokens' must be an integer >= 0, got '-1'"):

@@ -5,6 +5,8 @@ directory's conftest also on the path, ``from conftest import`` is ambiguous.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
@@ -36,6 +38,11 @@ def build_tiny_llama(
     return LlamaForCausalLM(config).eval()
 
 
+# each model's references decoded so far, keyed weakly by the model object itself: a model
+# built for one test and freed never lends its references to one that gets its address
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def hf_generate_greedy(
     model: PreTrainedModel,
     prompt_ids: list[int],
@@ -43,14 +50,23 @@ def hf_generate_greedy(
     eos_token_id: int | None = None,
     min_new_tokens: int = 0,
 ) -> list[int]:
-    """The reference: Hugging Face's own greedy decoding, from a fresh generation config."""
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id if eos_token_id is not None else 0,
-    )
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
-    return out[0, len(prompt_ids) :].tolist()
+    """The reference: Hugging Face's own greedy decoding, from a fresh generation config.
+
+    Remembered per model and arguments, so a test that checks several k or methods
+    against the same prompts decodes each reference once a session. A test must not
+    change a model's weights after asking for its references.
+    """
+    key = (tuple(prompt_ids), max_new_tokens, eos_token_id, min_new_tokens)
+    known = _REFERENCES.setdefault(model, {})
+    if key not in known:
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id if eos_token_id is not None else 0,
+        )
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+        known[key] = out[0, len(prompt_ids) :].tolist()
+    return list(known[key])

@@ -161,7 +161,12 @@ def beside_server(tmp_path):
     server.stop()
 
 
-def test_a_killed_target_with_the_head_beside_it_fails_its_requests_and_both_come_back(beside_server, reference):
+def test_a_killed_target_with_the_head_beside_it_comes_back_and_a_killed_tritonserver_leaves_no_process(
+        beside_server, reference):  # fmt: skip
+    """One server's life: its target (the head beside it) killed under load and back, then tritonserver killed.
+
+    SIGKILL of tritonserver under load: every stub sees its server gone and ends, with what it started.
+    """
     server = beside_server
     generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], {"max_tokens": 8})
     ends = streams_killed_midway(server, "target_verifier")
@@ -172,6 +177,17 @@ def test_a_killed_target_with_the_head_beside_it_fails_its_requests_and_both_com
     again = generate_grpc(server.grpc_url, "ensemble", PROMPTS[1], {"max_tokens": 24, "exclude_input_in_output": True})
     assert again.total_accepted_draft_tokens > 0  # the head came back with the target, and drafts
     wait_until_idle(server, timeout_s=10)
+    lines = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.process.pid)],
+                           capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+    stubs = {int(line.split()[0]): line for line in lines if "/1/model.py" in line}
+    assert len(stubs) == 6, lines
+    ends = streams_interrupted(server, lambda: os.kill(server.process.pid, signal.SIGKILL))  # with streams in flight
+    assert all(error != "finished" for _, error in ends)
+    server.process.wait(10)
+    deadline = time.monotonic() + STOP_WITHIN_S
+    while (left := [stubs[pid] for pid in stubs if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"model processes alive {STOP_WITHIN_S:g} s after the server was killed: {left}"
 
 
 def stop_seconds(server) -> float:
@@ -218,22 +234,6 @@ def test_an_abandoned_http_request_is_cut_at_max_request_seconds_and_a_dead_mode
     print(f"on_stub_failure stop: not ready {unready_after:.1f} s after the kill, "
           f"exited after {time.monotonic() - killed_at:.1f} s")
     assert unready_after < 5 and time.monotonic() - killed_at < STOP_WITHIN_S + 5
-
-
-def test_a_killed_tritonserver_leaves_no_model_process_behind(fault_server):
-    """SIGKILL of tritonserver under load: every stub sees its server gone and ends, with what it started."""
-    server = fault_server
-    lines = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.process.pid)],
-                           capture_output=True, text=True).stdout.splitlines()  # fmt: skip
-    stubs = {int(line.split()[0]): line for line in lines if "/1/model.py" in line}
-    assert len(stubs) == 6, lines
-    ends = streams_interrupted(server, lambda: os.kill(server.process.pid, signal.SIGKILL))  # with streams in flight
-    assert all(error != "finished" for _, error in ends)
-    server.process.wait(10)
-    deadline = time.monotonic() + STOP_WITHIN_S
-    while (left := [stubs[pid] for pid in stubs if alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"model processes alive {STOP_WITHIN_S:g} s after the server was killed: {left}"
 
 
 def alive(pid: int) -> bool:
