@@ -124,18 +124,23 @@ def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts, margin: flo
     if any(v < 0 or v > 1 for row in values for v in row):
         raise ValueError(f"a draft adds between 0 and 1 expected tokens, got {[list(row) for row in values]}")
     n = len(values)
-    best_ks, best = [0] * n, (1 + margin) * n / costs.seconds(n, 0, 0)  # each sequence's recovered or bonus token
+    plain_s = costs.seconds(n, 0, 0)
+    best_ks, best = [0] * n, (1 + margin) * n / plain_s  # each sequence's recovered or bonus token
     per_draft = costs.verify_row_s + costs.draft_s
-    for depth in range(1, max(map(len, values), default=0) + 1):
-        ranked = sorted(((v, i) for i, row in enumerate(values) for v in row[:depth]), reverse=True)
-        tokens, seconds = float(n), costs.seconds(n, depth, depth) - depth * per_draft  # the depth's fixed part
+    ranked = sorted(((v, j, i) for i, row in enumerate(values) for j, v in enumerate(row)), reverse=True)
+    deepest = max(map(len, values), default=0)
+    # without a cost per depth, the deepest allowed is no dearer than any other: one pass is the best
+    for depth in range(1, deepest + 1) if costs.depth_s > 0 else range(deepest, deepest + 1):
+        tokens, seconds = float(n), plain_s + costs.call_s + costs.depth_s * depth  # the depth's fixed part
         ks = [0] * n
-        for value, i in ranked:
+        for value, j, i in ranked:
+            if j >= depth:  # a draft past this depth
+                continue
             if value * seconds <= tokens * per_draft:  # value / per_draft <= tokens / seconds: no gain
                 break
             tokens, seconds = tokens + value, seconds + per_draft
             ks[i] += 1
-        if max(ks) == depth and tokens / seconds > best:  # a shorter longest chain was priced at its own depth
+        if (max(ks) == depth or costs.depth_s == 0) and tokens / seconds > best:  # else priced at its own depth
             best_ks, best = ks, tokens / seconds
     return best_ks
 
@@ -195,6 +200,7 @@ class DraftLengths:
         self.population = AcceptanceEstimate(prior_weight=1.0)
         self.meter = CostMeter()
         self.steps_exploring = 0
+        self._costs: DraftCosts | None = None  # the meter's, read since its last step
         self.steps_without_drafts = 0  # steps in which no sequence drafted: the population's own probe
 
     def choose(self, states: Sequence[SequenceState]) -> StepLengths:
@@ -209,7 +215,9 @@ class DraftLengths:
         cap = self.speculation.k_for(len(states))
         if not self.speculation.follows_acceptance:  # the table alone: nothing else to read per step
             return StepLengths(cap, (cap,) * len(states), True)
-        costs = self.fixed_costs or self.meter.costs()
+        if self._costs is None:  # read once a step measured, not once a choice
+            self._costs = self.meter.costs()
+        costs = self.fixed_costs or self._costs
         if cap == 0:
             ks = [0] * len(states)
         elif costs is None or not (self.fixed_costs or (self.meter.rows_read and self.meter.measured_drafts)):
@@ -257,4 +265,4 @@ class DraftLengths:
         depth = depth or max((n for n, _ in drafting), default=0)
         timing = StepTiming(rows, num_drafts, depth, propose_s if drafting else 0.0, max(0.0, step_s - propose_s),
                             decode, fed)  # fmt: skip
-        self.meter = self.meter.after(timing)
+        self.meter, self._costs = self.meter.after(timing), None
