@@ -215,7 +215,7 @@ class DraftLengths:
         cap = self.speculation.k_for(len(states))
         if not self.speculation.follows_acceptance:  # the table alone: nothing else to read per step
             return StepLengths(cap, (cap,) * len(states), True)
-        if self._costs is None:  # read once a step measured, not once a choice
+        if self._costs is None and self.fixed_costs is None:  # read once a step measured, not once a choice
             self._costs = self.meter.costs()
         costs = self.fixed_costs or self._costs
         if cap == 0:

@@ -117,7 +117,7 @@ class Moments:
                 return max(0.0, my - b2 * m2), 0.0, b2
         if v1 <= MIN_SPREAD and v2 > MIN_SPREAD:  # only x2 varied: its slope, and the rest charged to x1
             b2 = min(max(c2y / v2, 0.0), my / m2)
-            return 0.0, (my - b2 * m2) / m1, b2
+            return 0.0, max(0.0, (my - b2 * m2) / m1), b2
         b1 = min(max(c1y / v1, 0.0), my / m1) if v1 > MIN_SPREAD else my / m1
         return max(0.0, my - b1 * m1), b1, 0.0
 
