@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, whichever checko
 from bench.repository import checkpoint_edits, get_parameters, make_variant, parameter_edits  # noqa: E402
 from specdec.heads import HEAD_METHODS, check_head  # noqa: E402
 from specdec.heads.formats import read_head_config  # noqa: E402
+from specdec.proposers.model_free import MODEL_FREE_METHODS  # noqa: E402
 from specdec.speculation_length import parse_per_batch_size  # noqa: E402
 from specdec_triton import configs, wire  # noqa: E402
 from specdec_triton.parameters import MODELS  # noqa: E402
@@ -154,6 +155,23 @@ def speculation_length(args: argparse.Namespace, source: Path, edits: dict[str, 
             f"(docs/scheduling.md, \"How many tokens a step drafts\")"]
 
 
+def follow_acceptance(args: argparse.Namespace, source: Path, edits: dict[str, dict[str, str]]) -> list[str]:
+    """A copy that drafts with a model or head follows acceptance (the parameter's default), unless ``--param`` says.
+
+    The shipped repository turns it off for suffix decoding, whose drafts it served faster
+    without (docs/scheduling.md); a draft model or head is where a k that follows acceptance
+    pays: it stops drafting what keeps failing.
+    """
+    method, _ = method_and_checkpoint(args)
+    key = "speculation_follows_acceptance"
+    kept = get_parameters((source / ORCHESTRATOR / "config.pbtxt").read_text()).get(key, "true")
+    if method is None or method in MODEL_FREE_METHODS or key in edits.get(ORCHESTRATOR, {}) or kept == "true":
+        return []
+    edits.setdefault(ORCHESTRATOR, {})[key] = "true"
+    return [f"{ORCHESTRATOR}: {key} false -> true: {method} drafts with a model, and drafts that keep failing "
+            f"are then drafted less (docs/scheduling.md, \"Speculation that follows acceptance\")"]
+
+
 def check_configs(repository: Path) -> None:
     """Read each model's parameters with its own config class: the checks its load would make,
     and for a head, that it is the method's kind and fits the target (from the configs alone)."""
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             edits.setdefault(model, {}).update(values)
         for model, values in absolute_path_edits(source, edits).items():
             edits.setdefault(model, {}).update(values)
-        notes = speculation_length(args, source, edits)
+        notes = speculation_length(args, source, edits) + follow_acceptance(args, source, edits)
         make_variant(source, args.dest, edits)
         check_configs(args.dest.resolve())
     except (KeyError, ValueError) as err:  # ParameterError is a ValueError

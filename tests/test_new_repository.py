@@ -135,7 +135,7 @@ def test_a_copy_for_an_mlp_speculator_drafts_at_most_its_n_predict(tmp_path, cap
     assert not (tmp_path / "refused").exists()
     argv = [str(tmp_path / "given"), "--mlp-speculator", str(head), "--param", "speculative_decoding.num_speculative_tokens=2",
             "--param", "speculative_decoding.num_speculative_tokens_per_batch_size=1:2,3:1"]
-    assert new_repository.main(argv) == 0 and "note" not in capsys.readouterr().out
+    assert new_repository.main(argv) == 0 and "num_speculative_tokens" not in capsys.readouterr().out  # nothing cut
     assert parameters(tmp_path / "given", "speculative_decoding")["num_speculative_tokens_per_batch_size"] == "1:2,3:1"
 
 
@@ -156,3 +156,15 @@ def test_a_copy_with_another_method_says_whose_k_it_keeps(tmp_path, capsys):
     assert "kept num_speculative_tokens 8 and num_speculative_tokens_per_batch_size '1:8,5:0'" in capsys.readouterr().out
     assert new_repository.main([str(tmp_path / "same"), "--suffix"]) == 0  # the shipped method: nothing to say
     assert "note" not in capsys.readouterr().out
+
+
+def test_a_copy_that_drafts_with_a_model_follows_acceptance_unless_told_not_to(tmp_path, capsys):
+    assert parameters(REPO_ROOT / "model_repository", "speculative_decoding")["speculation_follows_acceptance"] == "false"
+    assert new_repository.main([str(tmp_path / "eagle3"), "--eagle3", str(MODELS / "tiny-eagle3")]) == 0
+    assert "speculation_follows_acceptance false -> true" in capsys.readouterr().out
+    assert parameters(tmp_path / "eagle3", "speculative_decoding")["speculation_follows_acceptance"] == "true"
+    assert new_repository.main([str(tmp_path / "ngram"), "--ngram"]) == 0  # model-free: as shipped
+    assert parameters(tmp_path / "ngram", "speculative_decoding")["speculation_follows_acceptance"] == "false"
+    told = ["--param", "speculative_decoding.speculation_follows_acceptance=false"]
+    assert new_repository.main([str(tmp_path / "told"), "--eagle3", str(MODELS / "tiny-eagle3"), *told]) == 0
+    assert parameters(tmp_path / "told", "speculative_decoding")["speculation_follows_acceptance"] == "false"
