@@ -184,7 +184,8 @@ class WaitReport:
 
     def __init__(self, what: str, started: float, timeout_s: float, every_s: float = REPORT_EVERY_S,
                  describe: Callable[[str], str] = describe_lock):  # fmt: skip
-        self.what, self.started, self.timeout_s, self.every_s, self.describe = what, started, timeout_s, every_s, describe
+        self.what, self.started, self.timeout_s, self.every_s = what, started, timeout_s, every_s
+        self.describe = describe
         self._lock: str | None = None
         self._lock_since = started
         self._last_line = started

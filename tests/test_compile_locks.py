@@ -163,7 +163,8 @@ def test_a_timeout_is_found_through_wrappers_and_in_a_compile_workers_text():
             raise RuntimeError("InductorError: backend failed") from timeout
     except RuntimeError as wrapped:
         assert lock_timed_out(wrapped) == "/c/locks/a.lock"
-    worker = RuntimeError("SubprocException: ...\nfilelock.Timeout: The file lock '/c/locks/b.lock' could not be acquired.")
+    worker = RuntimeError("SubprocException: ...\nfilelock.Timeout: The file lock '/c/locks/b.lock' could not be "
+                          "acquired.")
     assert lock_timed_out(worker) == "/c/locks/b.lock"
     assert lock_timed_out(ValueError("something else")) is None
 

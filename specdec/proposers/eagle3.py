@@ -56,8 +56,8 @@ class Eagle3Proposer:
     head_name = "EAGLE-3 head"  # in errors
 
     def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 cpu_compile: bool = False, cuda_graphs: bool | None = None, tree: DraftTree | DynamicTree | None = None,
-                 log: Log | None = None):  # fmt: skip
+                 cpu_compile: bool = False, cuda_graphs: bool | None = None,
+                 tree: DraftTree | DynamicTree | None = None, log: Log | None = None):  # fmt: skip
         """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only; ``log``
         gets its progress, ``specdec.compile_locks.compile_phase``);
         ``cuda_graphs``: passes of up to ``DEFAULT_GRAPH_NUM_TOKENS`` tokens per row replay captured graphs
