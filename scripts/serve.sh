@@ -21,7 +21,9 @@
 #   requests must carry 'Authorization: Bearer KEY' (docs/openai.md). The key reaches the OpenAI
 #   server through its environment only, never its command line, and not tritonserver at all.
 # Environment: VENV (default <repo>/.venv); SPECDEC_MODELS_DIR (default <repo>/models: where
-# the shipped configs' ${SPECDEC_MODELS_DIR}/... checkpoints are); OMP_NUM_THREADS
+# the shipped configs' ${SPECDEC_MODELS_DIR}/... checkpoints are); TORCHINDUCTOR_CACHE_DIR
+# (default <repo>/.cache/torchinductor: cpu_compile's compiled code, which scripts/setup.sh
+# fills through scripts/warm_cache.py, so a first start does not compile); OMP_NUM_THREADS
 # (default 1: every model is its own process, and tiny models on CPU run several times
 # faster single-threaded than with their threads competing for the cores).
 set -euo pipefail
@@ -147,6 +149,7 @@ fi
 
 export PATH="$VENV/bin:$PATH"
 export SPECDEC_MODELS_DIR="${SPECDEC_MODELS_DIR:-$ROOT/models}"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$ROOT/.cache/torchinductor}"  # scripts/warm_cache.py's
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [[ "$OPENAI_PORT" != 0 ]]; then
     # This checkout's server, a child of this process, which becomes tritonserver: it exits when tritonserver does.

@@ -14,7 +14,12 @@
 #   SPECDEC_TORCH_INDEX  the index to install it from (default: the CPU index for cpu, PyPI
 #                        for cuda; e.g. https://download.pytorch.org/whl/cu126 for another CUDA)
 #   SPECDEC_VENV         the virtualenv (default .venv); PYTHON: the interpreter that creates it
+#   SPECDEC_WARM_CACHE   0: do not warm the compile cache (below)
 # --dry-run prints what would be installed and changes nothing.
+#
+# Last, also when the venv is up to date, scripts/warm_cache.py compiles the shipped repository's
+# models into the cache scripts/serve.sh reads (.cache/torchinductor), so the first start is quick;
+# it is a no-op (a stamp) while nothing that shapes the compiled code changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SPECDEC_VENV:-.venv}"
@@ -28,15 +33,27 @@ case "${1:-}" in
   *) echo "setup.sh: unknown argument '$1'; allowed: --dry-run" >&2; exit 2 ;;
 esac
 
+warm_cache() {  # the compile cache of the shipped repository (scripts/warm_cache.py), unless told not to
+  if [ "${SPECDEC_WARM_CACHE:-1}" = 0 ]; then
+    echo "[setup] not warming the compile cache (SPECDEC_WARM_CACHE=0)"
+  elif [ "$DRY_RUN" = 1 ]; then
+    echo "[setup] would run: $VENV/bin/python scripts/warm_cache.py"
+  elif ! "$VENV/bin/python" scripts/warm_cache.py; then
+    echo "[setup] warning: warming the compile cache failed (above): the server's first start compiles" \
+         "instead, and fails its load the same way if the fault is there too" >&2
+  fi
+}
+
 stamp="$VENV/.specdec-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[setup] $VENV is up to date"
+  warm_cache
   exit 0
 fi
 
 started=$SECONDS
-phase() { echo "[setup] ($1/4) $2"; phase_started=$SECONDS; }
+phase() { echo "[setup] ($1/5) $2"; phase_started=$SECONDS; }
 took() { [ "$DRY_RUN" = 1 ] || echo "[setup]       done in $((SECONDS - phase_started)) s"; }
 run() {  # run a command, or only print it with --dry-run
   if [ "$DRY_RUN" = 1 ]; then echo "[setup] would run: $*"; else "$@"; fi
@@ -100,13 +117,20 @@ run "${pip[@]}" "numpy<2" -e ".[serve,test,bench]"
 took
 
 phase 4 "check"
+if [ "$DRY_RUN" = 0 ]; then
+  echo "$want" > "$stamp"
+  if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null && ! command -v clang++ >/dev/null; then
+    echo "[setup] warning: no C++ compiler on PATH: the shipped configs' cpu_compile (on CPU) needs one;" \
+         "install g++ (apt-get install g++), or set cpu_compile false in target_verifier and draft_proposer" >&2
+  fi
+  echo "[setup]       $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+fi
+
+phase 5 "the compile cache of model_repository/ (scripts/warm_cache.py; SPECDEC_WARM_CACHE=0 skips it)"
+warm_cache
+took
 if [ "$DRY_RUN" = 1 ]; then
   echo "[setup] dry run: nothing was installed"
   exit 0
 fi
-echo "$want" > "$stamp"
-if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null && ! command -v clang++ >/dev/null; then
-  echo "[setup] warning: no C++ compiler on PATH: the shipped configs' cpu_compile (on CPU) needs one;" \
-       "install g++ (apt-get install g++), or set cpu_compile false in target_verifier and draft_proposer" >&2
-fi
-echo "[setup] done in $((SECONDS - started)) s: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+echo "[setup] done in $((SECONDS - started)) s"

@@ -58,6 +58,7 @@ class DraftProposerConfig:
     engine: str  # draft_model only
     max_num_seqs: int  # draft_model only
     cpu_compile: bool = default("draft_proposer", "cpu_compile")  # on CPU, draft_model and eagle3: torch.compile
+    compile_lock_timeout_s: float = default("draft_proposer", "compile_lock_timeout_s")  # a compile's wait on a lock
     suffix: SuffixConfig = SuffixConfig()  # suffix, and beside a model: vLLM's suffix_decoding_* keys
     # a model method with enable_suffix_decoding: suffix decoding first, the model where it has no strong match
     suffix_first: SuffixFirstConfig | None = None
@@ -92,7 +93,7 @@ class DraftProposerConfig:
             method=method,
             draft_model=draft_model,
             **read.values("prompt_lookup_min", "prompt_lookup_max", "dtype", "engine", "max_num_seqs", "cpu_compile",
-                          "run_with_target"),
+                          "compile_lock_timeout_s", "run_with_target"),
             suffix=suffix,
             suffix_first=_suffix_first_config(read, method, suffix),
             given=tuple(n for names in (*_METHOD_SETTINGS.values(), _SUFFIX_FIRST_SETTINGS) for n in names
@@ -286,13 +287,15 @@ class TargetVerifierConfig:
     engine: str
     max_num_seqs: int  # the orchestrator admits no more sequences than this at once
     cpu_compile: bool = default("target_verifier", "cpu_compile")  # fast engine on CPU: torch.compile
+    compile_lock_timeout_s: float = default("target_verifier", "compile_lock_timeout_s")  # a compile's wait on a lock
     sequence_idle_timeout_s: float = SEQUENCE_IDLE_TIMEOUT_S.default  # 0: never reclaim
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> TargetVerifierConfig:
         read = Reader("target_verifier", params)
         config = cls(
-            **read.values("target_model", "dtype", "max_model_len", "engine", "max_num_seqs", "cpu_compile"),
+            **read.values("target_model", "dtype", "max_model_len", "engine", "max_num_seqs", "cpu_compile",
+                          "compile_lock_timeout_s"),
             sequence_idle_timeout_s=_idle_timeout(read),
         )
         _refuse_removed_placement(params, "target_verifier")

@@ -47,7 +47,7 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     if config.method in HEAD_METHODS:
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
                                        config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len,
-                                       tree=config.token_tree)  # fmt: skip
+                                       tree=config.token_tree, log=log)  # fmt: skip
         _check_stages(proposer, config)
         path = config.target_model if METHODS[config.method].in_target_checkpoint else config.draft_model  # MTP: its own
         return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, path), config))

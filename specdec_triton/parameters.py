@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from specdec.build import ENGINES
+from specdec.compile_locks import DEFAULT_LOCK_TIMEOUT_S
 from specdec.models import DTYPE_CHOICES
 from specdec.proposers import PROPOSERS
 from specdec.proposers.suffix import SuffixConfig
@@ -109,6 +110,11 @@ _CPU_COMPILE = Parameter(
     "served tokens/s on the 2-core CPU, 15 s (cache warm) to 75 s (cold) more per load "
     "([engine](engine.md#compiled-forward-on-cpu-fastcpu_compilepy)); ignored on GPU, which captures CUDA "
     "graphs; refused with `engine: hf`")  # fmt: skip
+_COMPILE_LOCK_TIMEOUT_S = Parameter(
+    "compile_lock_timeout_s", "float", DEFAULT_LOCK_TIMEOUT_S,
+    "with `cpu_compile`: the longest a compile waits for one of torch inductor's lock files (another process "
+    "builds the same kernel, or is stuck holding it); then the load fails, naming the lock and the process that "
+    "holds it ([reliability](reliability.md#a-compile-that-waits-on-a-lock))", minimum=1.0)  # fmt: skip
 SEQUENCE_IDLE_TIMEOUT_S = Parameter(
     "sequence_idle_timeout_s", "float", 120.0,
     f"a sequence untouched this long lost its caller (a failed release): its slot is reclaimed, logged and "
@@ -185,6 +191,7 @@ DRAFT_PROPOSER = (
     _MAX_NUM_SEQS,
     replace(_CPU_COMPILE, meaning="`draft_model` and `eagle3` (the MLP speculator, Medusa and DFlash run eagerly): "
                                   + _CPU_COMPILE.meaning),  # fmt: skip
+    _COMPILE_LOCK_TIMEOUT_S,
     SEQUENCE_IDLE_TIMEOUT_S,
     Parameter("max_model_len", "int", None,
               "`draft_model` and heads: tokens of a sequence the draft's cache (a head's cache and feature "
@@ -211,6 +218,7 @@ TARGET_VERIFIER = (
     _ENGINE,
     _MAX_NUM_SEQS,
     _CPU_COMPILE,
+    _COMPILE_LOCK_TIMEOUT_S,
     SEQUENCE_IDLE_TIMEOUT_S,
 )
 

@@ -54,11 +54,14 @@ def test_torch_build_follows_the_machine_or_the_override(tmp_path, nvidia_smi, e
     assert len(torch_lines) == 1 and expected.format(venv=tmp_path / "venv") in torch_lines[0]
     assert ("download.pytorch.org/whl/cpu" in torch_lines[0]) == (CPU_INDEX in expected)  # CUDA: PyPI's build
     assert [line for line in lines if line.startswith("[setup] (")] == [
-        f"[setup] ({i}/4) {what}" for i, what in enumerate([
+        f"[setup] ({i}/5) {what}" for i, what in enumerate([
             f"virtualenv {tmp_path / 'venv'}",
             f"torch 2.13.0 ({build} build)",
             "the project, tritonclient, nvidia-pytriton (tritonserver), the OpenAI server (fastapi, uvicorn), test and benchmark tools",
-            "check"], start=1)]  # fmt: skip
+            "check",
+            "the compile cache of model_repository/ (scripts/warm_cache.py; SPECDEC_WARM_CACHE=0 skips it)"],
+            start=1)]  # fmt: skip
+    assert f"[setup] would run: {tmp_path / 'venv'}/bin/python scripts/warm_cache.py" in lines
     assert lines[-1] == "[setup] dry run: nothing was installed"
     assert not (tmp_path / "venv").exists()
 
@@ -84,7 +87,8 @@ def test_an_up_to_date_venv_is_left_alone(tmp_path):
     venv.mkdir()
     digest = hashlib.sha256((REPO_ROOT / "pyproject.toml").read_bytes() + SETUP.read_bytes()).hexdigest()
     (venv / ".specdec-setup").write_text(digest + "\n")
-    result = setup(tmp_path, None)
-    assert (result.returncode, result.stdout) == (0, f"[setup] {venv} is up to date\n")
+    result = setup(tmp_path, None, SPECDEC_WARM_CACHE="0")
+    assert (result.returncode, result.stdout) == (0, f"[setup] {venv} is up to date\n"
+                                                     "[setup] not warming the compile cache (SPECDEC_WARM_CACHE=0)\n")
     (venv / ".specdec-setup").write_text("stale\n")
     assert "would run:" in setup(tmp_path, None).stdout

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specdec.cached_lm import CachedLM, ForwardCall
+from specdec.compile_locks import CompileProgress
 
 WARM_UP_PREFIX = 16  # tokens each warm-up sequence caches first (a prefill pass), as a prompt would
 WARM_UP_SHAPES = ((1, 1), (1, 5), (2, 1), (2, 5))  # (sequences, tokens each) after it: decode and verify passes
@@ -113,7 +114,8 @@ def warm_up_plan(free_slots: int, max_model_len: int) -> tuple[list[str], list[t
 WARM_UP_TREE = (-1, -1, 0, 0, 1)  # a small draft tree: two levels, two children a node; its graphs fit any tree
 
 
-def warm_up(lm: CachedLM, hidden_layers: tuple[int, ...] = (), trees: bool = False) -> None:
+def warm_up(lm: CachedLM, hidden_layers: tuple[int, ...] = (), trees: bool = False,
+            progress: CompileProgress | None = None) -> None:
     """Run a prefill and each pass of ``warm_up_plan`` through ``lm``, on free slots given back after.
 
     Runs at load, before any sequence holds a slot, through the same calls requests make,
@@ -121,21 +123,27 @@ def warm_up(lm: CachedLM, hidden_layers: tuple[int, ...] = (), trees: bool = Fal
     ``forward_with_hidden`` (a head's verify passes), whenever a head first asks for them.
     ``trees``: draft trees' passes too (``ForwardCall.tree_parents``), whose mask and rotary
     positions are inputs of graphs of their own: left to the first tree a request drafts,
-    their compile stalled that step for tens of seconds.
+    their compile stalled that step for tens of seconds. ``progress`` is told each pass's shape as it
+    starts, so a load says which shape it compiles and how long each took.
     """
     seq_ids, shapes = warm_up_plan(lm.max_num_seqs - lm.num_active_sequences, lm.max_model_len)
 
-    def run(calls: list[ForwardCall]) -> None:
+    def run(shape: str | None, calls: list[ForwardCall]) -> None:  # shape: a new step of the progress
+        if progress is not None and shape is not None:
+            progress.step(shape)
         lm.forward_with_hidden(calls, hidden_layers) if hidden_layers else lm.forward(calls)
 
     try:
-        for seq_id in seq_ids:
-            run([ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])
+        for i, seq_id in enumerate(seq_ids):
+            run(None if i else f"{len(seq_ids)} prefill(s) of {WARM_UP_PREFIX} tokens",
+                [ForwardCall(seq_id, 0, [0] * WARM_UP_PREFIX, 1)])
         for rows, tokens in shapes:
-            run([ForwardCall(seq_id, WARM_UP_PREFIX, [0] * tokens, tokens) for seq_id in seq_ids[:rows]])
+            run(f"{rows} sequence(s) x {tokens} token(s)",
+                [ForwardCall(seq_id, WARM_UP_PREFIX, [0] * tokens, tokens) for seq_id in seq_ids[:rows]])
         n = len(WARM_UP_TREE) + 1
         for rows in sorted({1, len(seq_ids)}) if trees else ():  # torch specialises one row
-            run([ForwardCall(seq_id, WARM_UP_PREFIX, [0] * n, n, WARM_UP_TREE) for seq_id in seq_ids[:rows]])
+            run(f"{rows} sequence(s) x a draft tree of {n} tokens",
+                [ForwardCall(seq_id, WARM_UP_PREFIX, [0] * n, n, WARM_UP_TREE) for seq_id in seq_ids[:rows]])
     finally:
         for seq_id in seq_ids:
             lm.release(seq_id)

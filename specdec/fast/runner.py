@@ -13,6 +13,7 @@ import os
 import torch
 
 from specdec.cached_lm import ForwardCall, check_forward_calls
+from specdec.compile_locks import compile_phase
 from specdec.fast.cpu_compile import compile_forward, warm_up
 from specdec.fast.cuda_graphs import DEFAULT_GRAPH_NUM_TOKENS, CudaGraphRunner, StaticShapeRunner
 from specdec.fast.kv_cache import StaticKVCache
@@ -120,13 +121,14 @@ class FastCausalLM:
         self._compiled_hidden: set[tuple[int, ...]] = set()  # hidden_layers whose compiled passes are warm
         self._log = log
         self._warm_trees = warm_trees
+        self._path = path
         if cpu_compile:
-            with timed_phase(log, "compiling the forward for CPU (torch.compile; cached on disk for the next load)"):
+            with compile_phase(log, f"compiling the forward of {path} for CPU") as progress:
                 # the cache's sizes never change: as symbols, one equal to a pass's token count (6 layers, a
                 # 6-token tree) would be taken for the same symbol, and the next pass of another size recompile
                 torch._dynamo.mark_static(self.cache.kv)
                 self._forward = compile_forward(self.model)
-                warm_up(self, trees=warm_trees)
+                warm_up(self, trees=warm_trees, progress=progress)
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         if use_graphs:
             with timed_phase(log, f"capturing CUDA graphs (token counts {list(graph_num_tokens)})"):
@@ -197,8 +199,9 @@ class FastCausalLM:
         compiles (a second or more each) land one by one on the first requests' steps.
         """
         self._compiled_hidden.add(hidden_layers)  # first: warm_up's own passes come back through here
-        with timed_phase(self._log, f"compiling the forward with hidden states {list(hidden_layers)}"):
-            warm_up(self, hidden_layers, self._warm_trees)
+        what = f"compiling the forward of {self._path} with hidden states {list(hidden_layers)}"
+        with compile_phase(self._log, what) as progress:
+            warm_up(self, hidden_layers, self._warm_trees, progress)
 
     def _graphs_for(self, hidden_layers: tuple[int, ...]) -> StaticShapeRunner | None:
         """The fixed-shape runner for passes that want ``hidden_layers``; None where passes run eagerly.

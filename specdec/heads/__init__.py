@@ -16,6 +16,7 @@ from specdec.methods import HEAD, METHODS, names_of
 from specdec.fast.cpu_linear import cpu_packing_available, pack_linears
 from specdec.fast.llama import default_triton_attention
 from specdec.models import resolve_dtype
+from specdec.progress import Log
 from specdec.tree import DraftTree
 from specdec.types import ModelDescription
 
@@ -63,6 +64,7 @@ def build_head_proposer(
     cuda_graphs: bool | None = None,
     max_model_len: int | None = None,
     tree: DraftTree | None = None,
+    log: Log | None = None,
 ):
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
 
@@ -74,13 +76,14 @@ def build_head_proposer(
 
     ``cpu_compile``: an EAGLE-3 head's forward compiled on CPU (``specdec.fast.cpu_compile``);
     ignored on GPU and for the MLP speculator, Medusa and DFlash (one eager pass a step). ``cuda_graphs``: an
-    EAGLE-3 head's passes replay captured graphs (None: wherever it runs on CUDA).
+    EAGLE-3 head's passes replay captured graphs (None: wherever it runs on CUDA). ``log``: a line as its
+    compile starts, progresses and ends.
     """
     check_head(method, path, target_path)
     torch_dtype = resolve_dtype(dtype, device)
     if METHODS[method].in_target_checkpoint:  # the target's own MTP layer
         return _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len,
-                             tree)  # fmt: skip
+                             tree, log)  # fmt: skip
     if method == "eagle3":
         from specdec.heads.formats import load_eagle3
         from specdec.proposers.eagle3 import Eagle3Proposer
@@ -88,7 +91,7 @@ def build_head_proposer(
         head = load_eagle3(path, target_path, torch_dtype, device)
         positions = _place_decoder_head(head, target_path, torch_dtype, device, max_model_len)
         compiled = cpu_compile and torch.device(device).type == "cpu"
-        return Eagle3Proposer(head, max_num_seqs, positions, compiled, cuda_graphs, tree)
+        return Eagle3Proposer(head, max_num_seqs, positions, compiled, cuda_graphs, tree, log)
     if method == "medusa":
         from specdec.heads.medusa import load_medusa
         from specdec.proposers.medusa import MedusaProposer
@@ -117,7 +120,7 @@ def build_head_proposer(
     return MLPSpeculatorProposer(model, read_config(target_path).num_layers)
 
 
-def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len, tree):
+def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len, tree, log):
     """The target's own MTP layer as a chain proposer, placed and sized as an EAGLE-3 head is."""
     from specdec.heads.mtp import load_mtp
     from specdec.proposers.mtp import MTPProposer
@@ -128,7 +131,7 @@ def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, c
     head = load_mtp(target_path, torch_dtype, device)
     positions = _place_decoder_head(head, target_path, torch_dtype, device, max_model_len)
     compiled = cpu_compile and torch.device(device).type == "cpu"
-    return MTPProposer(head, max_num_seqs, positions, compiled, cuda_graphs)
+    return MTPProposer(head, max_num_seqs, positions, compiled, cuda_graphs, log)
 
 
 def _place_decoder_head(head, target_path, torch_dtype, device, max_model_len: int | None) -> int:

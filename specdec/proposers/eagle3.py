@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from specdec.compile_locks import CompileProgress, compile_phase
 from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.runner import padding_bounded_passes
@@ -36,6 +37,7 @@ from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.progress import Log
 from specdec.proposers.eagle3_tree import draft_dynamic_tree, draft_tree
 from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree, DynamicTree
@@ -54,8 +56,10 @@ class Eagle3Proposer:
     head_name = "EAGLE-3 head"  # in errors
 
     def __init__(self, head: Eagle3Head, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 cpu_compile: bool = False, cuda_graphs: bool | None = None, tree: DraftTree | DynamicTree | None = None):  # fmt: skip
-        """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only);
+                 cpu_compile: bool = False, cuda_graphs: bool | None = None,
+                 tree: DraftTree | DynamicTree | None = None, log: Log | None = None):  # fmt: skip
+        """``cpu_compile``: the head's forward compiled by ``torch.compile`` and warmed up here (CPU only; ``log``
+        gets its progress, ``specdec.compile_locks.compile_phase``);
         ``cuda_graphs``: passes of up to ``DEFAULT_GRAPH_NUM_TOKENS`` tokens per row replay captured graphs
         (None: wherever the head is on CUDA); ``tree``: draft this static tree (``eagle3_tree``), cut to
         each request's ``num_tokens`` nodes, instead of a chain."""
@@ -95,16 +99,17 @@ class Eagle3Proposer:
             # the cache's sizes never change: as symbols, one equal to a warm-up pass's row count (a head of
             # two layers, two sequences) would be taken for the same symbol and a third sequence recompile
             torch._dynamo.mark_static(self.cache.kv)
-            self._head_forward = compile_forward(head)
-            self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
-            self._warm_up()
+            with compile_phase(log, f"compiling the {self.head_name} for CPU") as progress:
+                self._head_forward = compile_forward(head)
+                self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
+                self._warm_up(progress)
 
     # (new tokens, k) of each greedy warm-up request after the prefill: a step that accepted nothing, then
     # one that accepted drafts, at every k the loop runs differently (no step, a pass, steps compiled
     # together, and those followed by a pass); a sampled request's per-step loop makes the same passes
     _WARM_UP_STEPS = ((1, 1), (2, 2), (1, STEPS_PER_CALL + 1), (3, STEPS_PER_CALL + 2))
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, progress: CompileProgress) -> None:
         """Compile every graph a request needs now, through ``propose`` itself, on sequences released after.
 
         A graph's guards check how its inputs were made as well as their shapes (a view's
@@ -119,6 +124,7 @@ class Eagle3Proposer:
         width = self.head.config.feature_size
         for rows in sorted({1, len(seq_ids)}):  # one row and several: torch specialises size 1
             batch = seq_ids[:rows]
+            progress.step(f"{rows} sequence(s): a prefill, then steps of up to {STEPS_PER_CALL + 2} drafts")
             try:
                 self.propose([ProposeRequest(s, 0, [0] * WARM_UP_PREFIX, 1, SamplingParams(), 0,
                                              hidden_states=torch.zeros(WARM_UP_PREFIX - 1, width)) for s in batch])

@@ -18,5 +18,5 @@ class MTPProposer(Eagle3Proposer):
     head_name = "MTP layer"
 
     def __init__(self, head: MTPHead, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 cpu_compile: bool = False, cuda_graphs: bool | None = None):  # fmt: skip
-        super().__init__(head, max_num_seqs, max_model_len, cpu_compile, cuda_graphs, tree=None)
+                 cpu_compile: bool = False, cuda_graphs: bool | None = None, log=None):  # fmt: skip
+        super().__init__(head, max_num_seqs, max_model_len, cpu_compile, cuda_graphs, tree=None, log=log)

@@ -18,6 +18,7 @@ request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`.
 """
 
+from specdec.compile_locks import set_lock_timeout
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.configs import DraftProposerConfig
 from specdec_triton.drafters import build_proposer
@@ -40,6 +41,7 @@ class TritonPythonModel:
         exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
+        set_lock_timeout(config.compile_lock_timeout_s)  # this process's compiles (specdec.compile_locks)
         for warning in config.unread_settings():
             self.logger.warning(warning)
         self.runs_elsewhere = config.beside_target  # target_verifier loads the draft

@@ -21,6 +21,7 @@ from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.draft_beside_target import DraftBesideTarget
 from specdec.verifier import TargetVerifier
+from specdec.compile_locks import set_lock_timeout
 from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.internal import boot_secret
@@ -45,6 +46,7 @@ class TritonPythonModel:
         exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
+        set_lock_timeout(config.compile_lock_timeout_s)  # this process's compiles (specdec.compile_locks)
         repository = os.path.dirname(os.path.normpath(args["model_repository"]))
         lm = build_lm(
             config.target_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
