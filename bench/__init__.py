@@ -14,5 +14,7 @@ A top-level package, not part of ``specdec``: it talks to ``tritonserver`` with
 * :mod:`bench.server` / :mod:`bench.client` / :mod:`bench.hf` --
   running the server, streaming requests to it, and the in-process Hugging Face baselines;
 * :mod:`bench.engine` -- the step scheduler over in-process stages, no server
-  (``scripts/benchmark_engine.py``, where no ``tritonserver`` runs: a lent GPU).
+  (``scripts/benchmark_engine.py``, where no ``tritonserver`` runs: a lent GPU); its
+  configurations (:mod:`bench.engine_configs`, ``+json`` under a guide included) and rows
+  (:mod:`bench.engine_rows`).
 """

@@ -15,27 +15,34 @@ each concurrency, with the configurations interleaved round by round:
   step costs say (``specdec.follow_acceptance``), what it learned carried from phase to phase
   (the warm-up's included) as a server's scheduler carries it from request to request; ``draft_model+pard:K``
   the draft model ``--pard-draft`` drafting K tokens in one forward (PARD, ``parallel_drafting``);
+* ``+json`` after any of them (``k0+json``, ``eagle3+json:3``, ``eagle3+tree+json:4``) -- every request
+  constrained by the JSON schema ``--guide`` (default: ``bench.engine_configs.DEFAULT_GUIDE``), applied
+  in the verifier as a served ``guided_decoding_guide`` is (``specdec.grammar``); ``k0+json`` is added
+  as its reference. A guide decides where an output ends, so its requests may end before
+  ``--max-tokens`` (EOS is allowed where the grammar is complete) where the others ban EOS;
 * each of them with CUDA graphs captured and without (``--cuda-graphs on,off``, CUDA only);
 * ``hf plain`` -- Hugging Face ``generate`` on the same target, one request at a time.
 
 Figures: tokens/s, ITL p50/p99, tokens per verify step, acceptance per position, each
-configuration against its own k0 (same graphs setting) and against HF plain, and at one
+configuration against its own k0 (same graphs setting and guide), a ``+json`` one against itself
+unconstrained (``x_unguided``, when both ran), and against HF plain, and at one
 stream the analytic bound (``bench.bound``) from the target's forward times measured here
 and the proposer's measured cost per step, with the efficiency against it. With
 ``--synthetic-acceptance-rate R`` (random-weight checkpoints, whose drafts the target
 never accepts) each draft position is accepted with probability R whatever the tokens
 are; otherwise decoding is greedy and every configuration's output must equal k0's token
-for token, or the run fails. On a CPU the forwards run uncompiled (the served models'
-``cpu_compile`` is not applied here): its CPU steps are slower than the served models'. Writes ``benchmarks/results/engine-<UTC date-time>-<commit>.json``.
+for token (``k0+json``'s under the guide), or the run fails. On a CPU the forwards run
+uncompiled (the served models' ``cpu_compile`` is not applied here): its CPU steps are slower
+than the served models'. Writes ``benchmarks/results/engine-<UTC date-time>-<commit>.json``.
 
     python scripts/benchmark_engine.py --target models/tiny-target --draft models/tiny-draft \\
         --configs k0,draft_model:4,eagle3:4 --eagle3 models/tiny-eagle3 --concurrency 1,4
+    python scripts/benchmark_engine.py --configs k0,eagle3:3,eagle3+json:3 --concurrency 1 --no-hf  # JSON or not
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import statistics
 import sys
@@ -48,54 +55,26 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench import report  # noqa: E402
-from bench.bound import forward_ms, speedup_bound  # noqa: E402
+from bench.bound import forward_ms  # noqa: E402
 from bench.engine import LocalStages, build_proposer, run_phase  # noqa: E402
-from bench.repository import SUFFIX_FIRST, method_of, suffix_first  # noqa: E402
+from bench.engine_configs import (  # noqa: E402
+    FOLLOW, K0, PARALLEL, TREE, base, guided, parse_configs, read_guide, unguided,
+)  # fmt: skip
+from bench.engine_rows import HF_PLAIN, add_ratios, lossless_failures, summarize, table  # noqa: E402
+from bench.repository import method_of, suffix_first  # noqa: E402
 from bench.roofline import floor_ms, memory_bandwidth_gbps  # noqa: E402
 from specdec.engine import GenerationParams  # noqa: E402
-from specdec.follow_acceptance import DraftLengths  # noqa: E402
-from specdec.speculation_length import SpeculationLength  # noqa: E402
 from specdec.fast import FastCausalLM  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
-from specdec.heads import HEAD_METHODS  # noqa: E402
+from specdec.follow_acceptance import DraftLengths  # noqa: E402
+from specdec.grammar import GrammarCompiler  # noqa: E402
 from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
 from specdec.proposers.model_free import MODEL_FREE_METHODS  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
-from specdec.tree import DynamicTree, parse_token_tree  # noqa: E402
+from specdec.speculation_length import SpeculationLength  # noqa: E402
 from specdec.suffix_first import DEFAULT_MIN_SCORE, SuffixFirst, SuffixFirstConfig, SuffixFirstStages  # noqa: E402
+from specdec.tree import DynamicTree, parse_token_tree  # noqa: E402
 from specdec.verifier import TargetVerifier  # noqa: E402
-
-MODEL_METHODS = ("draft_model", *HEAD_METHODS)
-METHODS = (*MODEL_METHODS, *MODEL_FREE_METHODS, *(m + SUFFIX_FIRST for m in MODEL_METHODS))
-HF_PLAIN = "hf plain"
-FOLLOW = "+follow"  # a configuration whose k follows each sequence's acceptance, under K
-TREE = "+tree"  # a head drafting --token-tree's first K nodes instead of a chain of K
-PARALLEL = "+pard"  # a draft model drafting its K tokens in one forward (parallel_drafting)
-
-
-def parse_configs(text: str) -> list[tuple[str, int]]:
-    """``k0,draft_model:4,eagle3:4`` -> [("k0", 0), ("draft_model", 4), ("eagle3", 4)]."""
-    configs = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        if item == "k0":
-            configs.append(("k0", 0))
-            continue
-        method, _, k = item.partition(":")
-        if _base(method) not in METHODS or not k.isdigit() or int(k) < 1:
-            raise argparse.ArgumentTypeError(f"config {item!r}: expected k0, METHOD:K, METHOD{FOLLOW}:K, "
-                                             f"METHOD{TREE}:K or draft_model{PARALLEL}:K with METHOD in {METHODS}, "
-                                             f"K >= 1")  # fmt: skip
-        if PARALLEL in method and _base(method) != "draft_model":
-            raise argparse.ArgumentTypeError(f"config {item!r}: {PARALLEL} (parallel_drafting) is for draft_model")
-        configs.append((method, int(k)))
-    if ("k0", 0) not in configs:
-        configs.insert(0, ("k0", 0))  # every ratio is against it
-    return configs
-
-
-def _base(method: str) -> str:
-    """The method a configuration runs, without its ``+follow``, ``+pard`` or ``+tree``."""
-    return method.removesuffix(FOLLOW).removesuffix(PARALLEL).removesuffix(TREE)
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,6 +88,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--medusa", type=Path, default=REPO_ROOT / "models" / "tiny-medusa", help="Medusa heads directory")
     p.add_argument("--dflash", type=Path, default=REPO_ROOT / "models" / "tiny-dflash", help="DFlash drafter directory")
     p.add_argument("--configs", type=parse_configs, default=parse_configs("k0,draft_model:4"))
+    p.add_argument("--guide", type=Path, default=None,
+                   help="METHOD+json:K: a JSON schema file every request follows (default: a built-in record)")
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--cuda-graphs", default="on", help="on, off or on,off (CUDA only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -174,10 +155,18 @@ class Run:
         rule = ("synthetic", args.synthetic_acceptance_rate) if args.synthetic_acceptance_rate is not None else ("strict", 0.0)
         self.sampler = RejectionSampler(*rule)
         # EOS is banned until max_tokens, as the served benchmark's requests (min_tokens = max_tokens) ban it
-        self.eos_token_ids = tuple(eos_token_ids(load_tokenizer(args.target), args.target))
+        tokenizer = load_tokenizer(args.target)
+        self.eos_token_ids = tuple(eos_token_ids(tokenizer, args.target))
         self.params_for = {k: GenerationParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens,
                                                eos_token_ids=self.eos_token_ids, num_speculative_tokens=k)
-                           for k in {0, *self.ks}}  # fmt: skip
+                           for k in {k for m, k in args.configs if not guided(m)}}  # fmt: skip
+        # under the guide the grammar decides the end (no min_tokens): EOS only where the schema is complete
+        self.guide = read_guide(args.guide) if any(guided(m) for m, _ in args.configs) else None
+        grammar = None if self.guide is None else GrammarCompiler(tokenizer, read_config(args.target).vocab_size).compile(
+            "json_schema", self.guide)  # fmt: skip
+        self.guided_params_for = {k: GenerationParams(max_tokens=args.max_tokens, eos_token_ids=self.eos_token_ids,
+                                                      num_speculative_tokens=k, grammar=grammar)
+                                  for k in {k for m, k in args.configs if guided(m)}}  # fmt: skip
         self.results: dict[tuple[str, str, int, int], list[dict]] = {}  # (graphs, method, k, c) -> rounds
         self.times: dict[str, dict[str, float]] = {}
         self.floor: dict | None = None
@@ -208,7 +197,7 @@ class Run:
             order = args.configs if r % 2 == 0 else list(reversed(args.configs))  # no configuration always first
             for c in args.concurrency:
                 for method, k in order:
-                    if _base(method) in MODEL_FREE_METHODS:  # a fresh suffix tree: phases repeat prompts
+                    if base(method) in MODEL_FREE_METHODS:  # a fresh suffix tree: phases repeat prompts
                         proposers[method] = self._proposer(method, graphs)
                     phase = self._phase(method, verifier, proposers.get(method), self.prompts, k, c, f"r{r}")
                     summary = phase.summary()
@@ -220,14 +209,14 @@ class Run:
             save()
         if self.greedy:
             self.failures += lossless_failures(outputs)
-            self.k0_outputs = self.k0_outputs or outputs[("k0", 0, args.concurrency[0])]
+            self.k0_outputs = self.k0_outputs or outputs.get((K0, 0, args.concurrency[0]))
             save()
 
     def measure_hf(self) -> None:
         row, hf_outputs = hf_plain_row(self.args, self.prompts, self.eos_token_ids)
         self.hf = row
         if self.greedy and self.k0_outputs is not None:
-            self.failures += lossless_failures({(HF_PLAIN, 0, 1): hf_outputs, ("k0", 0, 1): self.k0_outputs})
+            self.failures += lossless_failures({(HF_PLAIN, 0, 1): hf_outputs, (K0, 0, 1): self.k0_outputs})
 
     def sections(self) -> dict:
         """The rows so far (medians over the rounds done) and the run's other sections."""
@@ -236,83 +225,33 @@ class Run:
             rows.append(self.hf)
         add_ratios(rows)
         lossless = {"checked": self.greedy, "failures": self.failures,
-                    "reference": "k0 of the same engine" + (", and HF generate" if self.args.hf else "")}  # fmt: skip
-        return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless}
+                    "reference": "k0 of the same engine (k0+json under the guide)"
+                                 + (", and HF generate" if self.args.hf else "")}  # fmt: skip
+        guide = {"guide": json.loads(self.guide)} if self.guide is not None else {}
+        return {"rows": rows, "step_times_ms": self.times, "roofline": self.floor, "lossless": lossless, **guide}
 
     def _proposer(self, method: str, graphs: bool):
         tree = None
-        if method.endswith(TREE):
+        if unguided(method).endswith(TREE):
             dynamic = self.args.dynamic_tree
             tree = DynamicTree(*map(int, dynamic.split(","))) if dynamic else parse_token_tree(self.args.token_tree)
-        return build_proposer(method_of(_base(method)), self.args, self.max_num_seqs, self.max_model_len, graphs, tree,
+        return build_proposer(method_of(base(method)), self.args, self.max_num_seqs, self.max_model_len, graphs, tree,
                               parallel=PARALLEL in method)  # fmt: skip
 
     def _phase(self, method: str, verifier, proposer, prompts: list[list[int]], k: int, concurrency: int, name: str):
         """One phase of ``method``'s stages; a METHOD+suffix one with a fresh router (the phases repeat the prompts)."""
         stages = LocalStages(verifier, self.sampler, proposer)
-        if suffix_first(_base(method)):
+        if suffix_first(base(method)):
             config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
             stages = SuffixFirstStages(stages, SuffixFirst(config))
         layers = getattr(proposer, "hidden_state_layers", ())
-        follows = method.endswith(FOLLOW)
+        follows = unguided(method).endswith(FOLLOW)
         lengths = None
         if follows:  # what the configuration learned carries on from phase to phase, as in a server
             lengths = self.lengths.setdefault((method, k), DraftLengths(SpeculationLength(k, follows_acceptance=True)))
-        return run_phase(stages, prompts, self.params_for[k], concurrency, layers, self.greedy, name=name,
+        params = (self.guided_params_for if guided(method) else self.params_for)[k]
+        return run_phase(stages, prompts, params, concurrency, layers, self.greedy, name=name,
                          follows_acceptance=follows, lengths=lengths)  # fmt: skip
-
-
-def lossless_failures(outputs: dict, reference: str = "k0") -> list[str]:
-    """Greedy decoding: each configuration's tokens against k0's, prompt by prompt (empty: all equal)."""
-    failures = []
-    for (method, k, c), got in outputs.items():
-        want = outputs[(reference, 0, c)]
-        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        if bad or len(got) != len(want):
-            failures.append(f"{method} k={k} at concurrency {c}: output differs from {reference}'s on prompts {bad}")
-    return failures
-
-
-def summarize(results: dict, times: dict[str, dict[str, float]]) -> list[dict]:
-    rows = []
-    for (tag, method, k, c), rounds in results.items():
-        row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if _numeric(rounds[0][key])}
-        row["per_position_acceptance"] = rounds[-1]["per_position_acceptance"]
-        row["tokens_per_s_rounds"] = [r["tokens_per_s_aggregate"] for r in rounds]
-        row.update(config=f"{method} k={k}" if k else "k0", method=method, k=k, concurrency=c, graphs=tag)
-        step = times.get(tag, {})
-        fixed_k = k and not method.endswith(FOLLOW)  # the bound is for one k every step
-        if fixed_k and c == 1 and f"target_{k + 1}" in step and not math.isnan(row["mean_accepted_length"]):
-            draft_ms = row["propose_ms_per_drafting_step"] / k  # measured in the run: a head's step, the draft's, or 0
-            row["bound"] = speedup_bound(row["mean_accepted_length"], k, step["target_1"], step[f"target_{k + 1}"],
-                                         draft_ms)  # fmt: skip
-        rows.append(row)
-    return rows
-
-
-def _numeric(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def add_ratios(rows: list[dict]) -> None:
-    """Each row against k0 of the same graphs setting and concurrency, and against HF plain.
-
-    ``x_k0`` is the median of the per-round ratios (``x_k0_rounds``): round r of a
-    configuration ran beside round r of k0, so the pair shares the machine's speed then.
-    """
-    k0 = {(r["graphs"], r["concurrency"]): r for r in rows if r["method"] == "k0"}
-    hf = next((r["tokens_per_s_aggregate"] for r in rows if r["config"] == HF_PLAIN), None)
-    for row in rows:
-        base = k0.get((row.get("graphs"), row["concurrency"]))
-        if base is not None:
-            pairs = zip(row["tokens_per_s_rounds"], base["tokens_per_s_rounds"])
-            row["x_k0_rounds"] = [a / b for a, b in pairs]
-            row["x_k0"] = statistics.median(row["x_k0_rounds"]) if row["x_k0_rounds"] else None
-        else:
-            row["x_k0"] = None
-        row["x_hf_plain"] = row["tokens_per_s_aggregate"] / hf if hf else None
-        if "bound" in row and row["x_k0"]:
-            row["efficiency"] = row["x_k0"] / row["bound"]
 
 
 def hf_plain_row(args, prompts: list[list[int]], eos_token_ids: tuple[int, ...]) -> tuple[dict, list[list[int]]]:
@@ -346,20 +285,6 @@ def roofline(lm: FastCausalLM, device: str) -> dict:
     total = sum(p.numel() * p.element_size() for p in lm.model.parameters()) - embedding.numel() * embedding.element_size()
     bandwidth = memory_bandwidth_gbps(device)
     return {"weight_bytes": total, "bandwidth_gbps": bandwidth, "floor_ms": floor_ms(total, bandwidth)}
-
-
-def table(rows: list[dict]) -> str:
-    head = "| config | graphs | c | tok/s | x k0 | x HF plain | ITL p50 ms | tokens/step | accept per position | suffix share | bound | eff. |"
-    lines = [head, "|" + "---|" * 12]
-    fmt = lambda v, p=2: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{p}f}"  # noqa: E731
-    for r in rows:
-        lines.append(
-            f"| {r['config']} | {r.get('graphs') or ''} | {r['concurrency']} | {fmt(r['tokens_per_s_aggregate'], 1)} | "
-            f"{fmt(r.get('x_k0'))} | {fmt(r.get('x_hf_plain'))} | {fmt(r['itl_ms_p50'])} | "
-            f"{fmt(r.get('mean_accepted_length'))} | {' '.join(f'{x:.2f}' for x in r.get('per_position_acceptance') or [])} | "
-            f"{fmt(r.get('suffix_share'))} | {fmt(r.get('bound'))} | {fmt(r.get('efficiency'))} |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> None:

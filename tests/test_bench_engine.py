@@ -124,3 +124,41 @@ def test_a_suffix_first_configuration_runs_through_the_engine_benchmark_exactly(
     assert accepted == pytest.approx(summary["num_accepted_tokens"])
     [k0] = run.results[("cpu", "k0", 0, 1)]
     assert "suffix_share" not in k0
+
+
+def test_a_guided_configuration_parses_with_its_constrained_k0_and_is_checked_against_it():
+    module = _benchmark_engine()
+    assert module.parse_configs("eagle3:3,eagle3+json:3") == [("k0", 0), ("eagle3", 3), ("k0+json", 0),
+                                                              ("eagle3+json", 3)]  # fmt: skip
+    assert module.parse_configs("k0+json,medusa+tree+json:4") == [("k0", 0), ("k0+json", 0), ("medusa+tree+json", 4)]
+    with pytest.raises(Exception, match="optionally followed by"):
+        module.parse_configs("eagle3+json+tree:3")  # the guide comes last
+    outputs = {("k0", 0, 1): [[1, 2]], ("k0+json", 0, 1): [[7, 8]], ("eagle3", 3, 1): [[1, 2]],
+               ("eagle3+json", 3, 1): [[7, 8]]}  # fmt: skip
+    assert module.lossless_failures(outputs) == []  # each against k0 under the same guide
+    outputs[("eagle3+json", 3, 1)] = [[1, 2]]
+    assert module.lossless_failures(outputs) == ["eagle3+json k=3 at concurrency 1: output differs from k0+json's "
+                                                 "on prompts [0]"]  # fmt: skip
+
+
+def test_guided_requests_follow_the_guide_and_equal_constrained_k0(monkeypatch, tmp_path, shipped_pair):
+    """The guide reaches every request of a ``+json`` configuration, and only theirs; ratios pair by round."""
+    module = _benchmark_engine()
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}')
+    monkeypatch.setattr(sys, "argv", ["benchmark_engine.py", "--configs", "draft_model:2,draft_model+json:2",
+                                      "--num-prompts", "2", "--max-tokens", "12", "--concurrency", "1", "--rounds", "1",
+                                      "--no-hf", "--timing-repeats", "1", "--guide", str(schema)])  # fmt: skip
+    run = module.Run(module.parse_args())
+    run.measure(False, lambda: None)
+    assert run.failures == []  # draft_model+json's outputs equal k0+json's, draft_model's equal k0's
+    verifier = TargetVerifier(FastCausalLM(SHIPPED_TARGET, "float32", max_num_seqs=1, max_model_len=run.max_model_len))
+    for method, head in (("k0+json", '{"note": "'), ("k0", None)):
+        texts = [shipped_pair.tokenizer.decode(ids) for ids in
+                 run._phase(method, verifier, None, run.prompts, 0, 1, "check").outputs]  # fmt: skip
+        assert all(text.startswith(head) for text in texts) if head else not any(t.startswith('{"note') for t in texts)
+    rows = {row["config"]: row for row in run.sections()["rows"]}
+    guided = rows["draft_model+json k=2"]
+    assert guided["x_unguided"] == guided["tokens_per_s_aggregate"] / rows["draft_model k=2"]["tokens_per_s_aggregate"]
+    assert guided["x_k0"] == guided["tokens_per_s_aggregate"] / rows["k0+json"]["tokens_per_s_aggregate"]
+    assert run.sections()["guide"]["required"] == ["note"]
