@@ -258,11 +258,9 @@ class DraftLengths:
             self.population = self.population.observed(sum(a for _, a in drafting),
                                                        sum(float(a < n) for n, a in drafting))  # fmt: skip
         num_drafts = sum(n for n, _ in drafting) if lengths.steady else 0  # a prompt fed costs more than drafts
-        depth = max((n for n, _ in drafting), default=0) if num_drafts else 0
+        depth = max((n for n, _ in drafting), default=0)
         decode = rows == len(judged) + sum(n for n, _ in drafting)  # else a prompt was among the rows
-        steady_fed = sum(1 + a for n, a in drafting)  # each drafting sequence's last token and its accepted drafts
-        fed = 0 if lengths.steady else max(0, lengths.fed - steady_fed)
-        depth = depth or max((n for n, _ in drafting), default=0)
+        fed = 0 if lengths.steady else lengths.fed  # a catch-up: every token the propose call read
         timing = StepTiming(rows, num_drafts, depth, propose_s if drafting else 0.0, max(0.0, step_s - propose_s),
                             decode, fed)  # fmt: skip
         self.meter, self._costs = self.meter.after(timing), None

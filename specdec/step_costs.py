@@ -67,8 +67,8 @@ class StepTiming:
     # rows cost far less each than a decode row's (one wide matrix product), and one prefill of
     # thousands of rows would set the slope alone: the rows' cost is read off decode steps only
     decode: bool = True
-    # tokens the propose call read beyond a steady step's (each drafting sequence's last token
-    # and accepted drafts): with num_drafts 0, a call that read prompts or a catch-up
+    # tokens a call that read prompts or a catch-up fed its drafter (num_drafts is then 0):
+    # the seconds it took beyond a steady call of its depth are theirs
     fed: int = 0
 
 
