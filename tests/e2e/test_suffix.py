@@ -45,17 +45,9 @@ def cached_responses(server) -> float:
 def test_greedy_output_equals_the_target_and_a_repeat_is_drafted_from_the_first(suffix_server, reference):
     rounds = []
     for _ in range(2):  # round 2 repeats round 1, as agents do
-        failures, drafted, accepted = [], 0, 0
-        for prompt in PROMPTS:
-            result = generate_grpc(suffix_server.grpc_url, "ensemble", prompt,
-                                   {"stream": True, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True})  # fmt: skip
-            drafted += result.total_draft_tokens
-            accepted += result.total_accepted_draft_tokens
-            failure = reference.greedy_mismatch(prompt, result.text, MAX_TOKENS)
-            if failure:
-                failures.append(failure)
-        assert not failures, "\n".join(failures)
-        rounds.append((drafted, accepted))
+        params = {"stream": True, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True}
+        results = [(prompt, generate_grpc(suffix_server.grpc_url, "ensemble", prompt, params)) for prompt in PROMPTS]
+        rounds.append(reference.drafts_of_greedy_outputs(results, MAX_TOKENS))
     (_, accepted_1), (drafted_2, accepted_2) = rounds
     # the global tree holds round 1's responses: round 2 drafts them back and the target agrees
     assert accepted_2 > 2 * accepted_1 and accepted_2 / drafted_2 > 0.8, rounds

@@ -134,6 +134,13 @@ class Reference:
         top = torch.topk(logits, 2).values
         return float(top[0] - top[1])
 
+    def drafts_of_greedy_outputs(self, results: list[tuple[str, object]], max_tokens: int) -> tuple[int, int]:
+        """(drafted, accepted) over ``(prompt, result)`` pairs, failing on each text that is not the target's own."""
+        failures = [f for prompt, r in results if (f := self.greedy_mismatch(prompt, r.text, max_tokens))]
+        assert not failures, "\n".join(failures)
+        return (sum(r.total_draft_tokens for _, r in results),
+                sum(r.total_accepted_draft_tokens for _, r in results))  # fmt: skip
+
     def greedy_mismatch(self, prompt: str, text: str, max_tokens: int) -> str | None:
         """None when ``text`` is the target's greedy output up to a near-tie; else what went wrong."""
         prompt_ids, ref_ids = self.greedy_ids(prompt, max_tokens)
