@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,11 +64,29 @@ class ServerStopWatch:
 
 
 def http_liveness(server_pid: int | None = None) -> Liveness | None:
-    """The question to ask ``tritonserver`` (default: this stub's parent) over its HTTP endpoint.
+    """Whether ``tritonserver`` (default: this stub's parent) answers live over its HTTP endpoint.
 
-    Read from the server's command line: ``--http-port`` (8000), ``--http-address``,
-    ``--allow-http``, and the key of ``--http-restricted-api`` when it restricts health.
     None when the server serves no HTTP.
+    """
+    ask = http_health(server_pid)
+    return None if ask is None else lambda: ask(LIVE_PATH)
+
+
+def http_model_readiness(server_pid: int | None = None) -> Callable[[str], "bool | None"] | None:
+    """``ready(model)``: whether the server answers that model ready (``/v2/models/<model>/ready``).
+
+    True: 200; False: refused or not ready; None: no answer. None when the server serves no HTTP.
+    """
+    ask = http_health(server_pid)
+    return None if ask is None else lambda model: ask(f"/v2/models/{model}/ready")
+
+
+def http_health(server_pid: int | None = None) -> Callable[[str], "bool | None"] | None:
+    """``ask(path)``: a GET of a health path on ``tritonserver``'s HTTP endpoint; whether it answered 200.
+
+    Where to ask is read from the server's command line: ``--http-port`` (8000),
+    ``--http-address``, ``--allow-http``, and the key of ``--http-restricted-api`` when it
+    restricts health. None when the server serves no HTTP.
     """
     pid = server_pid if server_pid is not None else os.getppid()
     try:
@@ -83,10 +102,10 @@ def http_liveness(server_pid: int | None = None) -> Liveness | None:
     for restricted in options.get("http-restricted-api", []):
         headers.update(_restricted_health_header(restricted))
 
-    def live() -> bool | None:
+    def ask(path: str) -> bool | None:
         connection = http.client.HTTPConnection(host, port, timeout=ASK_TIMEOUT_S)  # no proxy: our own server
         try:
-            connection.request("GET", LIVE_PATH, headers=headers)
+            connection.request("GET", path, headers=headers)
             return connection.getresponse().status == 200
         except ConnectionRefusedError:
             return False  # the HTTP service stopped: the server is exiting
@@ -95,7 +114,18 @@ def http_liveness(server_pid: int | None = None) -> Liveness | None:
         finally:
             connection.close()
 
-    return live
+    return ask
+
+
+def wait_until_not_ready(ready: Callable[[str], "bool | None"], model: str, timeout_s: float,
+                         poll_s: float = 0.05) -> bool:  # fmt: skip
+    """Ask until ``model`` is answered not ready; False if it still was (or no answer came) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready(model) is False:
+            return True
+        time.sleep(poll_s)
+    return False
 
 
 def _options(args: list[str]) -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""How the orchestrator sees the server stopping: Triton's HTTP liveness, refused once it stops (server_stop)."""
+"""How the orchestrator sees the server stopping (Triton's HTTP liveness, refused once it stops) and a model unloaded."""
 from __future__ import annotations
 
 import http.server
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from bench.server import free_port
-from specdec_triton.server_stop import ServerStopWatch, http_liveness
+from specdec_triton.server_stop import ServerStopWatch, http_liveness, http_model_readiness, wait_until_not_ready
 
 
 def test_the_server_stops_once_it_refuses_the_question_it_answered():
@@ -24,9 +24,12 @@ def test_without_a_question_there_is_no_stop():
 
 
 class Live(http.server.BaseHTTPRequestHandler):
+    ready_models: set[str] = set()
+
     def do_GET(self):
-        allowed = self.path == "/v2/health/live" and self.headers.get("admin-key") == "k1"
-        self.send_response(200 if allowed else 403)
+        allowed = self.headers.get("admin-key") == "k1" and (
+            self.path == "/v2/health/live" or self.path in {f"/v2/models/{m}/ready" for m in self.ready_models})
+        self.send_response(200 if allowed else 400 if self.path.startswith("/v2/models/") else 403)
         self.end_headers()
 
     def log_message(self, *args):
@@ -59,10 +62,31 @@ def test_the_question_goes_to_the_servers_http_port_with_its_health_key():
         process.wait()
 
 
+def test_a_reload_waits_until_the_unloaded_model_is_answered_not_ready():
+    port = free_port()
+    Live.ready_models = {"target_verifier"}
+    http_server = http.server.HTTPServer(("127.0.0.1", port), Live)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    process = a_server_process("--http-port", str(port), "--http-restricted-api=health:admin-key=k1")
+    try:
+        ready = http_model_readiness(process.pid)
+        assert ready("target_verifier") is True and ready("draft_proposer") is False
+        assert not wait_until_not_ready(ready, "target_verifier", timeout_s=0.3)  # still ready: the wait gives up
+        threading.Timer(0.2, Live.ready_models.clear).start()  # the unload takes effect
+        start = time.monotonic()
+        assert wait_until_not_ready(ready, "target_verifier", timeout_s=5)
+        assert 0.2 <= time.monotonic() - start < 2
+    finally:
+        http_server.shutdown()
+        http_server.server_close()
+        process.kill()
+        process.wait()
+
+
 def test_a_server_without_http_has_no_question():
     process = a_server_process("--allow-http=false")
     try:
-        assert http_liveness(process.pid) is None
+        assert http_liveness(process.pid) is None and http_model_readiness(process.pid) is None
     finally:
         process.kill()
         process.wait()

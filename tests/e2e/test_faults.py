@@ -87,21 +87,41 @@ RECOVERING = ("stopped", "recovering", "has no available versions")
 
 
 def serves_again(server, reference, deadline_s: float) -> tuple[float, bool]:
-    """Seconds until a request succeeds again (its text must be the target's), and whether readiness was ever false."""
-    start, unready = time.monotonic(), False
+    """Seconds until a request succeeds again (its text must be the target's), and whether readiness was ever
+    false meanwhile (asked every 0.1 s beside the requests)."""
+    start, unready, done = time.monotonic(), [], threading.Event()
+
+    def watch_readiness() -> None:
+        while not done.is_set() and not unready:
+            if not server.is_ready():
+                unready.append(time.monotonic() - start)
+            done.wait(0.1)
+
+    watcher = threading.Thread(target=watch_readiness, daemon=True)
+    watcher.start()
     params = {"max_tokens": 24, "exclude_input_in_output": True}
-    while time.monotonic() - start < deadline_s:
-        unready = unready or not server.is_ready()
-        try:
-            text = generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], params).text
-        except GenerateError as err:
-            assert any(reason in str(err) for reason in RECOVERING), str(err)
-            time.sleep(0.5)
-            continue
-        mismatch = reference.greedy_mismatch(PROMPTS[0], text, 24)
-        assert not mismatch, mismatch
-        return time.monotonic() - start, unready
+    try:
+        while time.monotonic() - start < deadline_s:
+            try:
+                text = generate_grpc(server.grpc_url, "ensemble", PROMPTS[0], params).text
+            except GenerateError as err:
+                assert any(reason in str(err) for reason in RECOVERING), str(err)
+                time.sleep(0.5)
+                continue
+            mismatch = reference.greedy_mismatch(PROMPTS[0], text, 24)
+            assert not mismatch, mismatch
+            return time.monotonic() - start, bool(unready)
+    finally:
+        done.set()
+        watcher.join()
     pytest.fail(f"no request succeeded within {deadline_s} s of the fault; log:\n{server.log_tail()}")
+
+
+def lifecycle_lines(server, model: str) -> str:
+    """The server log's lines on ``model``'s loads and unloads, and the orchestrator's on its recovery."""
+    lines = server.log_path.read_text(errors="replace").splitlines()
+    return "\n".join(line[:200] for line in lines if "model_lifecycle" in line and model in line
+                     or "[specdec:speculative_decoding]" in line)  # fmt: skip
 
 
 @pytest.fixture
@@ -133,7 +153,8 @@ def test_a_killed_stub_fails_its_requests_at_once_is_reloaded_and_sigterm_then_d
         print(f"{model}: every stream failed within {max(s for s, _ in ends):.1f} s of the kill; "
               f"serving again after {seconds:.1f} s; readiness false meanwhile: {unready}")
         assert server.is_ready(), model
-        assert unready or model != "target_verifier"  # its reload takes seconds; draft_proposer's may beat a poll
+        # its reload takes seconds; draft_proposer's may beat a poll
+        assert unready or model != "target_verifier", lifecycle_lines(server, model)
         wait_until_idle(server, timeout_s=10)
     exited: list[float] = []
     stopping = threading.Thread(target=lambda: exited.append(stop_seconds(server)))
@@ -194,10 +215,21 @@ def stop_seconds(server) -> float:
     """SIGTERM to tritonserver; seconds until it exited."""
     proc, start = server.process, time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(60)
+    wait_exit(server, 60)
     seconds = time.monotonic() - start
     print(f"SIGTERM: exited after {seconds:.1f} s")
     return seconds
+
+
+def wait_exit(server, timeout_s: float) -> None:
+    """Wait for tritonserver to exit; fails with its log and its processes' states if it has not after ``timeout_s``."""
+    try:
+        server.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        processes = subprocess.run(["ps", "-ww", "-s", str(server.process.pid), "-o", "pid=,stat=,wchan=,args="],
+                                   capture_output=True, text=True).stdout  # fmt: skip
+        pytest.fail(f"tritonserver had not exited {timeout_s:g} s after SIGTERM; its processes:\n{processes}\n"
+                    f"log:\n{server.log_tail()}")
 
 
 MAX_REQUEST_SECONDS = 3.0

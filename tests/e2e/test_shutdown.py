@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from client.generate import generate_grpc
 from test_concurrency import PROMPTS
-from test_faults import streams_interrupted
+from test_faults import streams_interrupted, wait_exit
 from triton_server import REPO_ROOT, server_on_free_ports
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -65,7 +65,7 @@ def streams_stopped(server, models: tuple[str, ...]) -> tuple[list[tuple[float |
     def stop() -> None:
         signalled.append(time.monotonic())
         os.kill(server.process.pid, signal.SIGTERM)
-        server.process.wait(60)
+        wait_exit(server, 60)
         exited.append(time.monotonic() - signalled[0])
 
     ends = streams_interrupted(server, stop, models, NUM_STREAMS, GONE_WITHIN_S)

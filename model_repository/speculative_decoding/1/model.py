@@ -30,11 +30,14 @@ from specdec_triton.recovery import SHUTTING_DOWN, RecoveryActions, Supervisor
 from specdec_triton.drafters import read_draft_beside_target
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
-from specdec_triton.server_stop import SERVER_NOT_READY, ServerStopWatch, http_liveness
+from specdec_triton.server_stop import (
+    SERVER_NOT_READY, ServerStopWatch, http_liveness, http_model_readiness, wait_until_not_ready,
+)  # fmt: skip
 from specdec_triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WATCHED = (wire.TOKENIZER, wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER, wire.REJECTION_SAMPLER)
+UNLOAD_WAIT_S = 10.0  # a dead stub's instance unloads within a second or two
 DRAIN_S = 5.0  # in finalize, requests still in flight this much longer get a final error; within the exit timeout
 
 
@@ -56,6 +59,7 @@ class TritonPythonModel:
             suffix_gauges=SuffixCacheGauges(name),  # method suffix runs here (specdec.proposers.model_free)
         )
         self.stop_watch = ServerStopWatch(http_liveness())  # Triton's HTTP liveness: refused once stopping
+        self.model_ready = http_model_readiness()
         if not self.stop_watch.watching:
             self.logger.info("no HTTP endpoint to watch: streams through ensemble end only at the exit timeout")
         actions = RecoveryActions(reload=self._reload,
@@ -66,11 +70,14 @@ class TritonPythonModel:
                                      config.health_check_interval_s).start()  # fmt: skip
         self.logger.info(str(config))
 
-    @staticmethod
-    def _reload(model):
+    def _reload(self, model):
         """Unloaded first, so the load is a fresh one: Triton counts the model loading, and strict readiness
-        (``/v2/health/ready``) answers not ready until it serves; a reload of a loaded model would keep it ready."""
-        pb_utils.unload_model(model)  # returns at once; the dead process's instance unloads in the background
+        (``/v2/health/ready``) answers not ready until it serves. ``unload_model`` returns before the unload
+        has begun; a load that comes first is taken as a reload of a model still counted ready, and the server
+        would answer ready while every request fails, so the load waits until the model is answered not ready."""
+        pb_utils.unload_model(model)
+        if self.model_ready is not None and not wait_until_not_ready(self.model_ready, model, UNLOAD_WAIT_S):
+            self.logger.error(f"{model} still answered ready {UNLOAD_WAIT_S:g} s after its unload; loading it anyway")
         pb_utils.load_model(model_name=model, config=reload_config(model))
 
     def _stages(self, repository_dir, stage_calls):
