@@ -70,7 +70,8 @@ from bench.speculation_table import read_table, servers_in
 from bench.step_times import in_process_timings, server_parameter
 from bench.stats import latency_summary
 from bench.workload import held_out_texts, select_prompts
-from specdec.models import eos_token_ids, load_causal_lm, load_tokenizer
+from specdec.models import load_causal_lm
+from specdec.tokenizer import eos_token_ids, load_tokenizer
 from specdec.proposers import PROPOSERS
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 

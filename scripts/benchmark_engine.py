@@ -68,7 +68,7 @@ from specdec.fast import FastCausalLM  # noqa: E402
 from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.follow_acceptance import DraftLengths  # noqa: E402
 from specdec.grammar import GrammarCompiler  # noqa: E402
-from specdec.models import eos_token_ids, load_tokenizer  # noqa: E402
+from specdec.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 from specdec.proposers.model_free import MODEL_FREE_METHODS  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
 from specdec.speculation_length import SpeculationLength  # noqa: E402

@@ -38,7 +38,7 @@ from bench.repository import checkpoint_edits, variant_edits, make_variant, meth
 from bench.server import SERVE_SCRIPT, TritonServer
 from bench.workload import held_out_texts, select_prompts
 from specdec.heads import HEAD_METHODS
-from specdec.models import load_tokenizer
+from specdec.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE_METHOD = "ngram"  # k = 0 requests run on its server: it keeps nothing between requests

@@ -25,7 +25,7 @@ from bench.phase import measure_phase, warm_up
 from bench.report import git_commit, machine_info
 from bench.server import TritonServer
 from bench.workload import held_out_texts, select_prompts
-from specdec.models import load_tokenizer
+from specdec.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ from specdec.engine import GenerationParams  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.build import build_lm  # noqa: E402
 from specdec.heads import build_head_proposer  # noqa: E402
-from specdec.models import load_tokenizer  # noqa: E402
+from specdec.tokenizer import load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
 from specdec.proposers.ngram import NgramProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402

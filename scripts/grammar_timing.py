@@ -24,7 +24,7 @@ DOCUMENT = {"name": "bob", "age": 42, "tags": ["a", "b"], "address": {"city": "P
 
 def main(tokenizer_dir: str = "models/tiny-target") -> None:
     from specdec.grammar import GrammarCompiler, GrammarState
-    from specdec.models import load_tokenizer
+    from specdec.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     ids = tokenizer(json.dumps(DOCUMENT), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]

@@ -41,7 +41,7 @@ from bench.stats import (
     with_socket_calls,
 )
 from bench.workload import held_out_texts, select_prompts
-from specdec.models import load_tokenizer
+from specdec.tokenizer import load_tokenizer
 from specdec.proposers import PROPOSERS
 from specdec_triton import wire
 from specdec_triton.metrics import STAGES

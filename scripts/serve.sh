@@ -122,7 +122,7 @@ if ! has_arg model-control-mode "$@"; then
            "--grpc-restricted-protocol=model-repository:specdec-admin-key=$KEY")
 fi
 if ! has_arg exit-timeout-secs "$@"; then
-    args+=(--exit-timeout-secs=10)
+    args+=(--exit-timeout-secs=20)
 fi
 
 SERVER="$(command -v tritonserver || true)"

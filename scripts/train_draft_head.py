@@ -65,7 +65,8 @@ from specdec.heads.eagle3 import Eagle3Head, default_aux_layers, eagle3_config_f
 from specdec.heads.formats import save_eagle3  # noqa: E402
 from specdec.heads.medusa import Medusa, MedusaConfig, save_medusa  # noqa: E402
 from specdec.heads.mlp_speculator import MLPSpeculator, first_stages, save_mlp_speculator  # noqa: E402
-from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
+from specdec.models import load_causal_lm  # noqa: E402
+from specdec.tokenizer import load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402
 from specdec.tree import parse_token_tree  # noqa: E402

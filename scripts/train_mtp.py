@@ -39,7 +39,8 @@ from train_tiny_models import corpus_files, encode_stream, read_texts  # noqa: E
 
 from specdec.fast.checkpoint import read_config  # noqa: E402
 from specdec.heads.mtp import MTPConfig, MTPHead, train_forward, write_into_target  # noqa: E402
-from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
+from specdec.models import load_causal_lm  # noqa: E402
+from specdec.tokenizer import load_tokenizer  # noqa: E402
 
 
 def build_mtp(target, arch) -> MTPHead:

@@ -58,7 +58,8 @@ from train_tiny_models import corpus_files, encode_stream, lr_at, read_texts  # 
 
 from bench.workload import held_out_texts, select_prompts  # noqa: E402
 from specdec.build import build_lm  # noqa: E402
-from specdec.models import load_causal_lm, load_tokenizer  # noqa: E402
+from specdec.models import load_causal_lm  # noqa: E402
+from specdec.tokenizer import load_tokenizer  # noqa: E402
 from specdec.proposers.draft_model import DraftModelProposer  # noqa: E402
 from specdec.proposers.pard import MASK_TOKEN_KEY, ParallelDraftProposer  # noqa: E402
 from specdec.rejection_sampler import RejectionSampler  # noqa: E402

@@ -9,12 +9,11 @@ import os
 
 import torch
 
-from specdec.cached_lm import CachedLM, check_model_dir
+from specdec.cached_lm import ENGINES, CachedLM, check_model_dir
 from specdec.fast.runner import FastCausalLM
 from specdec.models import CachedCausalLM
 from specdec.progress import Log, timed_phase
 
-ENGINES = ("fast", "hf")  # fast: Llama family, batched, static slot cache; hf: any AutoModelForCausalLM
 
 
 def build_lm(

@@ -20,6 +20,10 @@ import torch
 from specdec.tree import check_parents
 from specdec.types import ModelDescription
 
+ENGINES = ("fast", "hf")  # fast: Llama family, batched, static slot cache; hf: any AutoModelForCausalLM
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: float32 on CPU, bfloat16 on GPU (specdec.models.resolve_dtype)
+
 
 @dataclass(frozen=True)
 class ForwardCall:

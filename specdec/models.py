@@ -13,12 +13,10 @@ import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from specdec.cached_lm import ForwardCall, check_forward_calls, check_model_dir
+from specdec.cached_lm import DTYPE_CHOICES, DTYPES, ForwardCall, check_forward_calls, check_model_dir
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *_DTYPES)
 
 
 def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype:
@@ -31,9 +29,9 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
         if torch.device(device).type != "cuda":
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
-    return _DTYPES[dtype]
+    return DTYPES[dtype]
 
 
 def load_causal_lm(path: str | os.PathLike, dtype: str = "auto", device: str | torch.device = "cpu") -> PreTrainedModel:
@@ -63,21 +61,6 @@ def _skipping_mtp_layers(path: str):
     mtp_layers = (rf"^model\.layers\.{first + i}\." for i in range(count))  # layers num_hidden_layers + i
     patterns = [*(base._keys_to_ignore_on_load_unexpected or ()), *mtp_layers]
     return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": patterns, "__module__": base.__module__})
-
-
-def load_tokenizer(path: str | os.PathLike):
-    return AutoTokenizer.from_pretrained(check_model_dir(path), local_files_only=True)
-
-
-def eos_token_ids(tokenizer, tokenizer_dir: str | os.PathLike) -> list[int]:
-    """The tokenizer's EOS plus any in ``generation_config.json``: what Hugging Face ``generate`` stops on."""
-    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    path = os.path.join(tokenizer_dir, "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids += [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
-    return list(dict.fromkeys(ids))
 
 
 def model_vocab_size(model: PreTrainedModel) -> int:

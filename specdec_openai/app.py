@@ -119,7 +119,7 @@ class OpenAIServer:
             if self._vocabulary is None:
                 tokenizer = getattr(self._template, "tokenizer", None)
                 if tokenizer is None:
-                    from specdec.models import load_tokenizer
+                    from specdec.tokenizer import load_tokenizer
 
                     directory = self.config.tokenizer_dir or await self.backend.tokenizer_dir()
                     tokenizer = await asyncio.to_thread(load_tokenizer, directory)

@@ -33,7 +33,7 @@ class ChatTemplate:
     @classmethod
     def load(cls, tokenizer_dir: str, template: str | None = None) -> ChatTemplate:
         """``template``: a Jinja string or a file holding one; ``None``: the tokenizer's own."""
-        from specdec.models import load_tokenizer
+        from specdec.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_dir)
         template = read_template(template) if template is not None else None

@@ -13,8 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from specdec.heads import HEAD_METHODS
-from specdec.methods import METHODS
+from specdec.methods import HEAD, METHODS, names_of
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.ngram import NgramConfig
 from specdec.proposers.suffix import SuffixConfig
@@ -24,6 +23,8 @@ from specdec.tree import DraftTree, DynamicTree, parse_token_tree
 from specdec_triton.leases import MIN_IDLE_TIMEOUT_S
 from specdec_triton.parameters import SEQUENCE_IDLE_TIMEOUT_S, Reader, default
 from specdec_triton.plumbing import ParameterError, Parameters
+
+HEAD_METHODS = names_of(HEAD)  # not specdec.heads': that imports the models, which a tokenizer's process never needs
 
 _ORCHESTRATOR = "speculative_decoding"
 

@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from specdec.build import ENGINES
 from specdec.compile_locks import DEFAULT_LOCK_TIMEOUT_S
-from specdec.models import DTYPE_CHOICES
-from specdec.proposers import PROPOSERS
+from specdec.cached_lm import DTYPE_CHOICES, ENGINES
+from specdec.methods import METHODS as DRAFT_METHODS
 from specdec.proposers.suffix import SuffixConfig
 from specdec.rejection_sampler import METHODS
 from specdec.suffix_first import DEFAULT_MIN_SCORE
@@ -140,7 +139,7 @@ DRAFT_PROPOSER = (
         "`dflash`: a head over the target's hidden states ([drafters](drafters.md#draft-heads-eagle-3-and-the-mlp-speculator), "
         "[DFlash](drafters.md#dflash-a-block-of-drafts-in-one-pass)); "
         "`mtp`: the target's own MTP layer, read from its checkpoint ([drafters](drafters.md#the-targets-own-mtp-layer)); "
-        "`ngram` and `suffix` run in speculative_decoding's process", choices=tuple(PROPOSERS)),  # fmt: skip
+        "`ngram` and `suffix` run in speculative_decoding's process", choices=tuple(DRAFT_METHODS)),  # fmt: skip
     Parameter("draft_model", "path", DEFAULT_DRAFT_MODEL,
               "a Hugging Face checkpoint sharing the target's vocabulary, or a head's directory; not read under `mtp`, "
               "nor resolved under `ngram` and `suffix`"),  # fmt: skip

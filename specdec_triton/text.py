@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specdec.models import eos_token_ids, load_tokenizer
+from specdec.tokenizer import eos_token_ids, load_tokenizer
 from specdec_triton.plumbing import RequestError
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from specdec.models import load_causal_lm, load_tokenizer
+from specdec.models import load_causal_lm
+from specdec.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_TARGET = REPO_ROOT / "models" / "tiny-target"

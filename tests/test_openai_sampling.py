@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_openai_server import SHIPPED_TOKENIZER, TEMPLATE, FakeBackend, client_for, events
 
-from specdec.models import load_tokenizer
+from specdec.tokenizer import load_tokenizer
 from specdec_openai.logprobs import TokenLog, Vocabulary
 from specdec_openai.protocol import choice_seed
 from specdec_openai.triton import Step

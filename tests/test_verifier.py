@@ -14,7 +14,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdec.models import CachedCausalLM, load_causal_lm, load_tokenizer, resolve_dtype
+from specdec.models import CachedCausalLM, load_causal_lm, resolve_dtype
+from specdec.tokenizer import load_tokenizer
 from specdec.sampling import process_logits
 from specdec.types import SamplingParams, VerifyRequest
 from specdec.verifier import TargetVerifier

@@ -3,7 +3,7 @@
 The default server serves the committed ``model_repository`` as is (suffix decoding,
 checkpoints in ``${SPECDEC_MODELS_DIR}``, which serve.sh sets). The n-gram server serves a copy made in
 a temporary directory with ``method: ngram``, the table server one with the shipped draft model
-(compiled, as shipped) whose step k follows a ``num_speculative_tokens_per_batch_size`` table. ``SPECDEC_E2E_MODELS`` may name another
+whose step k follows a ``num_speculative_tokens_per_batch_size`` table. ``SPECDEC_E2E_MODELS`` may name another
 directory holding ``tiny-target`` and ``tiny-draft``; every server then uses a copy
 pointing there. Without the model pair the tests skip.
 """
@@ -53,13 +53,16 @@ def ngram_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def table_server(tmp_path_factory):
-    """The shipped draft model, compiled: k = 4 for one sequence, 2 for two, none from three sequences on.
+    """The shipped draft model, eager: k = 4 for one sequence, 2 for two, none from three sequences on.
+
+    Eager as every copy is (``repository_copy``): the compiled draft is served by ``test_deploy.py``'s
+    copy of the shipped configuration, and compiling it here cost this server's start 40-50 s.
 
     Every step drafts the table's k (no k that follows acceptance, which reads the clock), so
     that a seed gives the same text each time: a model's drafts shape the draws.
     """
     server = _start_server(tmp_path_factory, "draft_model", {
-        "num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,2:2,3:0", "cpu_compile": "true",
+        "num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,2:2,3:0",
         "speculation_follows_acceptance": "false"})
     yield server
     server.stop()

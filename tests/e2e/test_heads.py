@@ -11,8 +11,17 @@ leave the target's process). A trained head is only accepted if they arrive whol
 """
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+
 import pytest
 from client.generate import generate_grpc, generate_http
+from test_concurrency import PROMPTS as STREAM_PROMPTS, wait_until_idle
+from test_faults import (
+    ERROR_WITHIN_S, RECOVERY_TIMEOUT_S, STOP_WITHIN_S, alive, serves_again, streams_interrupted, streams_killed_midway,
+)  # fmt: skip
 from triton_server import models_dir, repository_copy, server_on_free_ports
 
 pytestmark = pytest.mark.server
@@ -120,3 +129,34 @@ def test_mlp_speculator_serves_k_up_to_n_predict_and_refuses_more_by_name(shippe
         generate_http(server.http_url, "ensemble", PROMPTS[1], {**params, "num_speculative_tokens": N_PREDICT + 1})
     again = generate_http(server.http_url, "ensemble", PROMPTS[2], {**params, "num_speculative_tokens": 1})
     assert reference.greedy_mismatch(PROMPTS[2], again.text, MAX_TOKENS) is None
+
+
+@pytest.mark.slow
+def test_a_killed_target_with_the_head_beside_it_comes_back_and_a_killed_tritonserver_leaves_no_process(
+        shipped_eagle3_beside_server, reference):  # fmt: skip
+    """The last test on this server: its target (the head beside it) killed under load and back, then
+    tritonserver killed (``test_faults.py`` has the composing models' faults).
+
+    SIGKILL of tritonserver under load: every stub sees its server gone and ends, with what it started.
+    """
+    server = shipped_eagle3_beside_server
+    ends = streams_killed_midway(server, "target_verifier")
+    for seconds, error in ends:
+        assert seconds is not None and seconds < ERROR_WITHIN_S and "target_verifier stopped" in error, ends
+    seconds, _ = serves_again(server, reference, RECOVERY_TIMEOUT_S)
+    print(f"head beside the target: serving again {seconds:.1f} s after the kill")
+    again = generate_grpc(server.grpc_url, "ensemble", STREAM_PROMPTS[1],
+                          {"max_tokens": 24, "exclude_input_in_output": True})  # fmt: skip
+    assert again.total_accepted_draft_tokens > 0  # the head came back with the target, and drafts
+    wait_until_idle(server, timeout_s=10)
+    lines = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.process.pid)],
+                           capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+    stubs = {int(line.split()[0]): line for line in lines if "/1/model.py" in line}
+    assert len(stubs) == 6, lines
+    ends = streams_interrupted(server, lambda: os.kill(server.process.pid, signal.SIGKILL))  # with streams in flight
+    assert all(error != "finished" for _, error in ends)
+    server.process.wait(10)
+    deadline = time.monotonic() + STOP_WITHIN_S
+    while (left := [stubs[pid] for pid in stubs if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"model processes alive {STOP_WITHIN_S:g} s after the server was killed: {left}"

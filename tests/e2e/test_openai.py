@@ -87,7 +87,7 @@ def keyed_url(openai_server, tmp_path_factory):
 
 def token_ids_of(token: str) -> list[int]:
     """The ids whose text is ``token`` (the served tokenizer's)."""
-    from specdec.models import load_tokenizer
+    from specdec.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(models_dir() / "tiny-target")
     return [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == token]
