@@ -31,15 +31,13 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "e2e")]  # the client package and the fault tests' helpers
 
-from client.generate import GenerateError, generate_grpc  # noqa: E402
-from test_faults import session_processes, stub_pid  # noqa: E402
+from test_faults import PUBLIC_MODELS, session_processes, streams_interrupted, stub_pid  # noqa: E402
 
 from bench.server import SERVE_SCRIPT, TritonServer  # noqa: E402
 
@@ -47,8 +45,6 @@ STAGES = ("loading", "compiling", "serving", "recovering")
 STOPS = ("sigint", "sigterm", "sigkill")
 GONE_WITHIN_S = 15.0
 STAGE_TIMEOUT_S = 600.0  # a cold compile on a loaded 2-core machine
-LONG = {"stream": True, "max_tokens": 1500, "min_tokens": 1500, "exclude_input_in_output": True}
-PROMPTS = ["Once upon a time", "def add(a, b):\n    return", "The quick brown fox", "import os\nimport sys\n"]
 # the log line that marks a stage once the server is up to it
 STAGE_LINES = {
     "loading": "[specdec:target_verifier] loading weights of",
@@ -69,35 +65,9 @@ def wait_for_line(server: TritonServer, line: str, timeout_s: float) -> float:
     raise TimeoutError(f"no {line!r} within {timeout_s:g} s")
 
 
-def streams_in_flight(server: TritonServer, count: int = 8) -> list[threading.Thread]:
-    """``count`` long streams, half to each public model; returns once each has sent text."""
-    started = threading.Barrier(count + 1, timeout=300)
-
-    def run(i: int) -> None:
-        first = [True]
-
-        def on_chunk(_text: str) -> None:
-            if first[0]:
-                first[0] = False
-                started.wait()
-
-        try:
-            model = ("ensemble", "speculative_decoding")[i % 2]
-            generate_grpc(server.grpc_url, model, PROMPTS[i % len(PROMPTS)], LONG, on_chunk)
-        except (GenerateError, OSError):
-            pass  # the stop ends it; what the server answers is test_faults.py's to check
-        if first[0]:
-            started.abort()
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    started.wait()
-    return threads
-
-
 def reach(server: TritonServer, stage: str) -> float:
-    """Start ``server`` and bring it to ``stage``; the seconds that took."""
+    """Start ``server`` and bring it to ``stage`` (``serving``: ready; :func:`run_case` sends the streams);
+    the seconds that took."""
     start = time.monotonic()
     if stage in ("loading", "compiling"):
         server.launch()
@@ -106,9 +76,7 @@ def reach(server: TritonServer, stage: str) -> float:
             time.sleep(3.0)  # the compiler's worker processes are up
         return time.monotonic() - start
     server.start()
-    if stage == "serving":
-        streams_in_flight(server)
-    else:  # recovering
+    if stage == "recovering":
         os.kill(stub_pid(server, "target_verifier"), signal.SIGKILL)
         wait_for_line(server, STAGE_LINES[stage], 60)
         time.sleep(2.0)  # the reload under way
@@ -150,8 +118,11 @@ def run_case(stage: str, how: str, workdir: Path, env: dict[str, str]) -> dict:
     except (RuntimeError, TimeoutError) as err:
         case["error"] = f"did not reach {stage}: {err}"
     if server.process is not None:
-        started = time.monotonic()
-        left = stop(server, how)
+        started, left = time.monotonic(), []
+        if stage == "serving":  # the stop once each stream has sent text
+            streams_interrupted(server, lambda: left.extend(stop(server, how)), PUBLIC_MODELS, 8, GONE_WITHIN_S)
+        else:
+            left = stop(server, how)
         case.update(left=left, seconds_to_gone=round(time.monotonic() - started, 1))
     case["ok"] = "error" not in case and not case.get("left")
     return case

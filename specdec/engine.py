@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.follow_acceptance import AcceptanceEstimate
-from specdec.grammar import Grammar, GrammarState, cut_proposal
+from specdec.grammar import Grammar, GrammarState, cut_proposal, with_drafts_appended
 from specdec.penalties import NO_PENALTIES, Penalties, emitted_log_probs
 from specdec.sampling import derive_seed
 from specdec.top_log_probs import MAX_TOP_LOG_PROBS, Alternatives, emitted_alternatives
@@ -187,17 +187,28 @@ class SequenceState:
             hidden_position=hidden_position,
         )
 
-    def constrain(self, proposal: Proposal | None) -> Proposal | None:
-        """``proposal`` cut where the grammar forbids a draft (it could only be rejected: ``specdec.grammar``).
+    def constrain(self, proposal: Proposal | None, max_drafts: int = 0) -> Proposal | None:
+        """``proposal`` cut where the grammar forbids a draft (it could only be rejected: ``specdec.grammar``),
+        then a chain extended by the tokens the grammar forces, up to ``max_drafts`` drafts in all (the
+        ``num_tokens`` of the step's propose request; 0 when it made none).
 
         With a grammar, call it on every proposal before ``verify_request``, and pass what it
         returns on to the sampler and ``commit``.
         """
-        if self.grammar is None or proposal is None or not len(proposal.token_ids):
+        if self.grammar is None:
             return proposal
-        sampled_q = proposal.probs is not None or proposal.probs_held  # its forbidden draft stays, to be rejected
-        kept = self.grammar.allowed_drafts(proposal.token_ids.tolist(), proposal.parents, sampled_q)
-        return cut_proposal(proposal, kept)
+        if proposal is not None and len(proposal.token_ids):
+            drafts = proposal.token_ids.tolist()
+            sampled_q = proposal.probs is not None or proposal.probs_held  # its forbidden draft stays, to be rejected
+            kept = self.grammar.allowed_drafts(drafts, proposal.parents, sampled_q)
+            if sampled_q and len(kept) < len(drafts):
+                return cut_proposal(proposal, kept)  # ends at a forbidden draft, or is a tree: nothing after it
+            proposal = cut_proposal(proposal, kept)
+        if proposal is not None and (proposal.parents is not None or proposal.probs_held):
+            return proposal  # a tree, or a q held elsewhere: nothing is appended
+        drafts = [] if proposal is None else proposal.token_ids.tolist()
+        forced = self.grammar.forced_after(drafts, max_drafts - len(drafts)) if max_drafts > len(drafts) else []
+        return proposal if not forced else with_drafts_appended(proposal, forced)
 
     def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
         self._check_running()

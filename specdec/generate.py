@@ -68,7 +68,7 @@ def generate(
         while not state.finished:
             propose_request = state.propose_request()
             proposal = proposer.propose([propose_request])[0] if propose_request is not None else None
-            proposal = state.constrain(proposal)
+            proposal = state.constrain(proposal, 0 if propose_request is None else propose_request.num_tokens)
             verify_result = verifier.verify([state.verify_request(proposal)])[0]
             if proposal is None:
                 proposal = Proposal(token_ids=torch.empty(0, dtype=torch.long, device=verify_result.argmax.device))

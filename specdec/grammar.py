@@ -18,6 +18,9 @@ every verified row gets the mask of its own prefix:
   ``p`` exactly when ``q`` drew a forbidden draft, instead of from the residual
   ``(p - q)+``, and the output would no longer follow ``p`` (Leviathan et al. 2023,
   Theorem 1 needs the draft rejected, not withdrawn);
+* where the grammar allows a single next token (a schema's keys and punctuation), that token is
+  drafted after the drafter's allowed drafts, up to the step's k, with a one-hot ``q``
+  (``GrammarState.forced_after``): the constrained target always accepts it;
 * ``GrammarState.accept`` advances the matcher by the tokens the sampler emitted.
 
 EOS is allowed only where the grammar accepts termination (the request's EOS ids are
@@ -169,6 +172,29 @@ class GrammarState:
                 return kept + [node] if keep_first_forbidden else kept
         return kept
 
+    def forced_after(self, drafts: Sequence[int], max_tokens: int) -> list[int]:
+        """The tokens the grammar forces after the committed tokens and ``drafts`` (a chain it allows), at most
+        ``max_tokens``: each the one token its mask allows. The matcher is rolled back.
+
+        Drafted with a one-hot ``q``, a forced token is lossless like any deterministic draft, and the
+        constrained target, whose ``p`` is 1 there, always accepts it: a step verifies it for the cost of a row.
+        """
+        import xgrammar
+
+        accepted = self._advance(drafts, list(range(len(drafts))))
+        forced: list[int] = []
+        row = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32
+        while accepted == len(drafts) and len(forced) < max_tokens and not self._matcher.is_terminated():
+            if not self._matcher.find_jump_forward_string():  # nothing forced as text: no single token either
+                break
+            self._matcher.fill_next_token_bitmask(row, 0)
+            allowed = torch.nonzero(allowed_bool(row, self.vocab_size)[0]).flatten()
+            if len(allowed) != 1 or not self._matcher.accept_token(int(allowed[0])):
+                break
+            forced.append(int(allowed[0]))
+        self._matcher.rollback(accepted + len(forced))
+        return forced
+
     def masks(self, drafts: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
         """``[len(drafts) + 1, ceil(vocab / 32)]`` int32 bitmask: row 0 after the committed tokens, row ``j + 1``
         after draft ``j``'s path; the matcher is rolled back. A row after a forbidden draft (kept as a chain's
@@ -237,6 +263,22 @@ def cut_proposal(proposal: Proposal, kept: list[int]) -> Proposal:
         parents = tuple(ROOT if proposal.parents[old] == ROOT else new[proposal.parents[old]] for old in kept)
     probs = None if proposal.probs is None else proposal.probs[index.to(proposal.probs.device)]
     return replace(proposal, token_ids=proposal.token_ids[index], probs=probs, parents=parents)
+
+
+def with_drafts_appended(proposal: Proposal | None, token_ids: list[int]) -> Proposal | None:
+    """``proposal`` (a chain, or None) with ``token_ids`` drafted after it, each with a one-hot ``q`` where
+    the proposal carries ``q``; unchanged where its ``q`` rows are too narrow to name them."""
+    if proposal is None:
+        return Proposal(torch.tensor(token_ids, dtype=torch.long))
+    probs = proposal.probs  # [k', vocab] or None
+    if probs is not None and max(token_ids) >= probs.shape[1]:
+        return proposal
+    appended = torch.tensor(token_ids, dtype=proposal.token_ids.dtype, device=proposal.token_ids.device)  # [f]
+    if probs is not None:
+        one_hot = torch.zeros(len(token_ids), probs.shape[1], dtype=probs.dtype, device=probs.device)  # [f, vocab]
+        one_hot[torch.arange(len(token_ids)), appended.to(probs.device)] = 1
+        probs = torch.cat([probs, one_hot])
+    return replace(proposal, token_ids=torch.cat([proposal.token_ids, appended]), probs=probs)
 
 
 def allowed_bool(allowed_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [rows, vocab] bool

@@ -281,7 +281,7 @@ class StepScheduler:
             if isinstance(outcome, Exception):
                 failed[sequence] = outcome
             else:
-                proposals[sequence] = sequence.state.constrain(outcome)
+                proposals[sequence] = sequence.state.constrain(outcome, requests[sequence].num_tokens)
         return proposals
 
     async def _propose_and_verify(self, batch, ks: dict, calls: dict) -> tuple[dict, dict]:
