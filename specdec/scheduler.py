@@ -272,7 +272,8 @@ class StepScheduler:
             await self._end({**{s: None for s in finished}, **failed})
 
     async def _propose(self, batch, ks: dict, calls: dict, failed: dict) -> dict[ScheduledSequence, Proposal]:
-        """One propose call for the sequences that draft; an empty proposal for the others."""
+        """One propose call for the sequences that draft; an empty proposal for the others, but the tokens a
+        grammar forces (``SequenceState.constrain``), whatever k: each costs a verify row and is always accepted."""
         proposals = {s: NO_PROPOSAL for s in batch}
         requests = {s: s.state.propose_request(ks[s]) for s in batch if ks[s]}
         drafting = [s for s, request in requests.items() if request is not None]
@@ -282,6 +283,9 @@ class StepScheduler:
                 failed[sequence] = outcome
             else:
                 proposals[sequence] = sequence.state.constrain(outcome, requests[sequence].num_tokens)
+        for sequence in batch:
+            if sequence not in requests and sequence.state.grammar is not None:
+                proposals[sequence] = sequence.state.constrain(None, sequence.state.num_draft_tokens()) or NO_PROPOSAL
         return proposals
 
     async def _propose_and_verify(self, batch, ks: dict, calls: dict) -> tuple[dict, dict]:

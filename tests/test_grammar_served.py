@@ -7,6 +7,7 @@ import jsonschema
 import pytest
 
 from specdec.grammar import GrammarCompiler
+from specdec.speculation_length import SpeculationLength
 from specdec_triton.plumbing import RequestError
 from local_orchestrator import codec, engine_text, make_orchestrator, models, request, run, text_of
 
@@ -57,3 +58,16 @@ def test_json_guide_type_takes_any_json_value(codec, models):
     sent = run(orchestrator, request("x", guided_decoding_guide_type="json", max_tokens=60))
     if sent[-1][0]["finish_reason"][0].decode() == "stop":
         json.loads(text_of(sent))
+
+
+def test_a_step_the_table_gives_no_drafts_still_drafts_what_the_grammar_forces(codec, models):
+    """k = 0 from the table at one sequence: the forced tokens (the schema's keys and punctuation) are drafted
+    anyway, each accepted, and the text is the engine's at k = 0."""
+    orchestrator, _ = make_orchestrator(codec, models, speculation=SpeculationLength(3, per_batch_size=((1, 0),)))
+    sent = run(orchestrator, request("the quick brown fox", **GUIDED))
+    final, _ = sent[-1]
+    assert int(final["total_accepted_draft_tokens"][0]) == int(final["total_draft_tokens"][0]) > 0
+    grammar = GrammarCompiler(codec.tokenizer, models[0].config.vocab_size).compile("json_schema", GUIDED["guided_decoding_guide"])
+    params = request("the quick brown fox", **GUIDED).generation_params(16, 0, codec.eos_token_ids, (),
+                                                                        models[0].config.vocab_size, grammar=grammar)  # fmt: skip
+    assert text_of(sent) == engine_text(codec, models, "the quick brown fox", params)
