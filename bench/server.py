@@ -24,9 +24,20 @@ SERVE_SCRIPT = REPO_ROOT / "scripts" / "serve.sh"
 
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS picks it; another process may take it before the server)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` different TCP ports nothing listens on now: each held open until all are picked, since a
+    port picked and closed may be the OS's next pick too (a server once got one port for HTTP and gRPC)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class TritonServer:
@@ -50,8 +61,9 @@ class TritonServer:
         self.startup_timeout_s = startup_timeout_s
         self.cwd = cwd
         self.serve_args = tuple(serve_args)
-        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.openai_port = free_port() if openai else None
+        ports = free_ports(4 if openai else 3)
+        self.grpc_port, self.http_port, self.metrics_port = ports[:3]
+        self.openai_port = ports[3] if openai else None
         self.process: subprocess.Popen | None = None
 
     @property

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from client.generate import generate_grpc  # noqa: E402
 
+from bench.server import free_ports  # noqa: E402
+
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(http_port: int, server: subprocess.Popen, log_path: Path, timeout: float) -> None:
@@ -49,7 +44,7 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=300)
     args = parser.parse_args()
 
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    http_port, grpc_port, metrics_port = free_ports(3)
     log_path = REPO_ROOT / ".cache" / "demo-server.log"
     log_path.parent.mkdir(exist_ok=True)
     print(f"[demo] starting tritonserver (log: {log_path})", flush=True)

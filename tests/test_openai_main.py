@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.server import free_port
+from bench.server import free_port, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-main-test-7Qp3"
@@ -83,10 +83,10 @@ def test_serve_sh_hands_the_key_to_the_openai_server_through_its_environment_onl
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\nenv > "{tmp_path}/triton.env"\nexec sleep 120\n')
     fake.chmod(0o755)
-    port, log = free_port(), tmp_path / "serve.log"
+    (port, grpc_port), log = free_ports(2), tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("SPECDEC_OPENAI_API_KEY", "VLLM_API_KEY")}
     env.update(PATH=f"{fake.parent}:{env['PATH']}", VENV=str(Path(sys.executable).parents[1]))
-    command = [str(REPO_ROOT / "scripts" / "serve.sh"), f"--openai-port={port}", f"--grpc-port={free_port()}",
+    command = [str(REPO_ROOT / "scripts" / "serve.sh"), f"--openai-port={port}", f"--grpc-port={grpc_port}",
                "--openai-api-key", KEY]  # fmt: skip
     with open(log, "w") as out:
         serve = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
