@@ -4,8 +4,9 @@ Triton's Python backend runs each model in a stub process, a child of ``tritonse
 When the server is killed (SIGKILL, a crash, a forced exit), nothing tells the stubs: one
 busy in a long load, a cold ``torch.compile`` waiting on its compiler processes, lives on,
 reparented, holding the compile cache's lock, and the next server's load of the same
-model waits on that lock with no end. So each model starts, first thing in
-``initialize``, a daemon thread that checks every ``interval_s`` that its parent is still
+model waits on that lock with no end. So each model starts, first thing when its
+``model.py`` is imported (before torch: a reload's new process killed with the server while
+it imported lived on for 15 s and more), a daemon thread that checks every ``interval_s`` that its parent is still
 the server that started it; once it is not, it kills its own descendants (the compilers)
 and exits at once. The kernel then frees every lock the process held.
 
@@ -37,8 +38,11 @@ GRACE_S = 3.0  # how long the outside watch leaves the model's own watch to end 
 # $1 server pid, $2 model pid, $3 interval, $4 grace. Field 4 of /proc/PID/stat is the parent (the
 # names read here, "sh" and "triton_python_b", have no spaces). Ends when its own parent is no
 # longer the model (the model ended); kills the model's tree once the model's parent is no longer
-# the server. Descendants are gathered in passes over /proc until no new one appears.
+# the server. Descendants are gathered in passes over /proc until no new one appears. It ignores
+# SIGINT, SIGTERM and SIGHUP (its sleeps too: ignored stays ignored across exec): Ctrl-C reaches the
+# server's whole process group, this watch included, and a model stuck in a long C call outlived it.
 OUTSIDE_WATCH = r"""
+trap '' INT TERM HUP
 server=$1 model=$2 interval=$3 grace=$4
 parent_of() { { read -r _ _ _ parent _ < "/proc/$1/stat"; } 2>/dev/null && echo "$parent"; }
 while [ "$(parent_of $$)" = "$model" ]; do

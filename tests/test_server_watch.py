@@ -40,10 +40,11 @@ def alive(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; its parent has not read its status yet
 
 
-def start_server(work: str) -> tuple[subprocess.Popen, int, int]:
-    """The "server", its "model"'s pid and the "compiler"'s pid."""
+def start_server(work: str, new_session: bool = False) -> tuple[subprocess.Popen, int, int]:
+    """The "server", its "model"'s pid and the "compiler"'s pid; ``new_session``: a process group of their own."""
     server = subprocess.Popen([sys.executable, "-c", SERVER.replace("{work}", work)], stdout=subprocess.PIPE,
-                              text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+                              text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                              start_new_session=new_session)  # fmt: skip
     model, compiler = (int(pid) for pid in server.stdout.readline().split())
     assert alive(model) and alive(compiler)
     return server, model, compiler
@@ -69,6 +70,16 @@ def test_a_killed_server_takes_its_models_and_their_children_with_it(work):
     os.kill(server.pid, signal.SIGKILL)
     server.wait()
     assert gone_within(5, model, compiler, *watches)
+
+
+def test_ctrl_c_to_the_servers_group_ends_a_model_holding_the_interpreter_lock():
+    """SIGINT reaches every process of the group: the server ends, the model cannot run Python, and the
+    outside watch, which ignores it, ends the model."""
+    server, model, compiler = start_server(HOLDS_THE_LOCK, new_session=True)
+    watches = [pid for pid in children(model) if pid != compiler]
+    os.killpg(server.pid, signal.SIGINT)
+    server.wait(10)
+    assert gone_within(5, model, *watches)
 
 
 def test_the_outside_watch_ends_with_a_model_that_ends():

@@ -6,16 +6,20 @@ of one step and the text already sent, which only the orchestrator holds, so it 
 in its own process (:mod:`specdec.detokenize`); a call here per step would add a round
 trip and still need that state.
 """
+from specdec_triton.server_watch import exit_with_server
+
+# First, before the imports below take seconds (torch): this process ends with the server, whatever stops
+# it and whenever, a reload's new process still importing included.
+exit_with_server()
+
 from specdec_triton import text_wire
 from specdec_triton.configs import TokenizerConfig
 from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, bytes_array
 from specdec_triton.text import TextCodec
-from specdec_triton.server_watch import exit_with_server
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config = TokenizerConfig.from_parameters(Parameters.from_args(args))
         self.codec = TextCodec(config.tokenizer_dir)

@@ -17,6 +17,11 @@ draft model or head, target_verifier loads it beside the target
 request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`.
 """
+from specdec_triton.server_watch import exit_with_server
+
+# First, before the imports below take seconds (torch): this process ends with the server, whatever stops
+# it and whenever, a reload's new process still importing included.
+exit_with_server()
 
 from specdec.compile_locks import set_lock_timeout
 from specdec_triton import hidden_wire, sample_hop, wire
@@ -24,7 +29,6 @@ from specdec_triton.configs import DraftProposerConfig
 from specdec_triton.drafters import build_proposer
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
-from specdec_triton.server_watch import exit_with_server
 
 
 def _outputs(proposals):
@@ -38,7 +42,6 @@ def _refuse(batch):
 
 class TritonPythonModel:
     def initialize(self, args):
-        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         set_lock_timeout(config.compile_lock_timeout_s)  # this process's compiles (specdec.compile_locks)

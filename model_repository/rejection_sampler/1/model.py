@@ -11,6 +11,12 @@ draft_proposer leaves each sequence's ``q`` here (``hold_draft_probs``), and
 target_verifier's sample request names the sequences (``seq_id``) whose ``q`` to take.
 Those requests carry the server's secret.
 """
+from specdec_triton.server_watch import exit_with_server
+
+# First, before the imports below take seconds (torch): this process ends with the server, whatever stops
+# it and whenever, a reload's new process still importing included.
+exit_with_server()
+
 import secrets
 
 from specdec.held_draft_probs import HeldDraftProbs
@@ -21,12 +27,10 @@ from specdec_triton.configs import RejectionSamplerConfig
 from specdec_triton.health import register_stub
 from specdec_triton.internal import boot_secret
 from specdec_triton.plumbing import ModelLogger, ParameterError, Parameters, answer, instance_device
-from specdec_triton.server_watch import exit_with_server
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config = RejectionSamplerConfig.from_parameters(Parameters.from_args(args))
         self.device = instance_device(args)

@@ -6,6 +6,12 @@ the composing models (BLS requests; the step's calls to draft_proposer and
 target_verifier on their sockets with ``stage_calls: socket``). A supervisor
 thread watches the composing models' processes (:mod:`specdec_triton.recovery`).
 """
+from specdec_triton.server_watch import exit_with_server
+
+# First, before the imports below take seconds (torch): this process ends with the server, whatever stops
+# it and whenever, a reload's new process still importing included.
+exit_with_server()
+
 import asyncio
 import json
 import logging
@@ -33,7 +39,6 @@ from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_param
 from specdec_triton.server_stop import (
     SERVER_NOT_READY, ServerStopWatch, http_liveness, http_model_readiness, wait_until_not_ready,
 )  # fmt: skip
-from specdec_triton.server_watch import exit_with_server
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WATCHED = (wire.TOKENIZER, wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER, wire.REJECTION_SAMPLER)
@@ -43,7 +48,6 @@ DRAIN_S = 5.0  # in finalize, requests still in flight this much longer get a fi
 
 class TritonPythonModel:
     def initialize(self, args):
-        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         name = args["model_name"]
         self.logger = ModelLogger(name)
         # SPECDEC_LOG_LEVEL=DEBUG: the step scheduler logs every step's shape to the server's output

@@ -13,6 +13,11 @@ too, and each step comes as one call on the socket that proposes and verifies it
 (:mod:`specdec.draft_beside_target`, :mod:`specdec_triton.beside_wire`); a release frees
 the sequence in both models.
 """
+from specdec_triton.server_watch import exit_with_server
+
+# First, before the imports below take seconds (torch): this process ends with the server, whatever stops
+# it and whenever, a reload's new process still importing included.
+exit_with_server()
 
 import functools
 import os
@@ -28,7 +33,6 @@ from specdec_triton.internal import boot_secret
 from specdec_triton.drafters import build_proposer, drafts_trees, read_draft_beside_target
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
-from specdec_triton.server_watch import exit_with_server
 
 
 def _outputs(results):
@@ -43,7 +47,6 @@ def _requests_of(inputs):
 
 class TritonPythonModel:
     def initialize(self, args):
-        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         set_lock_timeout(config.compile_lock_timeout_s)  # this process's compiles (specdec.compile_locks)

@@ -3,6 +3,12 @@
 A request with ``describe`` set gets the tokenizer's directory instead: the orchestrator
 loads the same tokenizer to decode streamed text in its own process.
 """
+from specdec_triton.server_watch import exit_with_server
+
+# First, before the imports below take seconds (torch): this process ends with the server, whatever stops
+# it and whenever, a reload's new process still importing included.
+exit_with_server()
+
 import os
 
 import numpy as np
@@ -13,12 +19,10 @@ from specdec_triton.configs import TokenizerConfig
 from specdec_triton.health import register_stub
 from specdec_triton.plumbing import ModelLogger, Parameters, RequestError, answer, text, texts
 from specdec_triton.text import TextCodec
-from specdec_triton.server_watch import exit_with_server
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        exit_with_server()  # this process ends with the server, whatever stops it (a cold compile included)
         self.logger = ModelLogger(args["model_name"])
         config = TokenizerConfig.from_parameters(Parameters.from_args(args))
         self.codec = TextCodec(config.tokenizer_dir)
