@@ -206,7 +206,7 @@ class SequenceState:
             proposal = cut_proposal(proposal, kept)
         if proposal is not None and (proposal.parents is not None or proposal.probs_held):
             return proposal  # a tree, or a q held elsewhere: nothing is appended
-        drafts = [] if proposal is None else proposal.token_ids.tolist()
+        drafts = [] if proposal is None else proposal.token_ids.tolist()  # the kept ones
         forced = self.grammar.forced_after(drafts, max_drafts - len(drafts)) if max_drafts > len(drafts) else []
         return proposal if not forced else with_drafts_appended(proposal, forced)
 

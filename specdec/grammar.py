@@ -183,10 +183,12 @@ class GrammarState:
 
         accepted = self._advance(drafts, list(range(len(drafts))))
         forced: list[int] = []
-        row = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32
+        row = None  # [1, words] int32, made once something is forced as text
         while accepted == len(drafts) and len(forced) < max_tokens and not self._matcher.is_terminated():
             if not self._matcher.find_jump_forward_string():  # nothing forced as text: no single token either
                 break
+            if row is None:
+                row = xgrammar.allocate_token_bitmask(1, self.vocab_size)
             self._matcher.fill_next_token_bitmask(row, 0)
             allowed = torch.nonzero(allowed_bool(row, self.vocab_size)[0]).flatten()
             if len(allowed) != 1 or not self._matcher.accept_token(int(allowed[0])):
