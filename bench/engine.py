@@ -54,7 +54,8 @@ def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cud
 class LocalStages:
     """``specdec.scheduler.Stages`` over objects in this process: one owner each, called in step order."""
 
-    capabilities = StepCapabilities()  # the scheduler sends every sampled (or synthetic) step to ``sample``
+    # the scheduler sends every sampled (or synthetic) step to ``sample``; the proposer is here, beside the grammar
+    capabilities = StepCapabilities(drafts_under_grammar=True)
 
     def __init__(self, verifier, sampler: RejectionSampler, proposer=None):
         self.verifier = verifier

@@ -155,11 +155,12 @@ class SequenceState:
         """Tokens the next propose request carries: the prompt at first, then what the steps since added."""
         return len(self.prompt_ids) + len(self.output_ids) - self._num_sent_to_proposer
 
-    def propose_request(self, max_drafts: int | None = None) -> ProposeRequest | None:
+    def propose_request(self, max_drafts: int | None = None, guided: bool = False) -> ProposeRequest | None:
         """This step's drafts to ask for, at most ``max_drafts`` (a length policy's choice) if given.
 
         Carries the tokens the proposer has not been sent, from ``position`` on, and counts
-        them as sent: the proposer keeps the sequence, so none is sent twice.
+        them as sent: the proposer keeps the sequence, so none is sent twice. ``guided``: the
+        proposer runs in this process, and drafts under the request's grammar if it has one.
         """
         self._check_running()
         k = self.num_draft_tokens() if max_drafts is None else min(self.num_draft_tokens(), max_drafts)
@@ -185,6 +186,7 @@ class SequenceState:
             banned_token_ids=self._banned_token_ids if banned else (),
             hidden_states=hidden,
             hidden_position=hidden_position,
+            guide=self.grammar if guided else None,
         )
 
     def constrain(self, proposal: Proposal | None, max_drafts: int = 0) -> Proposal | None:

@@ -50,12 +50,14 @@ def generate(
     prompt_ids: list[int],
     params: GenerationParams,
     seq_id: str | None = None,
+    drafts_under_grammar: bool = True,
 ) -> Iterator[StepOutput]:
     """Decode one request in-process, yielding the tokens each step emits.
 
     ``proposer`` may be None when ``params.num_speculative_tokens == 0``. Proposer and
     verifier state for the sequence is released however the loop ends: finished,
-    raised, or closed early by the caller.
+    raised, or closed early by the caller. ``drafts_under_grammar`` False: the drafter
+    drafts freely and the grammar cuts what it forbids, as for a drafter in another process.
     """
     seq_id = seq_id if seq_id is not None else uuid.uuid4().hex
     params.validate(verifier.max_model_len, len(prompt_ids))
@@ -66,7 +68,7 @@ def generate(
     completed = False  # a response that ran to its end may teach the proposer (suffix decoding)
     try:
         while not state.finished:
-            propose_request = state.propose_request()
+            propose_request = state.propose_request(guided=drafts_under_grammar)
             proposal = proposer.propose([propose_request])[0] if propose_request is not None else None
             proposal = state.constrain(proposal, 0 if propose_request is None else propose_request.num_tokens)
             verify_result = verifier.verify([state.verify_request(proposal)])[0]

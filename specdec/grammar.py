@@ -21,6 +21,11 @@ every verified row gets the mask of its own prefix:
 * where the grammar allows a single next token (a schema's keys and punctuation), that token is
   drafted after the drafter's allowed drafts, up to the step's k, with a one-hot ``q``
   (``GrammarState.forced_after``): the constrained target always accepts it;
+* a drafter in the matcher's process drafts under the grammar: each draft's logits are masked
+  by ``GrammarState.allowed_after`` its earlier drafts (``guided_picks``), so its ``q`` puts no
+  mass where ``p`` is 0 and its drafts are never cut. Any ``q`` keeps rejection sampling
+  lossless; this one only stops wasting drafts. The rows it fills are kept until the next
+  ``accept`` and reused by ``masks``, which needs the same prefixes for verification;
 * ``GrammarState.accept`` advances the matcher by the tokens the sampler emitted.
 
 EOS is allowed only where the grammar accepts termination (the request's EOS ids are
@@ -38,8 +43,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from specdec.sampling import process_logits, sample_from_probs
 from specdec.tree import ROOT
-from specdec.types import Proposal
+from specdec.types import DraftGuide, Proposal, ProposeRequest
 
 # What a guide describes; TensorRT-LLM's guided_decoding_guide_type names ("json": any JSON value, no guide).
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
@@ -136,6 +142,8 @@ class GrammarState:
         self._matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=stops)
         self.vocab_size = grammar.vocab_size
         self.stop_token_ids = tuple(self._matcher.stop_token_ids)
+        # the mask rows filled since the last accept, by the drafts after the committed tokens
+        self._rows: dict[tuple[int, ...], torch.Tensor | None] = {}  # each [1, words] int32; None: not reachable
 
     @property
     def terminated(self) -> bool:
@@ -144,11 +152,29 @@ class GrammarState:
 
     def accept(self, token_ids: Sequence[int]) -> None:
         """Advance by emitted tokens; one the mask allowed is always accepted, so a refusal is a bug upstream."""
+        self._rows.clear()
         for token in token_ids:
             if self._matcher.is_terminated():
                 return  # the sequence ended at its stop token; the tokens after it are not kept
             if not self._matcher.accept_token(int(token)):
                 raise ValueError(f"token {int(token)} was emitted where the grammar forbids it")
+
+    def allowed_after(self, drafts: Sequence[int]) -> torch.Tensor | None:
+        """``[1, ceil(vocab / 32)]`` int32: the tokens the grammar allows after the committed tokens and
+        ``drafts`` (a chain); None where the grammar refuses a draft or took its stop token (those drafts are
+        cut before verification, so what follows them needs no mask). The matcher is rolled back."""
+        key = tuple(int(t) for t in drafts)
+        if key not in self._rows:
+            accepted = self._advance(key, list(range(len(key))))
+            row = None
+            if accepted == len(key) and not self._matcher.is_terminated():
+                import xgrammar
+
+                row = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+                self._matcher.fill_next_token_bitmask(row, 0)
+            self._matcher.rollback(accepted)
+            self._rows[key] = row
+        return self._rows[key]
 
     def allowed_drafts(self, drafts: Sequence[int], parents: Sequence[int] | None = None,
                        keep_first_forbidden: bool = False) -> list[int]:  # fmt: skip
@@ -204,22 +230,10 @@ class GrammarState:
         import xgrammar
 
         rows = xgrammar.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)  # [n + 1, words] int32
-        self._fill(rows, 0)
-        for node in range(len(drafts)):
-            path = _path(parents, node)
-            accepted = self._advance(drafts, path)
-            if accepted == len(path):
-                self._fill(rows, node + 1)
-            else:
-                rows[node + 1] = -1
-            self._matcher.rollback(accepted)
+        for index, path in enumerate([[]] + [_path(parents, node) for node in range(len(drafts))]):
+            row = self.allowed_after([drafts[node] for node in path])
+            rows[index] = -1 if row is None else row[0]  # after a refused draft or a stop token: never read
         return rows
-
-    def _fill(self, rows: torch.Tensor, index: int) -> None:
-        if self._matcher.is_terminated():  # after a stop token: never emitted, any row will do
-            rows[index] = -1
-        else:
-            self._matcher.fill_next_token_bitmask(rows, index)
 
     def _walk_allows(self, drafts: Sequence[int], path: list[int]) -> bool:
         accepted = self._advance(drafts, path)
@@ -299,3 +313,35 @@ def apply_allowed(logits: torch.Tensor, allowed_tokens: torch.Tensor | None) -> 
                          f"logits {list(logits.shape)}, got {list(allowed_tokens.shape)}")  # fmt: skip
     allowed = allowed_bool(allowed_tokens.to(logits.device), logits.shape[-1])  # [rows, vocab]
     return logits.float().masked_fill(~allowed, float("-inf"))
+
+
+def guided_row(logits: torch.Tensor, guide: DraftGuide | None, drafts: Sequence[int]) -> torch.Tensor:
+    """A chain drafter's next row ``[1, vocab]`` at ``-inf`` where ``guide`` forbids a token after ``drafts``;
+    the row unmasked where the drafter gives no allowed token any mass (a head's reduced vocabulary): its
+    draft is then cut before verification, as an unguided one would be."""
+    if guide is None:
+        return logits
+    masked = apply_allowed(logits, guide.allowed_after(drafts))  # [1, vocab]
+    return masked if bool(torch.isfinite(masked).any()) else logits
+
+
+def guided_picks(logits: torch.Tensor, request: ProposeRequest,
+                 generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:  # fmt: skip
+    """Drafts from ``logits`` ``[k, vocab]`` (row ``j`` drafts ``j``), each row masked by ``request.guide``
+    after the drafts before it: its argmax where ``generator`` is None, else a draw from its ``q``; and
+    the ``[k, vocab]`` q rows drawn from (None when greedy).
+
+    For drafters whose rows come from one forward (PARD, DFlash, Medusa): row ``j`` was computed
+    without draft ``j - 1``, but its mask must follow it, so the picks are made one by one. A
+    grammar excludes ``min_tokens`` (``GenerationParams.validate``), so nothing else is banned.
+    """
+    drafts: list[int] = []
+    q_rows: list[torch.Tensor] = []
+    for j in range(logits.shape[0]):
+        row = guided_row(logits[j : j + 1], request.guide, drafts)  # [1, vocab]
+        if generator is None:
+            drafts.append(int(row.argmax()))
+        else:
+            q_rows.append(process_logits(row, request.sampling))  # [1, vocab]
+            drafts.append(int(sample_from_probs(q_rows[-1], generator)))
+    return drafts, torch.cat(q_rows) if q_rows else None

@@ -157,6 +157,7 @@ class StepScheduler:
         self.on_step = on_step
         self.samples_in_verify = stages.capabilities.samples_in_verify
         self.proposes_in_verify = stages.capabilities.proposes_in_verify
+        self.drafts_under_grammar = stages.capabilities.drafts_under_grammar
         self._waiting: collections.deque[ScheduledSequence] = collections.deque()
         self._running: list[ScheduledSequence] = []
         self._ending: list[ScheduledSequence] = []  # out of the step, their release in flight
@@ -275,7 +276,7 @@ class StepScheduler:
         """One propose call for the sequences that draft; an empty proposal for the others, but the tokens a
         grammar forces (``SequenceState.constrain``), whatever k: each costs a verify row and is always accepted."""
         proposals = {s: NO_PROPOSAL for s in batch}
-        requests = {s: s.state.propose_request(ks[s]) for s in batch if ks[s]}
+        requests = {s: s.state.propose_request(ks[s], self.drafts_under_grammar) for s in batch if ks[s]}
         drafting = [s for s, request in requests.items() if request is not None]
         outcomes = await self._call("propose", self.stages.propose, [requests[s] for s in drafting], calls)
         for sequence, outcome in zip(drafting, outcomes):

@@ -16,7 +16,9 @@ All calls take a list of requests, so a batched engine can serve them in one pas
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -94,6 +96,17 @@ class ProposeRequest:
     # been sent, one row per verified token; None for proposers that need none.
     hidden_states: torch.Tensor | None = None  # [n, num_layers * hidden]
     hidden_position: int = 0
+    # structured output: what the drafts may be (the request's grammar), set only where the proposer
+    # runs in the grammar's process (StepCapabilities.drafts_under_grammar); None: draft freely
+    guide: DraftGuide | None = None
+
+
+class DraftGuide(Protocol):
+    """What a drafter may draft next: a request's grammar (``specdec.grammar.GrammarState``)."""
+
+    def allowed_after(self, drafts: Sequence[int]) -> torch.Tensor | None:
+        """``[1, ceil(vocab / 32)]`` int32 bitmask of the tokens allowed after ``drafts``; None: any."""
+        ...
 
 
 @dataclass
@@ -262,3 +275,6 @@ class StepCapabilities:
     # a step is one ``propose_and_verify`` call (the drafter runs with the target:
     # ``specdec.draft_beside_target``); ``propose`` and ``verify`` are never called
     proposes_in_verify: bool = False
+    # propose runs in the scheduler's process, so each request can carry its grammar
+    # (``ProposeRequest.guide``) and a model drafter masks its ``q`` by it (``specdec.grammar``)
+    drafts_under_grammar: bool = False

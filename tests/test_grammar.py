@@ -233,8 +233,9 @@ def exact_joint(target, grammar) -> dict[tuple[int, ...], float]:
     return {**joint, **done}
 
 
-def constrained_pvalue(target, draft, grammar, num_samples: int) -> float:
-    """The chi-square p-value of speculative constrained samples against the masked target's exact joint."""
+def constrained_pvalue(target, draft, grammar, num_samples: int, under_grammar: bool = True) -> float:
+    """The chi-square p-value of speculative constrained samples against the masked target's exact joint;
+    ``under_grammar`` False: the draft drafts freely, and its forbidden drafts reach the grammar's cut."""
     expected = exact_joint(target, grammar)
     proposer, verifier = DraftModelProposer(CachedCausalLM(draft)), TargetVerifier(CachedCausalLM(target))
     counts, drafted = Counter(), 0
@@ -242,7 +243,7 @@ def constrained_pvalue(target, draft, grammar, num_samples: int) -> float:
         params = GenerationParams(max_tokens=NUM_TOKENS, num_speculative_tokens=3, eos_token_ids=(EOS,),
                                   sampling=SamplingParams(temperature=1.0, top_k=3, seed=seed), grammar=grammar)
         out = []
-        for step in generate(proposer, verifier, RejectionSampler(), PROMPT, params):
+        for step in generate(proposer, verifier, RejectionSampler(), PROMPT, params, drafts_under_grammar=under_grammar):
             out += step.new_token_ids
             drafted += step.stats.num_draft_tokens if step.stats else 0
         counts[tuple(out)] += 1
@@ -274,8 +275,10 @@ def sampled_pair(tiny_llama):
 
 
 @pytest.mark.slow
-def test_sampled_constrained_output_follows_the_masked_target(sampled_pair, small_compiler):
-    assert constrained_pvalue(*sampled_pair, small_compiler.compile("regex", GUIDE), NUM_SAMPLES) > 1e-3
+@pytest.mark.parametrize("under_grammar", [True, False], ids=["drafted-under-the-grammar", "drafted-freely"])
+def test_sampled_constrained_output_follows_the_masked_target(sampled_pair, small_compiler, under_grammar):
+    grammar = small_compiler.compile("regex", GUIDE)
+    assert constrained_pvalue(*sampled_pair, grammar, NUM_SAMPLES, under_grammar) > 1e-3
 
 
 @pytest.mark.slow
@@ -284,4 +287,4 @@ def test_withdrawing_a_sampled_forbidden_draft_is_seen_as_lossy(sampled_pair, sm
     residual, and the same statistic rejects it."""
     allowed_drafts = GrammarState.allowed_drafts
     monkeypatch.setattr(GrammarState, "allowed_drafts", lambda self, d, p=None, keep=False: allowed_drafts(self, d, p))
-    assert constrained_pvalue(*sampled_pair, small_compiler.compile("regex", GUIDE), 600) < 1e-3
+    assert constrained_pvalue(*sampled_pair, small_compiler.compile("regex", GUIDE), 600, under_grammar=False) < 1e-3

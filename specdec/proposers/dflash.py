@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.fast.kv_cache import StaticKVCache
+from specdec.grammar import guided_picks
 from specdec.heads.dflash import DFlashDrafter
 from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.sampling import make_generator, process_logits, sample_from_probs
@@ -182,10 +183,15 @@ class DFlashProposer:
         picks = logits.argmax(-1)  # [B, k]: greedy requests' drafts; sampled ones' rows are drawn below
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
         for i, r in enumerate(requests):
-            if r.sampling.greedy:
+            generator = None if r.sampling.greedy else make_generator(r.seed, self.device)
+            if r.guide is not None:  # structured output: picked one by one under the grammar
+                guided, q = guided_picks(logits[i, : r.num_tokens], r, generator)
+                picks[i, : r.num_tokens] = torch.tensor(guided, dtype=torch.long, device=picks.device)
+                q_rows[i] = [] if q is None else list(q.split(1))
+                continue
+            if generator is None:
                 continue
             q = process_logits(logits[i, : r.num_tokens], r.sampling)  # [k_i, vocab]: position j's q for draft j
-            generator = make_generator(r.seed, self.device)
             picks[i, : r.num_tokens] = torch.cat([sample_from_probs(q[j : j + 1], generator)
                                                   for j in range(r.num_tokens)])  # fmt: skip
             q_rows[i] = list(q.split(1))

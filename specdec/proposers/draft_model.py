@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
+from specdec.grammar import guided_row
 from specdec.proposers.base import check_propose_requests, proposals_in_order
 from specdec.sampling import apply_logit_bias, check_banned, greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import ModelDescription, Proposal, ProposeRequest
@@ -137,6 +138,7 @@ class DraftModelProposer(OwnsOneModel):
             for i in live:
                 banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)  # min_tokens
                 row = apply_logit_bias(logits[i], requests[i].sampling.logit_bias)  # [1, vocab]: as the target's
+                row = guided_row(row, requests[i].guide, drafts[i])  # structured output: what the grammar allows
                 if generators[i] is None:
                     tokens.append(greedy_tokens(row, *banned))
                 else:

@@ -33,6 +33,7 @@ from specdec.compile_locks import CompileProgress, compile_phase
 from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.runner import padding_bounded_passes
+from specdec.grammar import guided_row
 from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
@@ -298,14 +299,14 @@ class Eagle3Proposer:
                     [[drafts[i][-1]] for i in live], [prenorm[i : i + 1] for i in live],
                 )  # fmt: skip
                 logits, prenorm = _scatter(logits, prenorm, live, rows)
-            for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows, bans)):
+            for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows, bans, drafts)):
                 drafts[i].append(token)
         return drafts, q_rows, None
 
     @staticmethod
     def _uniform_greedy(requests: list[ProposeRequest]) -> bool:
-        """One k for every sequence and none sampled: the drafts can stay on the device between steps."""
-        return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy for r in requests)
+        """One k for every sequence, none sampled or under a grammar: the drafts can stay on the device between steps."""
+        return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy and r.guide is None for r in requests)
 
     def _draft_greedy_on_device(self, requests, seqs, logits, prenorm, bans) -> list[list[int]]:
         """Greedy drafts of one k for every sequence, each step fed by the last without the host.
@@ -375,18 +376,20 @@ class Eagle3Proposer:
             logits = logits.masked_fill(mask & (step < num_banned)[:, None], float("-inf"))
         return self._draft_targets[logits.argmax(-1)]
 
-    def _pick(self, requests, live, step, logits, generators, q_rows, bans) -> list[int]:
-        """Each live sequence's next draft: a greedy row's is ``_greedy_ids``; a sampled row's ``q`` is put
-        back on the target's vocabulary, as rejection sampling compares it there."""
+    def _pick(self, requests, live, step, logits, generators, q_rows, bans, drafts) -> list[int]:
+        """Each live sequence's next draft: a free greedy row's is ``_greedy_ids``; the others' rows are put
+        back on the target's vocabulary, where rejection sampling compares ``q`` and a grammar masks it."""
         picked = {}
-        greedy = [i for i in live if generators[i] is None]
+        greedy = [i for i in live if generators[i] is None and requests[i].guide is None]
         if greedy:
             picked.update(zip(greedy, self._greedy_ids(logits[greedy], step, bans, greedy).tolist()))
-        for i in live:
-            if generators[i] is None:
-                continue
+        for i in (i for i in live if i not in picked):
             banned = (int(step < requests[i].num_banned_tokens), requests[i].banned_token_ids)
             row = apply_logit_bias(self.head.target_logits(logits[i : i + 1]), requests[i].sampling.logit_bias)
+            row = guided_row(row, requests[i].guide, drafts[i])  # [1, vocab]: what the grammar allows
+            if generators[i] is None:  # greedy under a grammar, which bans nothing (no min_tokens)
+                picked[i] = int(row.argmax())
+                continue
             q = process_logits(row, requests[i].sampling, *banned)  # [1, vocab]
             picked[i] = int(sample_from_probs(q, generators[i]))
             q_rows[i].append(q)

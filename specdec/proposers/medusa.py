@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from specdec.grammar import guided_picks
 from specdec.heads.medusa import Medusa
 from specdec.proposers.base import proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
@@ -96,10 +97,15 @@ class MedusaProposer(DraftsFromLastHidden):
         picks = logits.argmax(-1)  # [k, B]: greedy requests' drafts; sampled ones' columns are drawn below
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]
         for i, r in enumerate(requests):
-            if r.sampling.greedy:
+            generator = None if r.sampling.greedy else make_generator(r.seed, self.device)
+            if r.guide is not None:  # structured output: picked one by one under the grammar
+                guided, q = guided_picks(logits[: r.num_tokens, i], r, generator)
+                picks[: r.num_tokens, i] = torch.tensor(guided, dtype=torch.long, device=picks.device)
+                q_rows[i] = [] if q is None else list(q.split(1))
+                continue
+            if generator is None:
                 continue
             q = process_logits(logits[: r.num_tokens, i], r.sampling)  # [k_i, vocab]: head j's q for draft j
-            generator = make_generator(r.seed, self.device)
             picks[: r.num_tokens, i] = torch.cat([sample_from_probs(q[j : j + 1], generator)
                                                   for j in range(r.num_tokens)])  # fmt: skip
             q_rows[i] = list(q.split(1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.grammar import guided_row
 from specdec.heads.mlp_speculator import MLPSpeculator
 from specdec.proposers.base import proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
@@ -63,6 +64,8 @@ class MLPSpeculatorProposer(DraftsFromLastHidden):
             for i, r in enumerate(requests):
                 banned = (int(step < r.num_banned_tokens), r.banned_token_ids)
                 row = apply_logit_bias(logits[i : i + 1], r.sampling.logit_bias)  # [1, vocab]: as the target's
+                if r.guide is not None:  # structured output: what the grammar allows after this row's drafts
+                    row = guided_row(row, r.guide, [int(p[i]) for p in picks])
                 if generators[i] is None:
                     picked.append(greedy_tokens(row, *banned))
                 else:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall
+from specdec.grammar import guided_picks
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.sampling import greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.types import ProposeRequest
@@ -88,7 +89,12 @@ class ParallelDraftProposer(DraftModelProposer):
         tokens, q_rows = [], []  # per request: [k] ids, and [[k, vocab] q] when sampled
         for r, rows in zip(requests, logits):
             banned = (r.num_banned_tokens, r.banned_token_ids)  # min_tokens: rows (drafts) before it ban EOS
-            if r.sampling.greedy:
+            if r.guide is not None:  # structured output: picked one by one under the grammar
+                generator = None if r.sampling.greedy else make_generator(r.seed, self.lm.device)
+                picks, q = guided_picks(rows, r, generator)
+                tokens.append(torch.tensor(picks, dtype=torch.long, device=rows.device))  # [k]
+                q_rows.append([] if q is None else [q])
+            elif r.sampling.greedy:
                 tokens.append(greedy_tokens(rows, *banned))  # [k]
                 q_rows.append([])
             else:
