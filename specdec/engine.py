@@ -28,14 +28,8 @@ from specdec.penalties import NO_PENALTIES, Penalties, emitted_log_probs
 from specdec.sampling import derive_seed
 from specdec.top_log_probs import MAX_TOP_LOG_PROBS, Alternatives, emitted_alternatives
 from specdec.types import (
-    Proposal,
-    ProposeRequest,
-    RequestStats,
-    SampleResult,
-    SamplingParams,
-    VerifyRequest,
-    VerifyResult,
-)
+    GuideSpec, Proposal, ProposeRequest, RequestStats, SampleResult, SamplingParams, VerifyRequest, VerifyResult,
+)  # fmt: skip
 
 PROPOSE_STREAM = 0  # derive_seed stream of the proposer's draws in a step
 SAMPLE_STREAM = 1  # derive_seed stream of the rejection sampler's draws in a step
@@ -132,6 +126,8 @@ class SequenceState:
         # Banned while min_tokens is unmet, so they get probability 0 instead of being cut.
         self._banned_token_ids = tuple(dict.fromkeys([*params.eos_token_ids, *single_token_stops]))
         self.grammar = GrammarState(params.grammar, params.eos_token_ids) if params.grammar is not None else None
+        self._guide_spec = None if params.grammar is None else GuideSpec(
+            params.grammar.guide_type, params.grammar.guide, len(prompt_ids), tuple(params.eos_token_ids))
 
     @property
     def token_ids(self) -> list[int]:
@@ -187,6 +183,7 @@ class SequenceState:
             hidden_states=hidden,
             hidden_position=hidden_position,
             guide=self.grammar if guided else None,
+            guide_spec=self._guide_spec if position == 0 else None,  # the sequence's first, or its proposer lost it
         )
 
     def constrain(self, proposal: Proposal | None, max_drafts: int = 0) -> Proposal | None:

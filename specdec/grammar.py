@@ -68,6 +68,7 @@ class Grammar:
     guide_type: str
     compiled: object  # xgrammar.CompiledGrammar
     vocab_size: int  # width of the masks: the target's logits
+    guide: str = ""  # the text compiled, for a drafter in another process to compile too (GuideSpec)
 
 
 class GrammarCompiler:
@@ -104,7 +105,7 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as err:  # xgrammar raises RuntimeError for bad guides
             reason = _ENGINE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
             raise GrammarError(f"{guide_type} guide does not compile: {reason}") from None
-        return Grammar(guide_type, compiled, self.vocab_size)
+        return Grammar(guide_type, compiled, self.vocab_size, guide)
 
 
 def _without_free_whitespace(node: object) -> object:

@@ -99,6 +99,20 @@ class ProposeRequest:
     # structured output: what the drafts may be (the request's grammar), set only where the proposer
     # runs in the grammar's process (StepCapabilities.drafts_under_grammar); None: draft freely
     guide: DraftGuide | None = None
+    # structured output, for a proposer in another process: the request's guide, sent with the
+    # sequence's first request (position 0), which that process compiles and follows itself
+    # (specdec.guided_drafts); None on every later request, and without a grammar
+    guide_spec: GuideSpec | None = None
+
+
+@dataclass(frozen=True)
+class GuideSpec:
+    """A request's grammar as text (``specdec.grammar``), for a drafter in another process to compile."""
+
+    guide_type: str  # specdec.grammar.GUIDE_TYPES
+    guide: str
+    output_start: int  # sequence index of the first output token: the grammar starts there
+    stop_token_ids: tuple[int, ...]  # the request's EOS ids, the matcher's stop tokens (empty: the tokenizer's)
 
 
 class DraftGuide(Protocol):

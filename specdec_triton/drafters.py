@@ -16,12 +16,15 @@ from dataclasses import dataclass, replace
 from specdec.build import build_lm
 from specdec.cached_lm import describe_lm
 from specdec.fast.checkpoint import read_config
+from specdec.grammar import GrammarCompiler
+from specdec.guided_drafts import GuidedDrafts
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.methods import METHODS
 from specdec.proposers import (
     PROPOSERS, DFlashProposer, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
 )  # fmt: skip
 from specdec.proposers.pard import ParallelDraftProposer, read_mask_token
+from specdec.tokenizer import load_tokenizer
 from specdec.tree import DraftTree
 from specdec.types import ModelDescription
 from specdec_triton import wire
@@ -64,6 +67,21 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
             log(f"parallel_drafting: {config.draft_model} drafts a step's tokens in one forward, mask token "
                 f"{mask_token} (pard_token)")
     return LoadedDraft(proposer, _with_suffix_first(description, config))  # a causal LM's
+
+
+def drafting_under_grammars(loaded: LoadedDraft, config: DraftProposerConfig, log) -> GuidedDrafts:
+    """The proposer, following each request's grammar while it drafts (:mod:`specdec.guided_drafts`).
+
+    The guides are compiled for the target's tokenizer: a head's target checkpoint, or the
+    draft model's own, which shares the target's vocabulary (the orchestrator checks it).
+    """
+    tokenizer_dir = config.target_model or config.draft_model
+    vocab_size = loaded.description.vocab_size
+
+    def compiler() -> GrammarCompiler:
+        return GrammarCompiler(load_tokenizer(tokenizer_dir), vocab_size)
+
+    return GuidedDrafts(loaded.proposer, compiler, log=log)
 
 
 def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:

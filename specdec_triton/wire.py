@@ -44,7 +44,9 @@ from specdec_triton.packing import (
     unstack_probs, validated,
 )  # fmt: skip
 from specdec_triton.internal import SECRET_INPUT, is_authorized
-from specdec_triton.grammar_wire import GRAMMAR_INPUTS, grammar_inputs, with_allowed_tokens
+from specdec_triton.grammar_wire import (
+    GRAMMAR_INPUTS, GUIDE_INPUTS, grammar_inputs, guide_inputs, with_allowed_tokens, with_guide_specs,
+)  # fmt: skip
 from specdec_triton.penalty_wire import (
     LOG_PROB_OUTPUTS, PENALTY_INPUTS, log_mass_outputs, log_masses_of, penalties_of, penalty_inputs, top_counts_of,
     tops_of,
@@ -67,7 +69,7 @@ REJECTION_SAMPLER = "rejection_sampler"
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p", "logit_bias_ids", "logit_bias_values", "num_logit_bias")
 BAN_INPUTS = ("banned_token_ids", "num_banned_token_ids")
 PROPOSE_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_tokens",
-                  *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS)  # fmt: skip
+                  *SAMPLING_INPUTS, "seed", "num_banned_tokens", *BAN_INPUTS, *GUIDE_INPUTS)  # fmt: skip
 PROPOSE_OUTPUTS = ("draft_token_ids", "num_draft_tokens", "draft_probs", "has_draft_probs", *PROPOSAL_TREE_OUTPUTS)
 GREEDY_PROPOSE_OUTPUTS = (*PROPOSE_OUTPUTS[:2], *PROPOSAL_TREE_OUTPUTS)  # what greedy sequences need back: no q
 VERIFY_INPUTS = ("seq_id", "release", "renew", "describe", SECRET_INPUT, "position", "token_ids", "num_token_ids", "num_logits",
@@ -216,6 +218,7 @@ def propose_inputs(requests: Sequence[ProposeRequest]) -> dict[str, np.ndarray]:
         **({} if all(r.sampling.greedy for r in requests) else {"seed": np.array([r.seed for r in requests], np.uint64)}),
         **_ban_inputs("num_banned_tokens", [r.num_banned_tokens for r in requests],
                       [r.banned_token_ids for r in requests]),  # fmt: skip
+        **guide_inputs(requests),  # a sequence's first request, with a grammar (grammar_wire)
     }
 
 
@@ -232,10 +235,10 @@ def propose_requests_of(inputs: Mapping[str, np.ndarray]) -> list[ProposeRequest
         each(inputs, "seed", count, int, 0),
         _bans_of(inputs, "num_banned_tokens", count),
     )
-    return [
+    return with_guide_specs([
         ProposeRequest(seq_id, position, token_ids, num_tokens, sampling, seed, num_banned, banned)
         for seq_id, position, token_ids, num_tokens, sampling, seed, (num_banned, banned) in fields
-    ]
+    ], inputs)  # fmt: skip
 
 
 def proposal_outputs(proposals: Sequence[Proposal]) -> dict[str, np.ndarray]:

@@ -113,6 +113,26 @@ def test_seeded_sampling_equals_itself_streamed_or_not(served):
         assert streamed.text == whole.text and streamed.total_draft_tokens > 0, prompt
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "kind": {"enum": ["note", "code", "story"]}}, "required": ["name", "kind"]}  # fmt: skip
+
+
+def test_a_schema_is_drafted_under_in_draft_proposer_and_the_output_is_k0s(served):
+    """draft_proposer follows a copy of the request's grammar (``specdec.guided_drafts``): every draft
+    reaches verification (the orchestrator cuts none), and the greedy text is k = 0's with the same guide."""
+    drafter, server = served
+    if "draft_proposer" not in drafter.holders:
+        pytest.skip("beside the target, a grammar request drafts only what the grammar forces")
+    params = {"max_tokens": 40, "exclude_input_in_output": True, "stream": False,
+              "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": json.dumps(SCHEMA)}  # fmt: skip
+    for prompt in PROMPTS[:2]:
+        guided = generate_grpc(server.grpc_url, "ensemble", prompt, params)
+        plain = generate_grpc(server.grpc_url, "ensemble", prompt, {**params, "num_speculative_tokens": 0})
+        assert guided.text == plain.text and json.loads(guided.text)["kind"] in SCHEMA["properties"]["kind"]["enum"]
+        assert guided.total_accepted_draft_tokens > 0, prompt
+    assert "drafts without its grammar" not in server.log_path.read_text()
+
+
 def test_serve_refuses_a_model_path_for_mtp_by_name_before_starting():
     """MTP's layers are the target's own: a ``model`` beside ``method: mtp`` is refused, naming both keys."""
     bad = json.dumps({"method": "mtp", "model": str(models_dir() / "tiny-draft")})

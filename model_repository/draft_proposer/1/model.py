@@ -11,7 +11,8 @@ all sequences drafting at the same moment share each forward. A request with
 checks against the target's; a head (eagle3, mlp_speculator) names there the target
 hidden states it reads, which the orchestrator then asks target_verifier for and sends
 along. A request with ``hold_draft_probs`` set sends each ``q`` drawn to rejection_sampler
-instead of back (:mod:`specdec_triton.sample_hop`). With ``run_with_target`` set for a
+instead of back (:mod:`specdec_triton.sample_hop`). A sequence with a grammar drafts under a copy of
+it, whose guide its first request carries (``guide_spec``, :mod:`specdec.guided_drafts`). With ``run_with_target`` set for a
 draft model or head, target_verifier loads it beside the target
 (:mod:`specdec.draft_beside_target`), and this model holds nothing and answers every
 request with an error saying so. Callers, releases and expiry:
@@ -26,7 +27,7 @@ exit_with_server()
 from specdec.compile_locks import set_lock_timeout
 from specdec_triton import hidden_wire, sample_hop, wire
 from specdec_triton.configs import DraftProposerConfig
-from specdec_triton.drafters import build_proposer
+from specdec_triton.drafters import build_proposer, drafting_under_grammars
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
@@ -52,7 +53,7 @@ class TritonPythonModel:
             self.logger.info(f"run_with_target: {config.draft_model} is loaded by target_verifier, not here")
             return
         loaded = build_proposer(config, device, log=self.logger.info)
-        self.proposer, description = loaded.proposer, loaded.description
+        self.proposer, description = drafting_under_grammars(loaded, config, self.logger.warning), loaded.description
         self.host = SequenceHost(args["model_name"], self.proposer, description, config.sequence_idle_timeout_s,
                                  self.logger, args["model_config"], keeps_responses=True,
                                  describe_extra=hidden_wire.draft_description_extras(description))
