@@ -8,6 +8,12 @@ step in one call: the proposals, then one verify of every sequence with the draf
 got. The caller builds each verify request for the drafts it asked for
 (``ProposeVerify``), and :func:`fit_to_drafts` cuts it to the drafts made.
 
+A grammar request (structured output) is drafted under a copy of its grammar here
+(:mod:`specdec.guided_drafts`, given ``grammar_compiler``). The caller's verify request then
+carries the mask of row 0 alone, as it cannot know the drafts; the rows after them are the
+copy's (``GrammarState.masks``). A sequence without a copy that follows it (none built, or
+its row 0 differs from the caller's) has its drafts dropped, and is verified with row 0 alone.
+
 A head's hidden states then never leave this process: :class:`HiddenRows` keeps each
 sequence's rows by position, as a KV cache keeps its entries (a verify writes the rows of
 the tokens it fed, cutting back to its position; a propose request takes the rows its
@@ -27,6 +33,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from specdec.grammar import GrammarCompiler
+from specdec.guided_drafts import GuidedDrafts
 from specdec.types import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 
 # (requests of one verify call, the target's results, draft_probs=each one's q or None) -> the results
@@ -125,11 +133,14 @@ class DraftBesideTarget:
     Also the one holder of both models' sequences there: a release frees a sequence in both.
     """
 
-    def __init__(self, verifier, proposer, hidden_layers: tuple[int, ...] = (), judge: Judge | None = None):
+    def __init__(self, verifier, proposer, hidden_layers: tuple[int, ...] = (), judge: Judge | None = None,
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None, log: Callable[[str], None] = print):  # fmt: skip
         """``hidden_layers``: the target hidden states the proposer reads (a head's); () for a draft model.
-        ``judge``: None returns ``q`` and ``p`` to the caller, which samples."""
+        ``judge``: None returns ``q`` and ``p`` to the caller, which samples. ``grammar_compiler``: makes the
+        compiler of the target's guides; None: grammar requests draft nothing here."""
         self.verifier = verifier
-        self.proposer = proposer
+        self.guides = None if grammar_compiler is None else GuidedDrafts(proposer, grammar_compiler, log)
+        self.proposer = proposer if self.guides is None else self.guides
         self.hidden_layers = tuple(hidden_layers)
         self.judge = judge
         self.rows = HiddenRows()
@@ -139,12 +150,30 @@ class DraftBesideTarget:
         asked = [s.propose for s in steps if s.propose is not None]
         proposals = iter(self._propose(asked) if asked else [])
         made = [NO_PROPOSAL if s.propose is None else next(proposals) for s in steps]
-        requests = [s.verify if s.propose is None else fit_to_drafts(s.verify, p) for s, p in zip(steps, made)]
+        fitted = [self._fit(s, p) for s, p in zip(steps, made)]
+        made, requests = [proposal for proposal, _ in fitted], [request for _, request in fitted]
         results = self.verifier.verify(requests)
         if self.judge is not None:  # q was used here: it does not travel back
             results = self.judge(requests, results, draft_probs=[p.probs for p in made])
             made = [replace(p, probs=None) if p.probs is not None else p for p in made]
         return list(zip(made, [self._keep_rows(r, result) for r, result in zip(requests, results)]))
+
+    def _fit(self, step: ProposeVerify, proposal: Proposal) -> tuple[Proposal, VerifyRequest]:
+        """The step's drafts and its verify request for them; under a grammar, its masks from the copy."""
+        if step.propose is None:
+            return proposal, step.verify
+        masks = step.verify.allowed_tokens  # [1, words]: row 0's, the caller's
+        if masks is None:
+            return proposal, fit_to_drafts(step.verify, proposal)
+        if masks.shape[0] != 1:
+            raise ValueError(f"seq {step.seq_id!r}: a grammar request drafted beside the target carries row 0's mask "
+                             f"alone, got {masks.shape[0]} rows")  # fmt: skip
+        guide = None if self.guides is None else self.guides.guide_of(step.seq_id)
+        if guide is None or not torch.equal(guide.masks([]), masks.to(torch.int32)):
+            proposal = NO_PROPOSAL  # no copy that follows the sequence: nothing to mask its drafts' rows with
+        else:
+            masks = guide.masks(proposal.token_ids.tolist(), proposal.parents)  # [k' + 1, words]
+        return proposal, replace(fit_to_drafts(step.verify, proposal), allowed_tokens=masks)
 
     def _propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         if self.hidden_layers:

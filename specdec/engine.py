@@ -209,7 +209,9 @@ class SequenceState:
         forced = self.grammar.forced_after(drafts, max_drafts - len(drafts)) if max_drafts > len(drafts) else []
         return proposal if not forced else with_drafts_appended(proposal, forced)
 
-    def verify_request(self, proposal: Proposal | None) -> VerifyRequest:
+    def verify_request(self, proposal: Proposal | None, drafted_there: bool = False) -> VerifyRequest:
+        """``drafted_there``: ``proposal`` holds placeholders for drafts the verify call makes (beside the
+        target), so a grammar's mask is row 0's alone; the call masks the rows after its drafts."""
         self._check_running()
         drafts = self._draft_ids(proposal)
         parents = proposal.parents if proposal is not None and drafts else None
@@ -234,7 +236,7 @@ class SequenceState:
             hidden_layers=self.hidden_layers,
             tree_parents=parents,
             accepted_path=self._accepted_path,
-            allowed_tokens=self.grammar.masks(drafts, parents) if self.grammar is not None else None,
+            allowed_tokens=None if self.grammar is None else self.grammar.masks([] if drafted_there else drafts, parents),
         )
 
     def _num_banned(self, num_positions: int) -> int:

@@ -63,6 +63,11 @@ class GuidedDrafts:
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         return self.proposer.propose([self._guided(r) for r in requests])
 
+    def guide_of(self, seq_id: str) -> GrammarState | None:
+        """The copy of the sequence's grammar at its committed tokens (as its last request left it); None if none."""
+        copy = self._copies.get(seq_id)
+        return None if copy is None else copy.state
+
     def release(self, seq_id: str, response: Sequence[int] | None = None) -> None:
         self._copies.pop(seq_id, None)
         self.proposer.release(seq_id, response)

@@ -296,11 +296,10 @@ class StepScheduler:
         """
         steps = []
         for sequence in batch:
-            # drafts made beside the target reach no grammar before their verification: none for a grammar
-            drafts = ks[sequence] and sequence.state.grammar is None
-            request = sequence.state.propose_request(ks[sequence]) if drafts else None
+            request = sequence.state.propose_request(ks[sequence]) if ks[sequence] else None
             asked = NO_PROPOSAL if request is None else Proposal(torch.zeros(request.num_tokens, dtype=torch.long))
-            steps.append(ProposeVerify(request, self._verify_request(sequence, asked)))
+            # a grammar's masks after the drafts are made where they are (specdec.draft_beside_target)
+            steps.append(ProposeVerify(request, self._verify_request(sequence, asked, drafted_there=request is not None)))
         outcomes = await self._call("propose_verify", self.stages.propose_and_verify, steps, calls)
         proposals, verified = {}, {}
         for sequence, outcome in zip(batch, outcomes):
@@ -310,9 +309,9 @@ class StepScheduler:
     def _needs_sampler(self, request: VerifyRequest) -> bool:
         return not (request.sampling.greedy and self.match_greedy_here)
 
-    def _verify_request(self, sequence: ScheduledSequence, proposal: Proposal) -> VerifyRequest:
+    def _verify_request(self, sequence: ScheduledSequence, proposal: Proposal, drafted_there: bool = False) -> VerifyRequest:
         """The sequence's verify request; one the sampler must judge is judged inside the call if the stages can."""
-        request = sequence.state.verify_request(proposal)
+        request = sequence.state.verify_request(proposal, drafted_there)
         if self.samples_in_verify and self._needs_sampler(request):
             state = sequence.state
             here = SampleHere(state.sample_seed(), proposal.probs_held, state.sample_position())

@@ -11,6 +11,7 @@ sequence's tokens, so they run in the orchestrator, which holds those already
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from specdec.build import build_lm
@@ -70,18 +71,16 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
 
 
 def drafting_under_grammars(loaded: LoadedDraft, config: DraftProposerConfig, log) -> GuidedDrafts:
-    """The proposer, following each request's grammar while it drafts (:mod:`specdec.guided_drafts`).
+    """The proposer, following each request's grammar while it drafts (:mod:`specdec.guided_drafts`)."""
+    return GuidedDrafts(loaded.proposer, grammar_compiler(config, loaded.description), log=log)
 
-    The guides are compiled for the target's tokenizer: a head's target checkpoint, or the
-    draft model's own, which shares the target's vocabulary (the orchestrator checks it).
-    """
+
+def grammar_compiler(config: DraftProposerConfig, description: ModelDescription) -> Callable[[], GrammarCompiler]:
+    """What makes the compiler of the drafter's guides, at the first request with one: for the target's
+    tokenizer, a head's target checkpoint's, or the draft model's own, which shares the target's vocabulary
+    (the orchestrator checks it)."""
     tokenizer_dir = config.target_model or config.draft_model
-    vocab_size = loaded.description.vocab_size
-
-    def compiler() -> GrammarCompiler:
-        return GrammarCompiler(load_tokenizer(tokenizer_dir), vocab_size)
-
-    return GuidedDrafts(loaded.proposer, compiler, log=log)
+    return lambda: GrammarCompiler(load_tokenizer(tokenizer_dir), description.vocab_size)
 
 
 def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:

@@ -70,7 +70,8 @@ def grammar_inputs(requests: Sequence[VerifyRequest]) -> dict[str, np.ndarray]:
 
 
 def with_allowed_tokens(requests: list[VerifyRequest], inputs: Mapping[str, np.ndarray]) -> list[VerifyRequest]:
-    """``requests`` with their masks; each masked sequence's rows must be its ``num_logits``."""
+    """``requests`` with their masks; each masked sequence's rows must be its ``num_logits``, or 1 where its
+    drafts are made in the call (beside the target: ``specdec.draft_beside_target`` masks the rows after them)."""
     if "num_allowed_rows" not in inputs:
         return requests
     rows = each(inputs, "num_allowed_rows", len(requests), int, 0)
@@ -82,9 +83,10 @@ def with_allowed_tokens(requests: list[VerifyRequest], inputs: Mapping[str, np.n
     width = len(words) // total
     out, start = [], 0
     for request, n in zip(requests, rows):
-        if n and n != request.num_logits:
+        if n not in (0, 1, request.num_logits):
             raise RequestError(f"seq {request.seq_id!r}: input 'num_allowed_rows' is {n}, but num_logits is "
-                               f"{request.num_logits}: every row of a masked sequence needs its mask")  # fmt: skip
+                               f"{request.num_logits}: every row of a masked sequence needs its mask (row 0's "
+                               f"alone where the drafts are made beside the target)")  # fmt: skip
         mask = torch.from_numpy(words[start : start + n * width].reshape(n, width).copy()) if n else None
         out.append(replace(request, allowed_tokens=mask) if n else request)
         start += n * width

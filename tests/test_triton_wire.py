@@ -236,8 +236,10 @@ def test_verify_round_trip_with_grammar_masks():
     back = wire.verify_requests_of(inputs)
     assert torch.equal(back[0].allowed_tokens, mask) and back[1].allowed_tokens is None
     assert "allowed_tokens" not in wire.verify_inputs(requests[1:]), "requests without a grammar carry none"
-    with pytest.raises(RequestError, match="'num_allowed_rows' is 1, but num_logits is 2"):
-        wire.verify_requests_of({**inputs, "num_allowed_rows": np.array([1, 0], np.int32)})
+    row0 = wire.verify_requests_of({**inputs, "num_allowed_rows": np.array([1, 1], np.int32)})  # drafted beside
+    assert torch.equal(row0[0].allowed_tokens, mask[:1]) and torch.equal(row0[1].allowed_tokens, mask[1:])
+    with pytest.raises(RequestError, match="'num_allowed_rows' is 2, but num_logits is 1"):
+        wire.verify_requests_of({**inputs, "num_allowed_rows": np.array([0, 2], np.int32)})
     with pytest.raises(RequestError, match="'allowed_tokens' holds 3 words"):
         wire.verify_requests_of({**inputs, "allowed_tokens": np.zeros(3, np.int32)})
 

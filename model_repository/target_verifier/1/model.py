@@ -30,7 +30,7 @@ from specdec.compile_locks import set_lock_timeout
 from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
 from specdec_triton.configs import TargetVerifierConfig
 from specdec_triton.internal import boot_secret
-from specdec_triton.drafters import build_proposer, drafts_trees, read_draft_beside_target
+from specdec_triton.drafters import build_proposer, drafts_trees, grammar_compiler, read_draft_beside_target
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
@@ -74,7 +74,8 @@ class TritonPythonModel:
                                        **hidden_wire.draft_description_extras(description)}  # fmt: skip
         self.logger.info(f"run_with_target: draft_proposer's {description.method} {description.model} runs here")
         judge = functools.partial(sample_hop.sample_in_sampler, send=self.send_to_sampler)  # q and p in one request
-        return DraftBesideTarget(self.verifier, loaded.proposer, description.hidden_state_layers, judge=judge)
+        return DraftBesideTarget(self.verifier, loaded.proposer, description.hidden_state_layers, judge=judge,
+                                 grammar_compiler=grammar_compiler(draft, description), log=self.logger.warning)
 
     def execute(self, requests):
         names = wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS
