@@ -28,6 +28,7 @@ MIN_TOKENS_INPUT = "min_tokens"
 TEMPERATURE_INPUT = "temperature"
 SEED_INPUT = "seed"
 K_INPUT = "num_speculative_tokens"
+GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
 TEXT_OUTPUT = "text_output"  # streamed: each response carries the new text
 NUM_OUTPUT_TOKENS = "num_output_tokens"  # cumulative: a response carries the difference
 ACCEPTED_OUTPUT = "total_accepted_draft_tokens"
@@ -44,6 +45,7 @@ class Job:
     num_speculative_tokens: int | None  # None: the server's configured k
     ignore_eos: bool  # min_tokens = max_tokens, so every request emits exactly max_tokens
     temperature: float = 0.0  # above 0: sampled, seeded from the prompt's text (the same seed on every server)
+    guide: str | None = None  # a JSON schema the output follows (guided_decoding_guide); None: free text
 
 
 @dataclass
@@ -75,6 +77,9 @@ def build_inputs(job: Job, datatypes: dict[str, str]) -> list[InferInput]:
         inputs.append(_tensor(MIN_TOKENS_INPUT, [job.max_tokens], datatypes))
     if job.num_speculative_tokens is not None:
         inputs.append(_tensor(K_INPUT, [job.num_speculative_tokens], datatypes))
+    if job.guide is not None:
+        inputs.append(_tensor(GUIDE_TYPE_INPUT, [b"json_schema"], datatypes))
+        inputs.append(_tensor(GUIDE_INPUT, [job.guide.encode()], datatypes))
     if job.temperature > 0:
         inputs.append(_tensor(TEMPERATURE_INPUT, [job.temperature], datatypes))
         inputs.append(_tensor(SEED_INPUT, [zlib.crc32(job.prompt.text.encode())], datatypes))

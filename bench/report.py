@@ -57,6 +57,7 @@ DETAIL_COLUMNS = (
     ("efficiency", "efficiency", "{:.0%}"),
     ("overhead ms/step", "step_overhead_ms", "{:.2f}"),
     ("= ref", "identical_outputs", "{:.0%}"),
+    ("x unguided (rounds)", "x_unguided", "{:.2f}x"),  # --json: under the schema against the same config free
 )
 
 

@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ import transformers
 
 from bench import report
 from bench.client import Job
+from bench.engine_configs import GUIDED, read_guide
 from bench.hf import generation_config, run_hf
 from bench.phase import (
     ORCHESTRATOR,
@@ -117,6 +119,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--synthetic-acceptance-rate", type=float, default=None,
                    help="use the synthetic rejection sampler (for random-weight models)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="in-process HF baselines")
+    p.add_argument("--json", action="store_true",
+                   help="every configuration also under a JSON schema (CONFIG+json, against k = 0 under it and "
+                        "itself unguided: x_unguided), in the same rounds; the grammar decides where outputs end")
+    p.add_argument("--guide", type=Path, default=None, help="with --json: the JSON schema (default: a built-in one)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads here and OMP_NUM_THREADS of every server model process (serve.sh's default)")
     p.add_argument("--timing-repeats", type=int, default=20, help="forwards per step-time median")
@@ -227,6 +233,8 @@ def server_rows(
     configs = [(k0_name(server_name), "k0", 0)]
     fixed_configs = [(fixed_name(server_name, k), "fixed", k) for k in args.ks]
     configs += fixed_configs if fixed else [(DEFAULT_NAME, "default", None)]
+    if args.json:  # each beside its unguided twin, in the same round
+        configs = [c for name, kind, k in configs for c in ((name, kind, k), (name + GUIDED, kind, k))]
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
     phases: dict[tuple[str, int], PhaseMeasurement] = {}  # (config, concurrency), in the order first run
     rounds: dict[tuple[str, int], list[float]] = {}
@@ -240,7 +248,8 @@ def server_rows(
                 for name, _, k in configs:
                     suffix = f" (round {round_ + 1}/{args.rounds})" if args.rounds > 1 else ""
                     progress.phase(f"{name} c={concurrency}{suffix}")
-                    jobs = [Job(p, args.max_tokens, k, args.ignore_eos) for p in prompts]
+                    guide = read_guide(args.guide) if name.endswith(GUIDED) else None  # its end is the grammar's
+                    jobs = [Job(p, args.max_tokens, k, args.ignore_eos and guide is None, guide=guide) for p in prompts]
                     measured = measure_phase(server, jobs, concurrency, progress.step)
                     key = (name, concurrency)
                     phases[key] = measured if key not in phases else phases[key] + measured
@@ -254,9 +263,13 @@ def server_rows(
         kind, k = kinds[name]
         row = phase_row(measured)
         outputs[(name, concurrency)] = [r.text for r in measured.results]
+        guided = name.endswith(GUIDED)
         row.update(config=name, kind=kind, concurrency=concurrency, k=k, method=method, server=server_name,
-                   proposer=None if k == 0 else method, baseline=k0_name(server_name), rounds=args.rounds,
-                   tokens_per_s_rounds=rounds[(name, concurrency)])  # fmt: skip
+                   proposer=None if k == 0 else method, baseline=k0_name(server_name) + (GUIDED if guided else ""),
+                   rounds=args.rounds, tokens_per_s_rounds=rounds[(name, concurrency)])  # fmt: skip
+        if guided:  # against the same configuration unguided, round by round
+            free = rounds[(name.removesuffix(GUIDED), concurrency)]
+            row["x_unguided"] = statistics.median(g / f for g, f in zip(rounds[(name, concurrency)], free) if f)
         if concurrency == 1 and hf_rounds:
             row["hf_plain_tokens_per_s_rounds"] = hf_rounds
         if k is not None:  # the server counts positions up to its configured k; this phase drafts at most k
@@ -293,7 +306,7 @@ def main() -> None:
         print(f"[bench] {line}")
 
     num_hf = (1 + (0 if args.synthetic_acceptance_rate is not None else 2 * len(args.ks))) if args.hf else 0
-    num_configs = len(args.methods) * (1 + len(args.ks)) + 2 * (shipped["method"] in args.methods)
+    num_configs = (len(args.methods) * (1 + len(args.ks)) + 2 * (shipped["method"] in args.methods)) * (1 + args.json)
     progress = Progress(len(prompts) * (num_hf + args.rounds * len(args.concurrency) * num_configs))
     rows: list[dict] = []
     outputs: Outputs = {}
@@ -312,7 +325,11 @@ def main() -> None:
     finally:
         progress.close()
     annotate(rows, step_times)
-    match_reference(rows, outputs, HF_PLAIN if args.hf else k0_name(args.methods[0]))
+    free = [r for r in rows if not r["config"].endswith(GUIDED)]
+    match_reference(free, outputs, HF_PLAIN if args.hf else k0_name(args.methods[0]))
+    for server in {r["server"] for r in rows if r["config"].endswith(GUIDED)}:  # under the guide: its k = 0's
+        match_reference([r for r in rows if r["config"].endswith(GUIDED) and r["server"] == server], outputs,
+                        k0_name(server) + GUIDED)  # fmt: skip
     notes = [*timing_notes, *args.note]
     if any(m.endswith(BESIDE_SUFFIX) for m in args.methods):
         notes.append("METHOD+beside servers: run_with_target on draft_proposer (the draft in target_verifier's "
