@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specdec_triton.internal import secret_path
+
 SERVER_NOT_READY = "Server not ready"  # Triton's answer to a BLS call once stopping
 LIVE_PATH = "/v2/health/live"
 ASK_TIMEOUT_S = 1.0  # a busy server answers within this; no answer is no evidence either way
@@ -40,12 +42,15 @@ class ServerStopWatch:
     """The server is stopping once the liveness question it answered is refused.
 
     Refusals before the first answer (the server still starting, its endpoints not up)
-    say nothing.
+    say nothing, unless the server answered before this watch began (``answered``: a
+    model's process started by a running server, a reload). ``on_answer``: called once, at
+    the first answer.
     """
 
-    def __init__(self, live: Liveness | None):
+    def __init__(self, live: Liveness | None, answered: bool = False, on_answer: Callable[[], None] | None = None):
         self._live = live  # None: nothing to ask (no HTTP endpoint); the watch never sees a stop
-        self._answered = False
+        self._answered = answered
+        self._on_answer = on_answer
         self.stopping = False
 
     @property
@@ -56,11 +61,19 @@ class ServerStopWatch:
         if self.stopping or self._live is None:
             return self.stopping
         answer = self._live()
-        if answer:
+        if answer and not self._answered:
             self._answered = True
+            if self._on_answer is not None:
+                self._on_answer()
         elif answer is False and self._answered:
             self.stopping = True
         return self.stopping
+
+
+def answered_live_marker(server_pid: int | None = None) -> Path:
+    """The file saying that the server (default: this stub's parent) has answered live: its first models
+    loaded, its HTTP service up. Written by the orchestrator; one of the server's files (``specdec_triton.internal``)."""
+    return secret_path(server_pid).with_suffix(".live")
 
 
 def http_liveness(server_pid: int | None = None) -> Liveness | None:

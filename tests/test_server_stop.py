@@ -91,3 +91,10 @@ def test_a_server_without_http_has_no_question():
         process.kill()
         process.wait()
     assert http_liveness(2**22 + 1) is None  # no such process
+
+
+def test_the_first_answer_is_told_once_and_a_watch_that_knows_of_one_sees_the_first_refusal():
+    told, answers = [], iter([None, True, True, False])
+    watch = ServerStopWatch(lambda: next(answers), on_answer=lambda: told.append(1))
+    assert [watch.check() for _ in range(4)] == [False, False, False, True] and told == [1]
+    assert ServerStopWatch(lambda: False, answered=True).check()

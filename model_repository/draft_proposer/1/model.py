@@ -18,11 +18,13 @@ draft model or head, target_verifier loads it beside the target
 request with an error saying so. Callers, releases and expiry:
 :class:`specdec_triton.stateful.SequenceHost`.
 """
+from specdec_triton.load_interrupt import LoadWatch
 from specdec_triton.server_watch import exit_with_server
 
 # First, before the imports below take seconds (torch): this process ends with the server, whatever stops
 # it and whenever, a reload's new process still importing included.
 exit_with_server()
+LOAD_WATCH = LoadWatch()  # and a stop ends its load, a reload's included, instead of waiting for it
 
 from specdec.compile_locks import set_lock_timeout
 from specdec_triton import hidden_wire, sample_hop, wire
@@ -44,6 +46,11 @@ def _refuse(batch):
 class TritonPythonModel:
     def initialize(self, args):
         self.logger = ModelLogger(args["model_name"])
+        LOAD_WATCH.log = self.logger.warning
+        with LOAD_WATCH:
+            self._load(args)
+
+    def _load(self, args):
         config, device = DraftProposerConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         set_lock_timeout(config.compile_lock_timeout_s)  # this process's compiles (specdec.compile_locks)
         for warning in config.unread_settings():

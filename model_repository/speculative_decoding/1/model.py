@@ -37,7 +37,7 @@ from specdec_triton.drafters import read_draft_beside_target
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 from specdec_triton.server_stop import (
-    SERVER_NOT_READY, ServerStopWatch, http_liveness, http_model_readiness, wait_until_not_ready,
+    SERVER_NOT_READY, ServerStopWatch, answered_live_marker, http_liveness, http_model_readiness, wait_until_not_ready,
 )  # fmt: skip
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -62,7 +62,8 @@ class TritonPythonModel:
             ActiveSequences(name), log=self.logger.info,
             suffix_gauges=SuffixCacheGauges(name),  # method suffix runs here (specdec.proposers.model_free)
         )
-        self.stop_watch = ServerStopWatch(http_liveness())  # Triton's HTTP liveness: refused once stopping
+        # Triton's HTTP liveness, refused once stopping; its first answer is marked for a reload's load to see
+        self.stop_watch = ServerStopWatch(http_liveness(), on_answer=lambda: answered_live_marker().touch())
         self.model_ready = http_model_readiness()
         if not self.stop_watch.watching:
             self.logger.info("no HTTP endpoint to watch: streams through ensemble end only at the exit timeout")

@@ -13,11 +13,13 @@ too, and each step comes as one call on the socket that proposes and verifies it
 (:mod:`specdec.draft_beside_target`, :mod:`specdec_triton.beside_wire`); a release frees
 the sequence in both models.
 """
+from specdec_triton.load_interrupt import LoadWatch
 from specdec_triton.server_watch import exit_with_server
 
 # First, before the imports below take seconds (torch): this process ends with the server, whatever stops
 # it and whenever, a reload's new process still importing included.
 exit_with_server()
+LOAD_WATCH = LoadWatch()  # and a stop ends its load, a reload's included, instead of waiting for it
 
 import functools
 import os
@@ -48,6 +50,11 @@ def _requests_of(inputs):
 class TritonPythonModel:
     def initialize(self, args):
         self.logger = ModelLogger(args["model_name"])
+        LOAD_WATCH.log = self.logger.warning
+        with LOAD_WATCH:
+            self._load(args)
+
+    def _load(self, args):
         config, device = TargetVerifierConfig.from_parameters(Parameters.from_args(args)), instance_device(args)
         set_lock_timeout(config.compile_lock_timeout_s)  # this process's compiles (specdec.compile_locks)
         repository = os.path.dirname(os.path.normpath(args["model_repository"]))
