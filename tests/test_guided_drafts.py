@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from test_grammar import PROMPTS, SCHEMAS, compiler, decode  # noqa: F401 (fixtures)
@@ -25,7 +24,6 @@ from specdec.rejection_sampler import RejectionSampler
 from specdec.types import GuideSpec, Proposal, ProposeRequest, SamplingParams
 from specdec.verifier import TargetVerifier
 from specdec_triton import wire
-from specdec_triton.plumbing import RequestError
 
 pytest.importorskip("xgrammar")
 
@@ -131,11 +129,3 @@ def test_a_copy_that_cannot_follow_its_sequence_or_a_guide_that_does_not_compile
     drafts.release("s")
     drafts.propose([ask("t", 0, [5], GuideSpec("regex", "[a-", 1, ()))])
     assert fake.guides[-1] is None and "seq 't' drafts without its grammar: regex guide does not compile" in logged[0]
-
-
-def test_a_guide_spec_that_is_not_one_is_refused_by_name():
-    inputs = wire.propose_inputs([ask("s", 0, [1], GuideSpec("regex", "a", 1, (0,)))])
-    assert wire.propose_requests_of(inputs)[0].guide_spec == GuideSpec("regex", "a", 1, (0,))
-    inputs["guide_spec"] = np.array([b'{"type": "regex"}'], dtype=np.object_)
-    with pytest.raises(RequestError, match="seq 's': input 'guide_spec' is not a guide"):
-        wire.propose_requests_of(inputs)

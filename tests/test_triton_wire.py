@@ -228,22 +228,6 @@ def test_verify_round_trip_with_penalties_and_log_probs():
     assert all(r.log_mass is None for r in wire.verify_results_of(unasked, [2, 1, 1]))
 
 
-def test_verify_round_trip_with_grammar_masks():
-    mask = torch.tensor([[-1, 5], [7, 0]], dtype=torch.int32)  # [num_logits, words]
-    requests = [VerifyRequest("a", 9, [5, 6], 2, GREEDY, allowed_tokens=mask), VerifyRequest("b", 0, [1], 1, GREEDY)]
-    inputs = wire.verify_inputs(requests)
-    assert inputs["num_allowed_rows"].tolist() == [2, 0] and inputs["allowed_tokens"].dtype == np.int32
-    back = wire.verify_requests_of(inputs)
-    assert torch.equal(back[0].allowed_tokens, mask) and back[1].allowed_tokens is None
-    assert "allowed_tokens" not in wire.verify_inputs(requests[1:]), "requests without a grammar carry none"
-    row0 = wire.verify_requests_of({**inputs, "num_allowed_rows": np.array([1, 1], np.int32)})  # drafted beside
-    assert torch.equal(row0[0].allowed_tokens, mask[:1]) and torch.equal(row0[1].allowed_tokens, mask[1:])
-    with pytest.raises(RequestError, match="'num_allowed_rows' is 2, but num_logits is 1"):
-        wire.verify_requests_of({**inputs, "num_allowed_rows": np.array([0, 2], np.int32)})
-    with pytest.raises(RequestError, match="'allowed_tokens' holds 3 words"):
-        wire.verify_requests_of({**inputs, "allowed_tokens": np.zeros(3, np.int32)})
-
-
 def test_release_inputs():
     inputs = wire.release_inputs(["abc", "d"])
     assert wire.is_release(inputs) and wire.seq_ids_of(inputs) == ["abc", "d"]
