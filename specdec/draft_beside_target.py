@@ -134,7 +134,8 @@ class DraftBesideTarget:
     """
 
     def __init__(self, verifier, proposer, hidden_layers: tuple[int, ...] = (), judge: Judge | None = None,
-                 grammar_compiler: Callable[[], GrammarCompiler] | None = None, log: Callable[[str], None] = print):  # fmt: skip
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None,
+                 log: Callable[[str], None] = print):  # fmt: skip
         """``hidden_layers``: the target hidden states the proposer reads (a head's); () for a draft model.
         ``judge``: None returns ``q`` and ``p`` to the caller, which samples. ``grammar_compiler``: makes the
         compiler of the target's guides; None: grammar requests draft nothing here."""

@@ -217,6 +217,7 @@ class SequenceState:
         parents = proposal.parents if proposal is not None and drafts else None
         num_logits = len(drafts) + 1
         banned_rows = self._num_banned(num_logits)  # row i predicts output index len(output_ids) + i
+        masks = None if self.grammar is None else self.grammar.masks([] if drafted_there else drafts, parents)
         if self._step == 0:
             position, token_ids = 0, self.prompt_ids
         else:
@@ -236,7 +237,7 @@ class SequenceState:
             hidden_layers=self.hidden_layers,
             tree_parents=parents,
             accepted_path=self._accepted_path,
-            allowed_tokens=None if self.grammar is None else self.grammar.masks([] if drafted_there else drafts, parents),
+            allowed_tokens=masks,
         )
 
     def _num_banned(self, num_positions: int) -> int:

@@ -299,7 +299,8 @@ class StepScheduler:
             request = sequence.state.propose_request(ks[sequence]) if ks[sequence] else None
             asked = NO_PROPOSAL if request is None else Proposal(torch.zeros(request.num_tokens, dtype=torch.long))
             # a grammar's masks after the drafts are made where they are (specdec.draft_beside_target)
-            steps.append(ProposeVerify(request, self._verify_request(sequence, asked, drafted_there=request is not None)))
+            verify = self._verify_request(sequence, asked, drafted_there=request is not None)
+            steps.append(ProposeVerify(request, verify))
         outcomes = await self._call("propose_verify", self.stages.propose_and_verify, steps, calls)
         proposals, verified = {}, {}
         for sequence, outcome in zip(batch, outcomes):
@@ -309,7 +310,8 @@ class StepScheduler:
     def _needs_sampler(self, request: VerifyRequest) -> bool:
         return not (request.sampling.greedy and self.match_greedy_here)
 
-    def _verify_request(self, sequence: ScheduledSequence, proposal: Proposal, drafted_there: bool = False) -> VerifyRequest:
+    def _verify_request(self, sequence: ScheduledSequence, proposal: Proposal,
+                        drafted_there: bool = False) -> VerifyRequest:  # fmt: skip
         """The sequence's verify request; one the sampler must judge is judged inside the call if the stages can."""
         request = sequence.state.verify_request(proposal, drafted_there)
         if self.samples_in_verify and self._needs_sampler(request):

@@ -32,9 +32,9 @@ def guide_inputs(requests: Sequence[ProposeRequest]) -> dict[str, np.ndarray]:
     specs = [r.guide_spec for r in requests]
     if all(s is None for s in specs):
         return {}
-    return {"guide_spec": bytes_array(["" if s is None else json.dumps(
-        {"type": s.guide_type, "guide": s.guide, "output_start": s.output_start, "stop_token_ids": list(s.stop_token_ids)})
-        for s in specs])}  # fmt: skip
+    return {"guide_spec": bytes_array(["" if s is None else json.dumps({
+        "type": s.guide_type, "guide": s.guide, "output_start": s.output_start,
+        "stop_token_ids": list(s.stop_token_ids)}) for s in specs])}  # fmt: skip
 
 
 def with_guide_specs(requests: list[ProposeRequest], inputs: Mapping[str, np.ndarray]) -> list[ProposeRequest]:
@@ -55,7 +55,8 @@ def with_guide_specs(requests: list[ProposeRequest], inputs: Mapping[str, np.nda
                               tuple(int(t) for t in item["stop_token_ids"]))  # fmt: skip
         except (ValueError, KeyError, TypeError) as err:
             raise RequestError(f"seq {request.seq_id!r}: input 'guide_spec' is not a guide ({type(err).__name__}: "
-                               f"{err}); it is an object with type, guide, output_start and stop_token_ids") from None  # fmt: skip
+                               f"{err}); it is an object with type, guide, output_start and "
+                               f"stop_token_ids") from None  # fmt: skip
         out.append(replace(request, guide_spec=guide))
     return out
 

@@ -74,7 +74,8 @@ class LoadWatch:
             with self._lock:  # never once the load has ended: the exception would land in what runs after it
                 if self._done.is_set():
                     return
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._loader), ctypes.py_object(LoadInterrupted))
+                raise_in = ctypes.c_ulong(self._loader)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(raise_in, ctypes.py_object(LoadInterrupted))
             if not told:
                 self.log("the server is stopping (its HTTP endpoint refuses liveness): this load ends")
                 told = True

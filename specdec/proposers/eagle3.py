@@ -2,24 +2,21 @@
 
 Each request brings the tokens and the target hidden states the proposer has not been sent
 (``ProposeRequest.hidden_states``: one row per verified position, the accepted ones only).
-With ``N`` tokens the target has verified positions ``0 .. N - 2`` (the last token, the
-recovered or bonus one, has not been through the target yet), so the head runs its rows
-``t <= N - 2`` (token ``x_{t+1}``, features at ``t``) that its cache lacks in one ragged
-forward, and the last row's logits give the first draft. Each further draft is one row per
-sequence that feeds the drafted token with the head's own pre-norm output of the row
-before. Those self-fed rows are never kept: the next call brings the target's features for
+With ``N`` tokens the target has verified positions ``0 .. N - 2`` (the last token, the recovered
+or bonus one, has not been through the target yet), so the head runs its rows ``t <= N - 2``
+(token ``x_{t+1}``, features at ``t``) that its cache lacks in one ragged forward, and the last
+row's logits give the first draft. Each further draft is one row per sequence that feeds the
+drafted token with the head's own pre-norm output of the row before. Those self-fed rows are never kept: the next call brings the target's features for
 the same positions, and the cache is cut back to the rows built from them (a length moves).
 
-``q`` is the head's processed distribution over the target's vocabulary (the draft
-vocabulary mapped through ``d2t``, every other id 0), so rejection sampling is unchanged
-and stays lossless.
+``q`` is the head's processed distribution over the target's vocabulary (the draft vocabulary
+mapped through ``d2t``, every other id 0), so rejection sampling is unchanged and lossless.
 
 The fused features live in one preallocated buffer, a row per cache slot and position,
 as the KV cache does: a call writes every sequence's new features with one ``fc`` and
 one indexed write, and a pass reads its rows as views of it. What a pass needs from the
-host (ids, positions, slots) goes to the device as one tensor. On a GPU each small copy
-or launch per sequence would cost more than the head's pass itself once a batch holds a
-few sequences.
+host (ids, positions, slots) goes to the device as one tensor: on a GPU a copy or launch per
+sequence would cost more than the head's pass once a batch holds a few sequences.
 """
 from __future__ import annotations
 
@@ -305,8 +302,8 @@ class Eagle3Proposer:
 
     @staticmethod
     def _uniform_greedy(requests: list[ProposeRequest]) -> bool:
-        """One k for every sequence, none sampled or under a grammar: the drafts can stay on the device between steps."""
-        return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy and r.guide is None for r in requests)
+        """One k for every sequence, none sampled or under a grammar: the drafts stay on the device between steps."""
+        return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy and not r.guide for r in requests)
 
     def _draft_greedy_on_device(self, requests, seqs, logits, prenorm, bans) -> list[list[int]]:
         """Greedy drafts of one k for every sequence, each step fed by the last without the host.
@@ -377,8 +374,8 @@ class Eagle3Proposer:
         return self._draft_targets[logits.argmax(-1)]
 
     def _pick(self, requests, live, step, logits, generators, q_rows, bans, drafts) -> list[int]:
-        """Each live sequence's next draft: a free greedy row's is ``_greedy_ids``; the others' rows are put
-        back on the target's vocabulary, where rejection sampling compares ``q`` and a grammar masks it."""
+        """Each next draft: a free greedy row's is ``_greedy_ids``; the others' go on the target's vocabulary,
+        where rejection sampling compares ``q`` and a grammar masks it."""
         picked = {}
         greedy = [i for i in live if generators[i] is None and requests[i].guide is None]
         if greedy:
