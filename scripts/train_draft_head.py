@@ -1,39 +1,27 @@
 #!/usr/bin/env python3
 """Train a draft head (EAGLE-3, MLP speculator, Medusa or DFlash) for a target by self-distillation, and measure it.
 
-The head learns the target's own next-token distributions (soft labels, as EAGLE does)
-from the target's hidden states over the training text of ``train_tiny_models.py`` (the
-standard library's ``.py`` files, the same held-out split); ``--generated-share`` of the
-windows continued by the target's own greedy output, the text a served head drafts after.
-The target is frozen; the head's embedding is the target's (frozen, EAGLE-3's choice), its
-LM head starts from the target's rows.
+The head learns the frozen target's next-token distributions (soft labels, as EAGLE) from its hidden states
+over ``train_tiny_models.py``'s text (``--generated-share`` of the windows continued by the target's greedy
+output); its embedding is the target's (frozen, as EAGLE-3), its LM head starts from the target's rows.
 
-* ``eagle3``: layers ``--aux-layers`` (default vLLM's ``[2, L // 2, L - 3]``, spread out where
-  those collide), a draft vocabulary of the ``--draft-vocab-size`` most frequent training
-  tokens, and the training-time test: ``--ttt-steps`` (>= 3) passes in which the head reads
-  its own output for later positions (``specdec.heads.eagle3.train_forward``), weighted
-  ``0.8 ** step``.
-* ``mlp_speculator``: ``--n-predict`` stages over the target's final hidden state, stage
-  ``i`` fed the text's tokens and trained on the target's distribution ``i + 1`` tokens on
-  (``--mlp-labels greedy``: on its greedy token there); ``--tie-weights`` shares one
-  embedding, head and norm among the stages (the format's ``tie_weights``).
-* ``medusa``: ``--medusa-heads`` heads of ``--medusa-layers`` residual blocks over the target's
-  final hidden state at t, head ``i`` trained on the target's distribution at t + 1 + i (the
-  token i + 2 on); the blocks start at zero (the identity, as Medusa's release starts them) and
-  the LM heads from the target's, ``--medusa-lm-head shared`` keeping one, the target's, frozen
-  (the format's ``original_lm_head``). ``--eval-tree`` also measures a static tree.
-* ``dflash``: a block drafter of ``--num-layers`` layers over the target's layer outputs
-  ``--target-layer-ids``, trained on blocks of ``--block-size`` (``train_dflash.py``), with a
-  held-out report of each block position's top-1 agreement with the target's greedy token.
+* ``eagle3``: layers ``--aux-layers`` (vLLM's ``[2, L // 2, L - 3]``, spread where they collide), the
+  ``--draft-vocab-size`` most frequent training tokens, and ``--ttt-steps`` (>= 3) training-time-test
+  passes reading its own output (``specdec.heads.eagle3.train_forward``), weighted ``0.8 ** step``.
+* ``mlp_speculator``: ``--n-predict`` stages over the target's final hidden state, stage ``i`` fed
+  the text's tokens and trained on the target's distribution ``i + 1`` tokens on (``--mlp-labels
+  greedy``: its greedy token); ``--tie-weights`` shares one embedding, head and norm (``tie_weights``).
+* ``medusa``: ``--medusa-heads`` heads of ``--medusa-layers`` residual blocks over the final hidden state
+  at t, head ``i`` trained on the target's distribution at t + 1 + i; blocks start at zero (the identity,
+  as Medusa's), LM heads from the target's (``--medusa-lm-head shared``: the target's, frozen:
+  ``original_lm_head``); ``--eval-tree`` also measures a tree.
+* ``dflash``: a block drafter of ``--num-layers`` layers over the target's layer outputs ``--target-layer-ids``,
+  trained on blocks of ``--block-size`` (``train_dflash.py``); held-out top-1 agreement per block position.
 
-Then the head is written (speculators / MLPSpeculator format) and run in the real engine
-at ``--k`` (greedy), beside ``--baseline-draft``, on the held-out prompts of
-``scripts/benchmark_engine.py`` (``--eval-prompts`` whole-line slices from the middle of
-held-out files, seeded by ``--eval-seed``, EOS banned): the report gives the mean tokens
-per verify step of both, over all the prompts' steps (the benchmark's ``1 + accepted /
-drafts`` counts only the steps that drafted: about 1% higher for the same head). Seeded; the
-frozen target runs once over ``--windows`` training windows and every step draws its
-batch from them.
+Then the head is written (speculators / MLPSpeculator format) and run in the real engine at ``--k``
+(greedy), beside ``--baseline-draft``, on ``benchmark_engine.py``'s held-out prompts (``--eval-prompts``,
+``--eval-seed``, EOS banned): the report gives both's mean tokens per verify step over all steps.
+Seeded; the frozen target runs once over ``--windows`` windows; each step draws its batch from them.
 
     python scripts/train_draft_head.py --method eagle3 --target models/tiny-target --out models/tiny-eagle3
 """
