@@ -23,8 +23,10 @@ starts after the models load (a stop then ends the start at once anyway).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from specdec_triton.server_stop import Liveness, ServerStopWatch, answered_live_marker, http_liveness
 
@@ -41,8 +43,9 @@ class LoadInterrupted(BaseException):
 class LoadWatch:
     """From a model's import (before torch's) to the end of its ``initialize``: the load ends if the server stops.
 
-    ``live``: the liveness question (default: this process's parent's HTTP endpoint; none
-    where the server serves no HTTP, and then nothing is watched). ``answered``: whether the
+    ``live``: the liveness question (default: this process's parent's HTTP endpoint, where the
+    parent is ``tritonserver``; none where it is not, as for a test that imports a ``model.py``,
+    or where the server serves no HTTP, and then nothing is watched). ``answered``: whether the
     server answered live before this load (default: its marker, which the orchestrator
     writes at its first answer): a load in a server that answered is a reload, and the first
     refusal is a stop; in one that has not, only a refusal after an answer is.
@@ -51,12 +54,18 @@ class LoadWatch:
     def __init__(self, live: Liveness | None = None, answered: bool | None = None, poll_s: float = POLL_S,
                  log: Callable[[str], None] = print):  # fmt: skip
         answered = answered_live_marker().exists() if answered is None else answered
-        self._watch = ServerStopWatch(http_liveness() if live is None else live, answered=answered)
+        if live is None:
+            live = http_liveness() if _parent_is_tritonserver() else None
+        self._watch = ServerStopWatch(live, answered=answered)
         self._loader = threading.get_ident()  # the thread that loads: the importing one, until a ``with``
         self._done, self._lock = threading.Event(), threading.Lock()
         self._poll_s, self.log = poll_s, log
         if self._watch.watching:
             threading.Thread(target=self._interrupt_on_stop, name="load-interrupt", daemon=True).start()
+
+    @property
+    def watching(self) -> bool:
+        return self._watch.watching
 
     def __enter__(self) -> LoadWatch:
         self._loader = threading.get_ident()
@@ -79,3 +88,11 @@ class LoadWatch:
             if not told:
                 self.log("the server is stopping (its HTTP endpoint refuses liveness): this load ends")
                 told = True
+
+
+def _parent_is_tritonserver() -> bool:
+    try:
+        program = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return False
+    return os.path.basename(program) == b"tritonserver"

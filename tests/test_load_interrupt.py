@@ -82,3 +82,8 @@ def test_the_watch_begins_at_import_and_interrupts_whatever_the_loading_thread_r
         finally:
             watch.__exit__(None, None, None)  # the stub's end, here: nothing lands after it
     busy_load(0.3)
+
+
+def test_outside_tritonserver_nothing_is_watched():
+    """A test that imports a ``model.py`` is no model's load: no question goes to a port 8000 it does not own."""
+    assert not LoadWatch(answered=True).watching
