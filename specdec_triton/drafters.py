@@ -72,15 +72,16 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
 
 def drafting_under_grammars(loaded: LoadedDraft, config: DraftProposerConfig, log) -> GuidedDrafts:
     """The proposer, following each request's grammar while it drafts (:mod:`specdec.guided_drafts`)."""
-    return GuidedDrafts(loaded.proposer, grammar_compiler(config, loaded.description), log=log)
-
-
-def grammar_compiler(config: DraftProposerConfig, description: ModelDescription) -> Callable[[], GrammarCompiler]:
-    """What makes the compiler of the drafter's guides, at the first request with one: for the target's
-    tokenizer, a head's target checkpoint's, or the draft model's own, which shares the target's vocabulary
-    (the orchestrator checks it)."""
+    # a head's target checkpoint's tokenizer, or the draft model's own, which shares the target's vocabulary
+    # (the orchestrator checks it): here the copy only steers drafting, the orchestrator's grammar verifies
     tokenizer_dir = config.target_model or config.draft_model
-    return lambda: GrammarCompiler(load_tokenizer(tokenizer_dir), description.vocab_size)
+    return GuidedDrafts(loaded.proposer, grammar_compiler(tokenizer_dir, loaded.description.vocab_size), log=log)
+
+
+def grammar_compiler(tokenizer_dir: str, vocab_size: int) -> Callable[[], GrammarCompiler]:
+    """What makes the compiler of a drafter's guides for ``tokenizer_dir``'s tokenizer and ``vocab_size`` mask
+    width, at the first request with a guide (a server that never sees one loads no tokenizer for it)."""
+    return lambda: GrammarCompiler(load_tokenizer(tokenizer_dir), vocab_size)
 
 
 def _with_suffix_first(description: ModelDescription, config: DraftProposerConfig) -> ModelDescription:

@@ -64,14 +64,15 @@ class TritonPythonModel:
         )
         self.verifier, description = TargetVerifier(lm), describe_lm(lm, config.target_model, "target")
         self.send_to_sampler = sample_hop.sampler_sender(boot_secret())
-        self.beside = self._draft_beside(repository, device)
+        self.beside = self._draft_beside(repository, device, config.target_model)
         self.host = SequenceHost(args["model_name"], self.beside or self.verifier, description,
                                  config.sequence_idle_timeout_s, self.logger, args["model_config"])  # fmt: skip
         self.host.serve_socket(self._serve)  # the orchestrator's step calls (specdec_triton.socket_calls)
         self.logger.info(f"{config} on {device}: {description}")
 
-    def _draft_beside(self, repository_dir, device):
-        """The draft model or head draft_proposer configures, when it sets run_with_target: loaded here."""
+    def _draft_beside(self, repository_dir, device, target_model):
+        """The draft model or head draft_proposer configures, when it sets run_with_target: loaded here. Its
+        grammars are compiled for the target's tokenizer: their masks verify the rows after its drafts."""
         draft = read_draft_beside_target(repository_dir)
         if draft is None:
             return None
@@ -82,7 +83,8 @@ class TritonPythonModel:
         self.logger.info(f"run_with_target: draft_proposer's {description.method} {description.model} runs here")
         judge = functools.partial(sample_hop.sample_in_sampler, send=self.send_to_sampler)  # q and p in one request
         return DraftBesideTarget(self.verifier, loaded.proposer, description.hidden_state_layers, judge=judge,
-                                 grammar_compiler=grammar_compiler(draft, description), log=self.logger.warning)
+                                 grammar_compiler=grammar_compiler(target_model, description.vocab_size),
+                                 log=self.logger.warning)  # fmt: skip
 
     def execute(self, requests):
         names = wire.VERIFY_INPUTS + hidden_wire.VERIFY_HIDDEN_INPUTS + sample_hop.VERIFY_SAMPLE_INPUTS
