@@ -233,6 +233,7 @@ def server_rows(
     configs = [(k0_name(server_name), "k0", 0)]
     fixed_configs = [(fixed_name(server_name, k), "fixed", k) for k in args.ks]
     configs += fixed_configs if fixed else [(DEFAULT_NAME, "default", None)]
+    guide = read_guide(args.guide) if args.json else None  # a JSON schema's text
     if args.json:  # each beside its unguided twin, in the same round
         configs = [c for name, kind, k in configs for c in ((name, kind, k), (name + GUIDED, kind, k))]
     env = {"OMP_NUM_THREADS": str(args.threads)}  # each model process gets what this process uses
@@ -248,8 +249,8 @@ def server_rows(
                 for name, _, k in configs:
                     suffix = f" (round {round_ + 1}/{args.rounds})" if args.rounds > 1 else ""
                     progress.phase(f"{name} c={concurrency}{suffix}")
-                    guide = read_guide(args.guide) if name.endswith(GUIDED) else None  # its end is the grammar's
-                    jobs = [Job(p, args.max_tokens, k, args.ignore_eos and guide is None, guide=guide) for p in prompts]
+                    schema = guide if name.endswith(GUIDED) else None  # under it, the grammar decides the end
+                    jobs = [Job(p, args.max_tokens, k, args.ignore_eos and schema is None, guide=schema) for p in prompts]
                     measured = measure_phase(server, jobs, concurrency, progress.step)
                     key = (name, concurrency)
                     phases[key] = measured if key not in phases else phases[key] + measured

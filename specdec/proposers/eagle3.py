@@ -6,8 +6,8 @@ With ``N`` tokens the target has verified positions ``0 .. N - 2`` (the last tok
 or bonus one, has not been through the target yet), so the head runs its rows ``t <= N - 2``
 (token ``x_{t+1}``, features at ``t``) that its cache lacks in one ragged forward, and the last
 row's logits give the first draft. Each further draft is one row per sequence that feeds the
-drafted token with the head's own pre-norm output of the row before. Those self-fed rows are never kept: the next call brings the target's features for
-the same positions, and the cache is cut back to the rows built from them (a length moves).
+drafted token with the head's own pre-norm output of the row before. Those self-fed rows are never
+kept: the next call brings the target's features there, and the cache is cut back (a length moves).
 
 ``q`` is the head's processed distribution over the target's vocabulary (the draft vocabulary
 mapped through ``d2t``, every other id 0), so rejection sampling is unchanged and lossless.
@@ -303,7 +303,7 @@ class Eagle3Proposer:
     @staticmethod
     def _uniform_greedy(requests: list[ProposeRequest]) -> bool:
         """One k for every sequence, none sampled or under a grammar: the drafts stay on the device between steps."""
-        return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy and not r.guide for r in requests)
+        return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy and r.guide is None for r in requests)
 
     def _draft_greedy_on_device(self, requests, seqs, logits, prenorm, bans) -> list[list[int]]:
         """Greedy drafts of one k for every sequence, each step fed by the last without the host.
