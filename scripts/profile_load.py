@@ -48,7 +48,8 @@ from specdec_triton.metrics import STAGES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ORCHESTRATOR = "speculative_decoding"
-STAGE_MODELS = {"propose": wire.DRAFT_PROPOSER, "verify": wire.TARGET_VERIFIER, "sample": wire.REJECTION_SAMPLER}
+STAGE_MODELS = {"propose": wire.DRAFT_PROPOSER, "verify": wire.TARGET_VERIFIER, "sample": wire.REJECTION_SAMPLER,
+                "propose_verify": wire.TARGET_VERIFIER}  # a drafter beside the target answers in target_verifier
 
 
 def parse_args() -> argparse.Namespace:
