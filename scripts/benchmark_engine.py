@@ -9,7 +9,7 @@ each concurrency, with the configurations interleaved round by round:
 * ``k0`` -- plain decoding through the same scheduler (one target pass per token);
 * ``METHOD:K`` -- ``draft_model``, ``eagle3``, ``mlp_speculator``, ``medusa``, ``dflash``, ``mtp`` (the target's own
   MTP layer, read from ``--target``), ``ngram`` or ``suffix`` drafting K tokens every step; ``METHOD+tree:K`` (``eagle3``, ``medusa``) drafting
-  the first K nodes of the static tree ``--token-tree``; ``METHOD+suffix:K`` (a model method)
+  the static tree ``--token-tree`` cut to K nodes (``DraftTree.first``); ``METHOD+suffix:K`` (a model method)
   with suffix decoding in front of it (``specdec.suffix_first``, ``--suffix-min-score``, ``--model-k``);
   ``METHOD+follow:K`` drafting at most K, each sequence as its acceptance and the measured
   step costs say (``specdec.follow_acceptance``), what it learned carried from phase to phase
@@ -107,7 +107,7 @@ def parse_args() -> argparse.Namespace:
                    help="METHOD+suffix: the score at which suffix decoding's draft is taken")
     p.add_argument("--model-k", type=int, default=0, help="METHOD+suffix: the model's drafts per step (0: K)")
     p.add_argument("--token-tree", default="[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]",
-                   help="METHOD+tree:K: the static tree (vLLM's speculative_token_tree) whose first K nodes are drafted")
+                   help="METHOD+tree:K: the static tree (vLLM's speculative_token_tree) cut to K nodes, rank-0 paths first")
     p.add_argument("--dynamic-tree", default=None, metavar="TOPK,DEPTH",
                    help="METHOD+tree:K: EAGLE-2's dynamic tree of K nodes instead of --token-tree (specdec.tree.DynamicTree)")
     p.add_argument("--seed", type=int, default=0)

@@ -113,7 +113,7 @@ def test_greedy_tree_equals_hf_generate_and_accepts_more_than_the_chain(pair):
     for name, tree in (("chain", None), ("tree", TREE)):
         proposer = build_head_proposer("medusa", head_dir, target_dir, tree=tree)
         accepted[name] = 0
-        for k in (3, 5, TREE.num_nodes):  # the tree cut to its first k nodes; the chain of k = 3 heads
+        for k in (3, 5, TREE.num_nodes):  # the tree cut to k nodes; the chain of k = 3 heads
             for prompt in PROMPTS:
                 params = GenerationParams(max_tokens=20, num_speculative_tokens=min(k, 3) if tree is None else k)
                 out = []
@@ -135,10 +135,10 @@ def test_a_tree_node_takes_its_depths_head_at_its_rank(pair):
                                num_banned_tokens=1, banned_token_ids=(0,))]  # fmt: skip
     a, b = proposer.propose(requests)
     ranked = proposer.model(hidden[-1]).topk(3, dim=-1).indices.tolist()  # [heads][ranks]
-    assert a.parents == TREE.parents and b.parents == TREE.first(4).parents == (ROOT, ROOT, ROOT, 0)
+    assert a.parents == TREE.parents and b.parents == TREE.first(4).parents == (ROOT, ROOT, 0, 2)  # chain 3, then (1,)
     assert a.token_ids.tolist() == [ranked[len(p) - 1][p[-1]] for p in TREE.paths] and a.probs is None
     first = [t for t in proposer.model(hidden[-1])[0].argsort(descending=True).tolist() if t != 0]  # 0 banned
-    assert b.token_ids.tolist() == [*first[:3], ranked[1][0]]
+    assert b.token_ids.tolist() == [*first[:2], ranked[1][0], ranked[2][0]]
     assert proposer.num_active_sequences == 2
 
 

@@ -23,8 +23,29 @@ def test_the_vllm_format_parses_breadth_first_with_parents_and_depths():
     assert tree.parents == (ROOT, ROOT, 0, 0, 2)
     assert tree.depths == (1, 1, 2, 2, 3) and tree.max_depth == 3 and tree.max_rank == 2
     assert not tree.is_chain and chain(3).is_chain and chain(3).spec() == "[(0,), (0, 0), (0, 0, 0)]"
-    assert tree.first(3).paths == ((0,), (1,), (0, 0))
+    assert tree.first(3).paths == ((0,), (0, 0), (0, 0, 0))  # cut to fewer nodes: the rank-0 chain first
+    assert tree.first(4).paths == ((0,), (1,), (0, 0), (0, 0, 0)) and tree.first(5) is tree
     assert parse_token_tree([(0,), (0, 0)], num_speculative_tokens=2) == chain(2)
+
+
+SHIPPED_SHAPE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
+
+
+@pytest.mark.parametrize("spec", [SHIPPED_SHAPE, "[(0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (0, 0, 0)]",
+                                  "[(0,), (1,), (1, 0), (1, 1), (1, 0, 0)]"])  # fmt: skip
+def test_a_tree_cut_to_fewer_nodes_stays_a_tree_and_keeps_the_likeliest_paths(spec):
+    tree = parse_token_tree(spec)
+    kept_before: set = set()
+    for n in range(1, tree.num_nodes + 1):
+        cut = tree.first(n)
+        assert cut.num_nodes == n and set(cut.paths) <= set(tree.paths)
+        assert parse_token_tree(cut.spec()) == cut  # closed under prefixes, breadth-first
+        assert kept_before <= set(cut.paths)  # a larger budget only adds nodes
+        kept_before = set(cut.paths)
+        off_top = [sum(r > 0 for r in p) for p in cut.paths]
+        left_out = [sum(r > 0 for r in p) for p in set(tree.paths) - set(cut.paths)]
+        assert not left_out or max(off_top) <= min(left_out)  # no path kept that leaves rank 0 more often
+    assert parse_token_tree(SHIPPED_SHAPE).first(4) == chain(4)
 
 
 @pytest.mark.parametrize("value, named", [
