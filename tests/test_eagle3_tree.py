@@ -57,3 +57,24 @@ def test_a_dynamic_tree_is_at_most_k_nodes_parents_first_and_varies_by_step(veri
         assert all(-1 <= p < i for i, p in enumerate(parents))
         assert len(set(zip(parents, proposal.token_ids.tolist()))) == len(parents)  # siblings distinct
     assert len({p.parents for p in proposals}) > 1  # the shape follows the head's confidence
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)])
+def test_a_tree_cut_to_a_chain_drafts_the_chain_when_greedy(verifier, sampling):
+    """A loaded step asks 3 of the tree's 6 nodes: greedy, that is the chain's drafts on the chain's path (no
+    parents); sampled, the tree's rule keeps them (parents), so the seeded text stays k = 0's."""
+    tree = SHAPES["static"][0]
+    proposer = build_head_proposer("eagle3", MODELS / "tiny-eagle3", MODELS / "tiny-target", max_num_seqs=2, tree=tree)
+    chain = build_head_proposer("eagle3", MODELS / "tiny-eagle3", MODELS / "tiny-target", max_num_seqs=2)
+    seen = {}
+    for name, drafter in (("tree", proposer), ("chain", chain)):
+        calls, propose = [], drafter.propose
+        drafter.propose = lambda requests, propose=propose, calls=calls: calls.extend(propose(requests)) or calls[-1:]
+        list(generate(drafter, verifier, RejectionSampler(), PROMPTS[1],
+                      GenerationParams(max_tokens=20, sampling=sampling, num_speculative_tokens=3)))
+        seen[name] = calls
+    assert all(p.parents is None for p in seen["tree"]) == sampling.greedy
+    if sampling.greedy:  # the same drafts as the chain's, step for step
+        assert [p.token_ids.tolist() for p in seen["tree"]] == [p.token_ids.tolist() for p in seen["chain"]]
+    else:
+        assert all(p.parents == tree.first(len(p.token_ids)).parents for p in seen["tree"] if len(p.token_ids))

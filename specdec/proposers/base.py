@@ -82,3 +82,16 @@ def proposals_in_order(
         probs = torch.cat(q_rows[i]) if i is not None and q_rows[i] else None  # [k, vocab] q
         proposals.append(Proposal(torch.tensor(ids, dtype=torch.long), probs))  # [k], on the host
     return proposals
+
+
+def drafts_as_chain(tree, requests: Sequence[ProposeRequest]) -> bool:
+    """Whether a static ``tree`` (``specdec.tree.DraftTree``, or None) drafts these requests as the chain its cut is.
+
+    A loaded step asks fewer nodes than the tree has (the batch-size table), and a cut below
+    the tree's depth is the chain (``DraftTree.first``). Drafted and verified as a chain, it
+    takes the chain's faster paths (a head's compiled greedy steps, the target's chain pass).
+    Greedy requests only: a sampled request keeps the tree's rule (chosen drafts, SpecInfer's
+    verification), under which its seeded text is k = 0's whatever the cut, where a sampled chain's
+    drafts would consume other draws.
+    """
+    return tree is None or all(r.sampling.greedy and tree.first(r.num_tokens).is_chain for r in requests)

@@ -16,8 +16,7 @@ The fused features live in one preallocated buffer, a row per cache slot and pos
 as the KV cache does: a call writes every sequence's new features with one ``fc`` and
 one indexed write, and a pass reads its rows as views of it. What a pass needs from the
 host (ids, positions, slots) goes to the device as one tensor: on a GPU a copy or launch per
-sequence would cost more than the head's pass once a batch holds a few sequences.
-"""
+sequence would cost more than the head's pass once a batch holds a few sequences."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from specdec.grammar import guided_row
 from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
-from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.proposers.base import check_propose_requests, drafts_as_chain, proposals_in_order
 from specdec.progress import Log
 from specdec.proposers.eagle3_tree import draft_dynamic_tree, draft_tree
 from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
@@ -279,7 +278,7 @@ class Eagle3Proposer:
         if isinstance(self.tree, DynamicTree):
             tokens, parents = draft_dynamic_tree(self, requests, bases, logits, prenorm, bans, self.tree)
             return tokens, no_q, parents
-        if self.tree is not None:
+        if not drafts_as_chain(self.tree, requests):
             tokens = draft_tree(self, requests, bases, logits, prenorm, bans, self.tree)
             return tokens, no_q, [self.tree.first(len(t)).parents for t in tokens]
         if self._uniform_greedy(requests):

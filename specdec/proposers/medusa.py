@@ -24,7 +24,7 @@ import torch
 
 from specdec.grammar import guided_picks
 from specdec.heads.medusa import Medusa
-from specdec.proposers.base import proposals_in_order
+from specdec.proposers.base import drafts_as_chain, proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
 from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree
@@ -68,12 +68,13 @@ class MedusaProposer(DraftsFromLastHidden):
         drafting = self._seqs.take(requests)
         if not drafting:
             return proposals_in_order(requests, [], [], [])
-        if self.tree is not None:
+        as_tree = not drafts_as_chain(self.tree, drafting)
+        if as_tree:
             drafts, q_rows = self._draft_tree(drafting), [[] for _ in drafting]
         else:
             drafts, q_rows = self._draft_chain(drafting)
         proposals = proposals_in_order(requests, drafting, drafts, q_rows)
-        if self.tree is None:
+        if not as_tree:
             return proposals
         return [replace(p, parents=self.tree.first(len(p.token_ids)).parents) if len(p.token_ids) else p
                 for p in proposals]  # fmt: skip
