@@ -35,12 +35,12 @@ def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cud
                    tree: DraftTree | None = None, parallel: bool = False):  # fmt: skip
     """The proposer of ``method`` from the checkpoints ``args`` names (``draft``, ``eagle3``,
     ``mlp_speculator``, ``medusa``, ``dflash``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is;
-    ``tree``: the static tree a head drafts (``speculative_token_tree``); ``parallel``: the draft model
+    ``tree``: the static tree a drafter drafts (``speculative_token_tree``); ``parallel``: the draft model
     ``args.pard_draft`` drafting in parallel (PARD, ``parallel_drafting``)."""
     if method == "draft_model":
         path = args.pard_draft if parallel else args.draft
         lm = FastCausalLM(path, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
-        return ParallelDraftProposer(lm, read_mask_token(path)) if parallel else DraftModelProposer(lm)
+        return ParallelDraftProposer(lm, read_mask_token(path)) if parallel else DraftModelProposer(lm, tree)
     if method in HEAD_METHODS:
         # the head's directory: args.eagle3, args.mlp_speculator, args.medusa or args.dflash; MTP layers are the target's own
         path = args.target if METHODS[method].in_target_checkpoint else getattr(args, method)

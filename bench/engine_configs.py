@@ -22,7 +22,7 @@ K0 = "k0"
 MODEL_METHODS = ("draft_model", *HEAD_METHODS)
 METHODS = (*MODEL_METHODS, *MODEL_FREE_METHODS, *(m + SUFFIX_FIRST for m in MODEL_METHODS))
 FOLLOW = "+follow"  # a configuration whose k follows each sequence's acceptance, under K
-TREE = "+tree"  # a head drafting --token-tree cut to K nodes instead of a chain of K
+TREE = "+tree"  # drafting --token-tree cut to K nodes instead of a chain of K
 PARALLEL = "+pard"  # a draft model drafting its K tokens in one forward (parallel_drafting)
 GUIDED = "+json"  # every request under the run's JSON schema (structured output)
 

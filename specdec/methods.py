@@ -41,11 +41,11 @@ class Method:
 METHODS = {
     m.name: m
     for m in (
-        Method("draft_model", MODEL, parallel_drafting=True),
+        Method("draft_model", MODEL, drafts_static_trees=True, parallel_drafting=True),
         Method("ngram", MODEL_FREE),
         Method("suffix", MODEL_FREE),
         Method("eagle3", HEAD, drafts_static_trees=True, drafts_dynamic_trees=True),
-        Method("mlp_speculator", HEAD),
+        Method("mlp_speculator", HEAD, drafts_static_trees=True),
         Method("medusa", HEAD, drafts_static_trees=True),
         Method("mtp", HEAD, in_target_checkpoint=True),
         Method("dflash", HEAD),  # a block of drafts from one pass (specdec.heads.dflash)

@@ -236,6 +236,11 @@ def _token_tree(read: Reader, config: DraftProposerConfig) -> DraftTree | Dynami
     if config.run_with_target:
         raise ParameterError("draft_proposer: parameter 'speculative_token_tree' needs the drafter in its own model: "
                              "run_with_target true drafts chains only")  # fmt: skip
+    if config.method == "draft_model" and (config.parallel_drafting or config.engine != "fast"):
+        raise ParameterError("draft_proposer: parameter 'speculative_token_tree' with method 'draft_model' needs "
+                             "engine 'fast' (tree passes) and parallel_drafting false (a PARD draft drafts a chain "
+                             f"in one forward); got engine {config.engine!r}, parallel_drafting "
+                             f"{str(config.parallel_drafting).lower()}")  # fmt: skip
     if topk:
         return DynamicTree(topk, steps)
     try:

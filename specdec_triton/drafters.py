@@ -58,10 +58,10 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     _check_draft_window(config)
     mask_token = read_mask_token(config.draft_model) if config.parallel_drafting else None  # before the load
     lm = build_lm(config.draft_model, config.engine, config.dtype, device, config.max_num_seqs, config.max_model_len,
-                  log=log, cpu_compile=config.cpu_compile)  # fmt: skip
+                  log=log, cpu_compile=config.cpu_compile, warm_trees=config.token_tree is not None)  # fmt: skip
     description = describe_lm(lm, config.draft_model, config.method)
     if mask_token is None:
-        proposer = PROPOSERS[config.method](lm)
+        proposer = PROPOSERS[config.method](lm, config.token_tree)
     else:
         proposer = ParallelDraftProposer(lm, mask_token)
         if log is not None:

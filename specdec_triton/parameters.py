@@ -166,7 +166,7 @@ DRAFT_PROPOSER = (
               "continuations, branches included; Arctic Inference's `use_tree_spec`), verified as a tree "
               "([trees](drafters.md#draft-trees)); false: the most frequent path alone"),  # fmt: skip
     Parameter("speculative_token_tree", "str", "",
-              "heads that draft trees (`eagle3`, `medusa`): vLLM's static tree, the path of child ranks of each node, e.g. "
+              "`eagle3`, `medusa`, `mlp_speculator`, `draft_model` (engine `fast`): vLLM's static tree, the path of child ranks of each node, e.g. "
               "`[(0,), (1,), (0, 0)]` ([trees](drafters.md#draft-trees)); as in vLLM its node count must equal "
               "`num_speculative_tokens`", unset="a chain"),  # fmt: skip
     Parameter("speculative_eagle_topk", "int", 0,

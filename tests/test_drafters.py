@@ -141,8 +141,9 @@ def write_tree_repository(tmp_path, method: str, tree: str, num_speculative_toke
 TREE = "[(0,), (1,), (0, 0)]"
 
 
-def test_a_static_tree_loads_for_eagle3_and_reaches_its_proposer(tmp_path):
-    config = write_tree_repository(tmp_path, "eagle3", TREE, 3)()
+@pytest.mark.parametrize("method", ["eagle3", "mlp_speculator", "draft_model"])
+def test_a_static_tree_loads_and_reaches_its_proposer(tmp_path, method):
+    config = write_tree_repository(tmp_path, method, TREE, 3)()
     assert config.token_tree.parents == (-1, -1, 0)
     assert build_proposer(config, "cpu").proposer.tree == config.token_tree
 
@@ -151,11 +152,12 @@ def test_a_static_tree_loads_for_eagle3_and_reaches_its_proposer(tmp_path):
     ("eagle3", "[(0,), (0, 0, 0)]", 2, "", "not closed under prefixes"),
     ("eagle3", TREE, 8, "", "has 3 nodes, but num_speculative_tokens is 8"),
     ("eagle3", "[(0,), (1,)", 2, "", "Python literal"),
-    ("ngram", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'ngram'"),
-    ("mtp", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'mtp'"),
+    ("ngram", TREE, 3, "", "is for methods ['draft_model', 'eagle3', 'mlp_speculator', 'medusa'], not 'ngram'"),
+    ("mtp", TREE, 3, "", "is for methods ['draft_model', 'eagle3', 'mlp_speculator', 'medusa'], not 'mtp'"),
     ("suffix", TREE, 3, "", "suffix_decoding_use_tree_spec"),
-    ("draft_model", TREE, 3, "", "not 'draft_model'"),
-    ("dflash", TREE, 3, "", "is for methods ['eagle3', 'medusa'], not 'dflash'"),
+    ("draft_model", TREE, 3, ', { key: "engine" value: { string_value: "hf" } }', "got engine 'hf'"),
+    ("draft_model", TREE, 3, ', { key: "parallel_drafting" value: { string_value: "true" } }', "parallel_drafting true"),
+    ("dflash", TREE, 3, "", "is for methods ['draft_model', 'eagle3', 'mlp_speculator', 'medusa'], not 'dflash'"),
     ("eagle3", TREE, 3, ', { key: "run_with_target" value: { string_value: "true" } }', "run_with_target"),
 ])  # fmt: skip
 def test_a_bad_tree_fails_the_load_naming_the_key(tmp_path, method, tree, k, extra, named):

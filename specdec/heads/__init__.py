@@ -68,8 +68,9 @@ def build_head_proposer(
 ):
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
 
-    ``tree``: the static draft tree it drafts (``specdec.tree``; None or a chain: a chain); EAGLE-3 and
-    Medusa draft trees, the MLP speculator and DFlash a chain only. A tree deeper than Medusa's heads is refused.
+    ``tree``: the static draft tree it drafts (``specdec.tree``; None or a chain: a chain); EAGLE-3, Medusa
+    and the MLP speculator draft trees, DFlash and MTP a chain only. A tree deeper than Medusa's heads or the
+    MLP speculator's stages is refused.
 
     ``max_model_len``: the tokens a sequence may hold in the head's cache and feature buffer
     (None: the target's ``max_position_embeddings``, as vLLM sizes a head).
@@ -98,10 +99,9 @@ def build_head_proposer(
 
         model = load_medusa(path, target_path, torch_dtype, device)
         return MedusaProposer(model, read_config(target_path).num_layers, tree)
-    if tree is not None and not tree.is_chain:
-        raise ValueError(f"speculative_token_tree: method {method!r} drafts a chain only; trees are drafted by "
-                         f"eagle3 and medusa")  # fmt: skip
     if method == "dflash":
+        if tree is not None and not tree.is_chain:
+            raise _chain_only(method)
         from specdec.heads.dflash import load_dflash
         from specdec.proposers.dflash import DFlashProposer
 
@@ -117,7 +117,7 @@ def build_head_proposer(
     from specdec.proposers.mlp_speculator import MLPSpeculatorProposer
 
     model = load_mlp_speculator(path, target_path, torch_dtype, device)
-    return MLPSpeculatorProposer(model, read_config(target_path).num_layers)
+    return MLPSpeculatorProposer(model, read_config(target_path).num_layers, tree)
 
 
 def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len, tree, log):
@@ -126,8 +126,7 @@ def _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, c
     from specdec.proposers.mtp import MTPProposer
 
     if tree is not None and not (isinstance(tree, DraftTree) and tree.is_chain):
-        raise ValueError("speculative_token_tree: method 'mtp' drafts a chain only; trees are drafted by eagle3 and "
-                         "medusa")  # fmt: skip
+        raise _chain_only("mtp")
     head = load_mtp(target_path, torch_dtype, device)
     positions = _place_decoder_head(head, target_path, torch_dtype, device, max_model_len)
     compiled = cpu_compile and torch.device(device).type == "cpu"
@@ -157,3 +156,8 @@ def describe_head(proposer, path: str | os.PathLike) -> ModelDescription:
         os.path.realpath(path), proposer.vocab_size, proposer.max_model_len, proposer.max_num_seqs,
         proposer.method, tuple(proposer.hidden_state_layers),
     )  # fmt: skip
+
+
+def _chain_only(method: str) -> ValueError:
+    drafting = [m.name for m in METHODS.values() if m.drafts_static_trees]
+    return ValueError(f"speculative_token_tree: method {method!r} drafts a chain only; trees are drafted by {drafting}")

@@ -12,18 +12,26 @@ The proposer owns the draft's cache alone. It keeps each sequence's tokens follo
 by the drafts it fed itself; the tokens a request brings past ``position`` that equal
 those drafts (the accepted ones) are already cached and are not fed again, and the
 cache is cut back at the first that differs.
+
+A static tree (``specdec.proposers.static_tree``, fast engine): each level is one tree
+pass of the draft over the sequence's last token and the nodes so far (each attending to
+its ancestors, ``ForwardCall.tree_parents``), whose rows at the level's nodes rank their
+children. The nodes are written past the sequence's tokens and never kept: the next call
+feeds the accepted ones as new tokens, over them.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.grammar import guided_row
-from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.proposers.base import check_propose_requests, drafts_as_chain, proposals_in_order
+from specdec.proposers.static_tree import Row, grow_tree, ranked_candidates
 from specdec.sampling import apply_logit_bias, check_banned, greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.tree import ROOT, DraftTree
 from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 
@@ -64,8 +72,10 @@ def _matching_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DraftModelProposer(OwnsOneModel):
-    def __init__(self, lm: CachedLM):
+    def __init__(self, lm: CachedLM, tree: DraftTree | None = None):
+        """``tree``: draft this static tree, cut to each request's ``num_tokens`` nodes (None or a chain: a chain)."""
         self.lm = lm
+        self.tree = tree if tree is not None and not tree.is_chain else None
         self._seqs: dict[str, _Sequence] = {}
 
     @property
@@ -87,13 +97,18 @@ class DraftModelProposer(OwnsOneModel):
         for r in requests:
             self._take(r)
         drafting = [r for r in requests if r.num_tokens > 0]
+        trees = None if drafts_as_chain(self.tree, drafting) else [self.tree.first(r.num_tokens) for r in drafting]
         try:
-            drafts, q_rows = self._draft(drafting)
+            drafts, q_rows = self._draft(drafting) if trees is None else (self._draft_tree(drafting, trees), None)
         except BaseException:
             for r in drafting:  # a half-extended cache costs only a re-prefill, never a wrong token
                 self._drop_cache(r.seq_id)
             raise
-        return proposals_in_order(requests, drafting, drafts, q_rows)
+        if trees is None:
+            return proposals_in_order(requests, drafting, drafts, q_rows)
+        parents = {r.seq_id: t.parents for r, t in zip(drafting, trees)}
+        proposals = proposals_in_order(requests, drafting, drafts, [[] for _ in drafting])
+        return [replace(p, parents=parents[r.seq_id]) if len(p.token_ids) else p for r, p in zip(requests, proposals)]
 
     def _take(self, request: ProposeRequest) -> None:
         """Append the request's tokens at its position; keep the cache up to the first token it changes."""
@@ -149,12 +164,38 @@ class DraftModelProposer(OwnsOneModel):
                 drafts[i].append(token)
         return drafts, q_rows
 
+    def _draft_tree(self, requests: list[ProposeRequest], trees: list[DraftTree]) -> list[list[int]]:
+        """Each request's tree tokens, node order: a pass of the draft per level (``grow_tree``)."""
+        seqs = [self._seqs[r.seq_id] for r in requests]
+        ranks = max(t.max_rank for t in trees)
+
+        def rank(depth: int, rows: list[Row], tokens: list[list[int]]) -> list[list[int]]:
+            calls, firsts = [], {}  # a call per request: its rows are the level's nodes, the last of the call
+            for i in dict.fromkeys(i for i, _ in rows):
+                seq, seq_id = seqs[i], requests[i].seq_id
+                if depth == 0:  # the tokens the cache lacks; the last one's row ranks the root's children
+                    start = min(seq.cached, self.lm.cached_length(seq_id), len(seq.tokens) - 1)
+                    calls.append(ForwardCall(seq_id, start, seq.tokens[start:], num_logits=1))
+                    seq.cached = len(seq.tokens)  # the sequence's own tokens: the nodes lie past them
+                    firsts[i] = ROOT
+                else:  # the last token again, as the tree's root, and the nodes down to this depth
+                    n, firsts[i] = len(tokens[i]), trees[i].depths.index(depth)
+                    calls.append(ForwardCall(seq_id, len(seq.tokens) - 1, [seq.tokens[-1], *tokens[i]],
+                                             num_logits=n - firsts[i], tree_parents=trees[i].parents[:n]))  # fmt: skip
+            out = dict(zip(firsts, self.lm.forward(calls)))  # request -> [nodes of the level (1: the root), vocab]
+            logits = torch.stack([out[i][node - firsts[i]] for i, node in rows])  # [R, vocab]
+            return ranked_candidates(logits, [requests[i] for i, _ in rows], depth, ranks)
+
+        return grow_tree(trees, rank)
+
     def _check_length(self, requests: list[ProposeRequest]) -> None:
-        """k drafts feed k - 1 of them back: the sequence and those must fit ``max_model_len``."""
+        """k drafts feed k - 1 of them back (a tree all of its nodes): they and the sequence must fit
+        ``max_model_len``."""
         limit = self.lm.max_model_len
         for r in requests:
             length = r.position + len(r.token_ids)
-            if limit is not None and r.num_tokens > 0 and length + r.num_tokens - 1 > limit:
+            fed = r.num_tokens if self.tree is not None else r.num_tokens - 1
+            if limit is not None and r.num_tokens > 0 and length + fed > limit:
                 raise ValueError(
                     f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed max_model_len={limit}"
                 )

@@ -5,19 +5,25 @@ verified position (``N - 2`` for ``N`` tokens: the one the target's own predicti
 token ``N - 1`` came from); stage ``i`` reads the state and the last token and drafts
 token ``i + 1``. ``q`` is the stage's processed distribution over the target's vocabulary.
 A request for more drafts than the model has stages is refused, naming ``n_predict``.
+
+A static tree (``specdec.proposers.static_tree``): stage ``d`` runs a row per node of depth
+``d`` that has children, fed the node's token and the state its parent's row left, and the
+row's candidates are the node's children; a tree may be at most ``n_predict`` deep.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from specdec.grammar import guided_row
 from specdec.heads.mlp_speculator import MLPSpeculator
-from specdec.proposers.base import proposals_in_order
+from specdec.proposers.base import drafts_as_chain, proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
+from specdec.proposers.static_tree import Row, grow_tree, ranked_candidates
 from specdec.sampling import apply_logit_bias, greedy_tokens, make_generator, process_logits, sample_from_probs
+from specdec.tree import DraftTree
 from specdec.types import Proposal, ProposeRequest
-
-
 
 
 class MLPSpeculatorProposer(DraftsFromLastHidden):
@@ -25,8 +31,13 @@ class MLPSpeculatorProposer(DraftsFromLastHidden):
     max_num_seqs = None  # no cache: any number of sequences
     max_model_len = None
 
-    def __init__(self, model: MLPSpeculator, target_num_layers: int):
+    def __init__(self, model: MLPSpeculator, target_num_layers: int, tree: DraftTree | None = None):
+        """``tree``: draft this static tree, cut to each request's ``num_tokens`` nodes (None or a chain: a chain)."""
+        if tree is not None and tree.max_depth > model.n_predict:
+            raise ValueError(f"speculative_token_tree is {tree.max_depth} deep, but the MLP speculator has "
+                             f"n_predict={model.n_predict} stages: a tree may be at most n_predict deep")  # fmt: skip
         self.model = model
+        self.tree = tree if tree is not None and not tree.is_chain else None
         self.device = model.head[0].weight.device
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
@@ -36,7 +47,7 @@ class MLPSpeculatorProposer(DraftsFromLastHidden):
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         self._seqs.check(requests)
         for r in requests:
-            if r.num_tokens > self.model.n_predict:
+            if self.tree is None and r.num_tokens > self.model.n_predict:
                 raise ValueError(
                     f"seq {r.seq_id!r}: {r.num_tokens} drafts asked of an MLP speculator with n_predict="
                     f"{self.model.n_predict}; num_speculative_tokens must be at most n_predict"
@@ -47,8 +58,32 @@ class MLPSpeculatorProposer(DraftsFromLastHidden):
                     f"reads the target's last hidden state, emb_dim={self.model.emb_dim}"
                 )
         drafting = self._seqs.take(requests)
-        drafts, q_rows = self._draft(drafting) if drafting else ([], [])
-        return proposals_in_order(requests, drafting, drafts, q_rows)
+        if not drafting or drafts_as_chain(self.tree, drafting):
+            drafts, q_rows = self._draft(drafting) if drafting else ([], [])
+            return proposals_in_order(requests, drafting, drafts, q_rows)
+        trees = [self.tree.first(r.num_tokens) for r in drafting]
+        proposals = proposals_in_order(requests, drafting, self._draft_tree(drafting, trees), [[] for _ in drafting])
+        parents = {r.seq_id: t.parents for r, t in zip(drafting, trees)}
+        return [replace(p, parents=parents[r.seq_id]) if len(p.token_ids) else p for r, p in zip(requests, proposals)]
+
+    def _draft_tree(self, requests: list[ProposeRequest], trees: list[DraftTree]) -> list[list[int]]:
+        """Each request's tree tokens, node order: stage ``d`` over the rows of depth ``d`` (``grow_tree``)."""
+        seqs = [self._seqs[r.seq_id] for r in requests]
+        ranks = max(t.max_rank for t in trees)
+        states = {}  # (request, node) -> the state its row left, which its children's rows read
+
+        def rank(depth: int, rows: list[Row], tokens: list[list[int]]) -> list[list[int]]:
+            if depth == 0:  # the sequence's last token, from the target's hidden state
+                state = self.model.first_state(torch.stack([seqs[i].hidden for i, _ in rows]))  # [R, emb_dim]
+                fed = [seqs[i].tokens[-1] for i, _ in rows]
+            else:
+                state = torch.stack([states[i, trees[i].parents[node]] for i, node in rows])  # [R, inner]
+                fed = [tokens[i][node] for i, node in rows]
+            logits, out = self.model.stage(depth, state, torch.tensor(fed, dtype=torch.long, device=self.device))
+            states.update({row: out[n] for n, row in enumerate(rows)})  # out: [R, inner]
+            return ranked_candidates(logits, [requests[i] for i, _ in rows], depth, ranks)
+
+        return grow_tree(trees, rank)
 
     def _draft(self, requests: list[ProposeRequest]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         seqs = [self._seqs[r.seq_id] for r in requests]
