@@ -6,7 +6,8 @@ the orchestrator and on to the head. When the proposer lives in the target's pro
 (draft_proposer's ``run_with_target``), :class:`DraftBesideTarget` does both halves of a
 step in one call: the proposals, then one verify of every sequence with the drafts it
 got. The caller builds each verify request for the drafts it asked for
-(``ProposeVerify``), and :func:`fit_to_drafts` cuts it to the drafts made.
+(``ProposeVerify``), and :func:`fit_to_drafts` cuts it to the drafts made (a tree's with its
+parents: the caller learns them from the proposal, and sends the accepted path next step).
 
 A grammar request (structured output) is drafted under a copy of its grammar here
 (:mod:`specdec.guided_drafts`, given ``grammar_compiler``). The caller's verify request then
@@ -79,7 +80,7 @@ def fit_to_drafts(request: VerifyRequest, proposal: Proposal) -> VerifyRequest:
     sample_here = request.sample_here
     if sample_here is not None:
         sample_here = replace(sample_here, draft_probs_held=proposal.probs_held)
-    return replace(request, token_ids=fed, num_logits=made + 1,
+    return replace(request, token_ids=fed, num_logits=made + 1, tree_parents=proposal.parents,
                    num_banned_rows=min(request.num_banned_rows, made + 1), sample_here=sample_here)  # fmt: skip
 
 

@@ -233,9 +233,6 @@ def _token_tree(read: Reader, config: DraftProposerConfig) -> DraftTree | Dynami
         dynamic = [m.name for m in METHODS.values() if m.drafts_dynamic_trees]
         raise ParameterError(f"draft_proposer: parameter 'speculative_eagle_topk' (a dynamic tree) is for methods "
                              f"{dynamic}, not {config.method!r}; a static speculative_token_tree is")  # fmt: skip
-    if config.run_with_target:
-        raise ParameterError("draft_proposer: parameter 'speculative_token_tree' needs the drafter in its own model: "
-                             "run_with_target true drafts chains only")  # fmt: skip
     if config.method == "draft_model" and (config.parallel_drafting or config.engine != "fast"):
         raise ParameterError("draft_proposer: parameter 'speculative_token_tree' with method 'draft_model' needs "
                              "engine 'fast' (tree passes) and parallel_drafting false (a PARD draft drafts a chain "

@@ -142,8 +142,11 @@ TREE = "[(0,), (1,), (0, 0)]"
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mlp_speculator", "draft_model"])
-def test_a_static_tree_loads_and_reaches_its_proposer(tmp_path, method):
-    config = write_tree_repository(tmp_path, method, TREE, 3)()
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_static_tree_loads_and_reaches_its_proposer(tmp_path, method, beside):
+    extra = ', { key: "run_with_target" value: { string_value: "true" } }' if beside else ""
+    config = write_tree_repository(tmp_path, method, TREE, 3, extra)()
+    assert config.beside_target == beside
     assert config.token_tree.parents == (-1, -1, 0)
     assert build_proposer(config, "cpu").proposer.tree == config.token_tree
 
@@ -158,7 +161,6 @@ def test_a_static_tree_loads_and_reaches_its_proposer(tmp_path, method):
     ("draft_model", TREE, 3, ', { key: "engine" value: { string_value: "hf" } }', "got engine 'hf'"),
     ("draft_model", TREE, 3, ', { key: "parallel_drafting" value: { string_value: "true" } }', "parallel_drafting true"),
     ("dflash", TREE, 3, "", "is for methods ['draft_model', 'eagle3', 'mlp_speculator', 'medusa'], not 'dflash'"),
-    ("eagle3", TREE, 3, ', { key: "run_with_target" value: { string_value: "true" } }', "run_with_target"),
 ])  # fmt: skip
 def test_a_bad_tree_fails_the_load_naming_the_key(tmp_path, method, tree, k, extra, named):
     with pytest.raises(ParameterError, match="speculative_token_tree") as err:
