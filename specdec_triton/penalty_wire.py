@@ -18,7 +18,7 @@ import torch
 
 from specdec.penalties import Penalties
 from specdec.types import VerifyRequest, VerifyResult
-from specdec_triton.packing import each, flat, i32, i64
+from specdec_triton.packing import cut, each, flat, i32, i64
 from specdec_triton.plumbing import RequestError
 
 PENALTY_INPUTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "num_prompt_tokens", "bad_words_ids",
@@ -77,15 +77,8 @@ def _bad_words_of(inputs: Mapping[str, np.ndarray], count: int) -> list[tuple[tu
             f"inputs 'num_bad_words' ({sum(per_sequence)} words), 'bad_words_lens' ({len(lengths)} words, "
             f"{sum(lengths)} ids) and 'bad_words_ids' ({len(ids)} ids) do not add up"
         )
-    words, start = [], 0
-    for length in lengths:
-        words.append(tuple(ids[start : start + length]))
-        start += length
-    out, first = [], 0
-    for n in per_sequence:
-        out.append(tuple(words[first : first + n]))
-        first += n
-    return out
+    words = [tuple(word) for word in cut(ids, lengths)]
+    return [tuple(sequence) for sequence in cut(words, per_sequence)]
 
 
 def log_mass_outputs(results: Sequence[VerifyResult]) -> dict[str, np.ndarray]:

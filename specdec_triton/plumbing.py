@@ -112,31 +112,24 @@ class Parameters:
     def get_int(
         self, key: str, default: int | None, minimum: int | None = None, maximum: int | None = None
     ) -> int | None:
-        value = self._get(key)
-        if value is None:
-            return default
-        try:
-            number = int(value)
-        except ValueError:
-            raise self.invalid(key, value, "an integer" + _range_text(minimum, maximum)) from None
-        if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-            raise self.invalid(key, value, "an integer" + _range_text(minimum, maximum))
-        return number
+        return self._get_number(key, default, minimum, maximum, int, "an integer")
 
     def get_float(
         self, key: str, default: float | None, minimum: float | None = None, maximum: float | None = None
     ) -> float | None:
+        return self._get_number(key, default, minimum, maximum, float, "a number")
+
+    def _get_number(self, key: str, default, minimum, maximum, kind: type, noun: str):
         value = self._get(key)
         if value is None:
             return default
         try:
-            number = float(value)
+            number = kind(value)
         except ValueError:
-            raise self.invalid(key, value, "a number" + _range_text(minimum, maximum)) from None
-        if not np.isfinite(number) or (minimum is not None and number < minimum) or (
-            maximum is not None and number > maximum
-        ):
-            raise self.invalid(key, value, "a number" + _range_text(minimum, maximum))
+            raise self.invalid(key, value, noun + _range_text(minimum, maximum)) from None
+        finite = kind is int or np.isfinite(number)  # an int of any size is finite; np.isfinite of a huge one raises
+        if not finite or (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+            raise self.invalid(key, value, noun + _range_text(minimum, maximum))
         return number
 
     def get_path(self, key: str, default: str | None, must_exist: bool = True) -> str | None:

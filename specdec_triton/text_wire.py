@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from specdec_triton.packing import flat, i32, i64, required, split
+from specdec_triton.packing import cut, flat, i32, i64, required, split
 from specdec_triton.plumbing import RequestError
 
 TOKENIZE_INPUTS = ("text_input", "stop_words", "describe")
@@ -51,8 +51,4 @@ def stop_words_arrays(sequences: Sequence[Sequence[int]]) -> dict[str, np.ndarra
 
 def stop_sequences_of(outputs: Mapping[str, np.ndarray]) -> tuple[tuple[int, ...], ...]:
     flat = i64(outputs["stop_words_ids"]).tolist()
-    sequences, start = [], 0
-    for length in outputs["stop_words_lens"].reshape(-1).tolist():
-        sequences.append(tuple(flat[start : start + length]))
-        start += length
-    return tuple(sequences)
+    return tuple(tuple(s) for s in cut(flat, outputs["stop_words_lens"].reshape(-1).tolist()))
