@@ -1,4 +1,5 @@
-"""Draft trees served: suffix decoding's speculation tree, EAGLE-3's and Medusa's static trees, lossless end to end."""
+"""Draft trees served: suffix decoding's speculation tree, EAGLE-3's (with the target) and Medusa's (in its own
+model) static trees, lossless end to end."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ PROMPTS = [
 ]
 TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
 # suffix decoding's tree set by vLLM-style JSON on serve.sh's command line, Medusa's in draft_proposer's
-# speculative_config parameter, EAGLE-3's in config.pbtxt's own keys (the shipped k is 8)
+# speculative_config parameter, EAGLE-3's in config.pbtxt's own keys (the shipped k is 8), drafted beside the target
 SUFFIX_JSON = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
 HEAD_PARAMETERS = {"speculative_token_tree": TREE, "speculation_follows_acceptance": "false"}
 HEADS = {"eagle3": "tiny-eagle3", "medusa": "tiny-medusa"}  # the tree's depth 4: Medusa's four heads
@@ -42,7 +43,7 @@ def tree_server(request, tmp_path_factory):
                       "speculation_follows_acceptance": "false"}  # fmt: skip (draft_model: the JSON's, set once)
         repository, serve_args = repository_copy(workdir, models, "medusa", parameters=parameters), ()
     else:
-        parameters = {**HEAD_PARAMETERS, "draft_model": str(models / HEADS[request.param])}
+        parameters = {**HEAD_PARAMETERS, "draft_model": str(models / HEADS[request.param]), "run_with_target": "true"}
         repository, serve_args = repository_copy(workdir, models, request.param, parameters=parameters), ()
     server = server_on_free_ports(workdir, repository, serve_args=serve_args)
     server.start()
