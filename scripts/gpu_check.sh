@@ -10,8 +10,10 @@
 #      synthetic acceptance): k = 0 against
 #      a draft model, EAGLE-3 and the MLP speculator at one and four streams, with CUDA graphs
 #      (and, with "eager" in STEPS, EAGLE-3 against k = 0 without them).
-#   4. where EAGLE-3's time goes at four streams: each propose and verify timed apart (profile_steps.py).
-# STEPS picks the steps (default "tests lossless checkpoints graphs profile"; "eager" adds the last), so a
+#   4. where EAGLE-3's time goes at four streams: each propose and verify timed apart (profile_steps.py);
+#   5. ("trees" in STEPS) the shipped drafters' trees and the one-pass drafters (PARD, MTP, DFlash,
+#      Medusa) on the GPU in float32, lossless as in 2, timed against EAGLE-3's chain.
+# STEPS picks the steps (default "tests lossless checkpoints graphs profile"; "eager" and "trees" add theirs), so a
 # lease of 15 minutes can run them around the served check (scripts/gpu_serve_check.sh, after
 # scripts/gpu_bundle.sh here), which makes or reuses the same random checkpoints; in two calls of
 # under 10 minutes each, the second right after the first (the machine and /tmp stay while warm):
@@ -51,6 +53,14 @@ step tests "gpu tests" 90 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
 step lossless "lossless on GPU (shipped models, float32)" 80 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
   --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4,eagle3+suffix:8 --model-k 4 --concurrency 1,4 \
   --num-prompts 8 --max-tokens 64 --rounds 1 --commit "$COMMIT" --out-dir "$OUT/tiny"
+
+step trees "trees and one-pass drafters on GPU (shipped models, float32)" 90 bash -ec "
+  $PY scripts/benchmark_engine.py --device cuda --dtype float32 --no-hf --commit $COMMIT --out-dir $OUT/trees \
+    --configs k0,eagle3:3,eagle3+tree:8,draft_model+tree:8,medusa+tree:8,draft_model+pard:4,mtp:2,dflash:4 \
+    --concurrency 1,4 --num-prompts 8 --max-tokens 64 --rounds 1
+  $PY scripts/benchmark_engine.py --device cuda --dtype float32 --no-hf --commit $COMMIT --out-dir $OUT/trees \
+    --configs k0,mlp_speculator:3,mlp_speculator+tree:7 --concurrency 1,4 --num-prompts 8 --max-tokens 64 \
+    --rounds 1 --token-tree '[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]'"
 
 step checkpoints "random checkpoints (those not made yet)" 90 bash -ec "
   [ -f $MODELS/llama-1b/config.json ] ||
