@@ -63,10 +63,11 @@ class Stages:
             self.beside.release(seq_id, response)
 
 
-def decode(method, tree, sampling) -> tuple[list[list[int]], Stages]:
+def decode(method, tree, sampling, follows_acceptance=False) -> tuple[list[list[int]], Stages]:
     proposer, verifier, layers = build(method, tree)
     stages = Stages(DraftBesideTarget(verifier, proposer, layers))
-    scheduler = StepScheduler(stages, SpeculationLength(TREE.num_nodes), max_num_seqs=None)
+    speculation = SpeculationLength(TREE.num_nodes, follows_acceptance=follows_acceptance)
+    scheduler = StepScheduler(stages, speculation, max_num_seqs=None)
     states = [SequenceState(f"s{i}", p, GenerationParams(max_tokens=NEW_TOKENS, num_speculative_tokens=TREE.num_nodes,
                                                           sampling=sampling(i)), layers, hidden_rows_stay=True)
               for i, p in enumerate(PROMPTS)]  # fmt: skip
@@ -94,6 +95,13 @@ def test_a_greedy_tree_beside_the_target_emits_the_targets_tokens(hf_target, met
     assert stages.trees > 0  # the trees were drafted and verified as trees
     for prompt, output in zip(PROMPTS, outputs):
         assert output == hf_generate_greedy(hf_target, prompt, NEW_TOKENS), (method, prompt)
+
+
+def test_a_tree_under_the_acceptance_rule_is_cut_per_sequence_and_keeps_the_targets_output(hf_target):
+    """Each sequence's k from its acceptance cuts the tree to that many nodes (the chain below its depth)."""
+    outputs, _ = decode("eagle3", TREE, lambda i: SamplingParams(), follows_acceptance=True)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output == hf_generate_greedy(hf_target, prompt, NEW_TOKENS), prompt
 
 
 @pytest.mark.parametrize("method", ["eagle3", "draft_model"])
