@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -40,12 +41,13 @@ class DraftTree:
     def num_nodes(self) -> int:
         return len(self.paths)
 
-    @property
+    # derived once per shape: a shape (and each of its cuts, memoized by ``first``) serves every step
+    @cached_property
     def parents(self) -> tuple[int, ...]:  # [num_nodes]: index of each node's parent, ROOT for depth 1
         index = {path: i for i, path in enumerate(self.paths)}
         return tuple(index[path[:-1]] if len(path) > 1 else ROOT for path in self.paths)
 
-    @property
+    @cached_property
     def depths(self) -> tuple[int, ...]:  # [num_nodes]: 1 for a child of the root
         return tuple(len(path) for path in self.paths)
 
@@ -76,8 +78,18 @@ class DraftTree:
         """
         if num_nodes >= self.num_nodes:
             return self
-        kept = sorted(self.paths, key=lambda p: (sum(r > 0 for r in p), sum(p), len(p), p))[:num_nodes]
-        return DraftTree(tuple(sorted(kept, key=lambda p: (len(p), p))))
+        if num_nodes not in self._cuts:
+            kept = self._likeliest_first[:num_nodes]
+            self._cuts[num_nodes] = DraftTree(tuple(sorted(kept, key=lambda p: (len(p), p))))
+        return self._cuts[num_nodes]
+
+    @cached_property
+    def _likeliest_first(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(sorted(self.paths, key=lambda p: (sum(r > 0 for r in p), sum(p), len(p), p)))
+
+    @cached_property
+    def _cuts(self) -> dict[int, DraftTree]:  # num_nodes -> the cut, made once
+        return {}
 
     def children(self) -> list[list[int]]:
         """Each node's children (node indices) in rank order; index ``num_nodes`` holds the root's."""

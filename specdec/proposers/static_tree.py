@@ -50,10 +50,10 @@ def ranked_candidates(logits: torch.Tensor, requests: Sequence[ProposeRequest], 
     """The ``ranks`` likeliest ids of each row of ``logits`` ``[R, vocab]``, row ``r`` drafting for ``requests[r]``
     at output index ``depth`` past the step's first: its logit bias applied, its banned ids out while ``min_tokens``
     bans them there."""
-    rows = []
-    for row, r in zip(logits.float(), requests):
-        row = apply_logit_bias(row[None], r.sampling.logit_bias)[0]  # [vocab]: as the target's
+    logits = logits.float()  # [R, vocab]
+    for n, r in enumerate(requests):  # rows a request changes: few, and most requests change none
+        if r.sampling.logit_bias:  # as the target's
+            logits[n] = apply_logit_bias(logits[n : n + 1], r.sampling.logit_bias)[0]
         if r.banned_token_ids and depth < r.num_banned_tokens:
-            row = row.index_fill(0, torch.tensor(r.banned_token_ids, device=row.device), float("-inf"))
-        rows.append(row)
-    return torch.stack(rows).topk(ranks, dim=-1).indices.tolist()  # the level's one copy to the host
+            logits[n, list(r.banned_token_ids)] = float("-inf")
+    return logits.topk(ranks, dim=-1).indices.tolist()  # the level's one copy to the host
