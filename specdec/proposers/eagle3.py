@@ -31,6 +31,7 @@ from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.runner import padding_bounded_passes
 from specdec.grammar import guided_row
 from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
+from specdec.heads.compiled_tree import CompiledGreedyTree
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
 from specdec.proposers.base import check_propose_requests, drafts_as_chain, proposals_in_order
@@ -84,6 +85,7 @@ class Eagle3Proposer:
         self._draft_targets_host = self._draft_targets.cpu()  # for the ban masks, built on the host
         self._head_forward = head  # the module, or its compiled forward
         self._greedy_steps: CompiledGreedySteps | None = None  # on CPU with cpu_compile: drafting steps unrolled
+        self._greedy_tree: CompiledGreedyTree | None = None  # on CPU with cpu_compile: a static tree in one call
         self.graphs: StaticHeadRunner | None = None
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
@@ -99,6 +101,8 @@ class Eagle3Proposer:
             with compile_phase(log, f"compiling the {self.head_name} for CPU") as progress:
                 self._head_forward = compile_forward(head)
                 self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
+                static = isinstance(self.tree, DraftTree)
+                self._greedy_tree = CompiledGreedyTree(head, self._draft_targets, self.tree) if static else None
                 self._warm_up(progress)
 
     # (new tokens, k) of each greedy warm-up request after the prefill: a step that accepted nothing, then
@@ -115,21 +119,23 @@ class Eagle3Proposer:
         sequence, then several at once, each sent a prefill and then ``_WARM_UP_STEPS``.
         """
         seq_ids, _ = warm_up_plan(self.cache.num_free, self.max_model_len)
-        needed = WARM_UP_PREFIX + sum(n for n, _ in self._WARM_UP_STEPS) + max(k for _, k in self._WARM_UP_STEPS)
+        steps = [(new, k, SamplingParams()) for new, k in self._WARM_UP_STEPS]  # (new tokens, k, sampling)
+        if self._greedy_tree is not None:  # the whole tree: one compiled call greedy, a pass a level sampled
+            steps += [(1, self.tree.num_nodes, SamplingParams()), (1, self.tree.num_nodes, SamplingParams(1.0))]
+        needed = WARM_UP_PREFIX + sum(n for n, _, _ in steps) + max(k for _, k, _ in steps)
         if not seq_ids or needed > self.max_model_len:
             return  # a head this short compiles on its first passes instead
         width = self.head.config.feature_size
         for rows in sorted({1, len(seq_ids)}):  # one row and several: torch specialises size 1
             batch = seq_ids[:rows]
-            progress.step(f"{rows} sequence(s): a prefill, then steps of up to {STEPS_PER_CALL + 2} drafts")
+            progress.step(f"{rows} sequence(s): a prefill, then steps of up to {max(k for _, k, _ in steps)} drafts")
             try:
                 self.propose([ProposeRequest(s, 0, [0] * WARM_UP_PREFIX, 1, SamplingParams(), 0,
                                              hidden_states=torch.zeros(WARM_UP_PREFIX - 1, width)) for s in batch])
                 length = WARM_UP_PREFIX
-                for new, k in self._WARM_UP_STEPS:
-                    self.propose([ProposeRequest(s, length, [0] * new, k, SamplingParams(), 0,
-                                                 hidden_position=length - 1, hidden_states=torch.zeros(new, width))
-                                  for s in batch])  # fmt: skip
+                for new, k, sampling in steps:
+                    self.propose([ProposeRequest(s, length, [0] * new, k, sampling, 0, hidden_position=length - 1,
+                                                 hidden_states=torch.zeros(new, width)) for s in batch])  # fmt: skip
                     length += new
             finally:
                 for seq_id in batch:
@@ -180,22 +186,16 @@ class Eagle3Proposer:
                     f"{self.head.config.target_hidden_size})"
                 )
             if not 0 <= r.hidden_position <= held:
-                raise ValueError(
-                    f"seq {r.seq_id!r}: hidden_position {r.hidden_position} is past the {held} positions of "
-                    f"hidden states the proposer holds"
-                )
+                raise ValueError(f"seq {r.seq_id!r}: hidden_position {r.hidden_position} is past the {held} "
+                                 f"positions of hidden states the proposer holds")  # fmt: skip
             num_rows = held if hidden is None else r.hidden_position + hidden.shape[0]  # positions with features
             length = r.position + len(r.token_ids)
             if r.num_tokens > 0 and num_rows < length - 1:
-                raise ValueError(
-                    f"seq {r.seq_id!r}: {length} tokens need the target's hidden states at {length - 1} positions, "
-                    f"the proposer has {num_rows}"
-                )
+                raise ValueError(f"seq {r.seq_id!r}: {length} tokens need the target's hidden states at "
+                                 f"{length - 1} positions, the proposer has {num_rows}")  # fmt: skip
             if r.num_tokens > 0 and length + r.num_tokens - 2 > self.max_model_len:
-                raise ValueError(
-                    f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed "
-                    f"max_model_len={self.max_model_len}"
-                )
+                raise ValueError(f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed "
+                                 f"max_model_len={self.max_model_len}")  # fmt: skip
 
     def _take(self, r: ProposeRequest) -> None:
         """The request's tokens, and how many positions have features once its own are stored."""

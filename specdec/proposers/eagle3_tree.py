@@ -33,8 +33,13 @@ def draft_tree(proposer, requests: list[ProposeRequest], bases: list[int], logit
     """Each request's tree tokens, breadth-first: ``tree`` cut to its ``num_tokens`` nodes.
 
     ``proposer`` is the ``Eagle3Proposer`` (its head, cache and id maps); ``logits``
-    ``[B, draft_vocab]`` and ``prenorm`` ``[B, h]`` are each sequence's last verified row's.
+    ``[B, draft_vocab]`` and ``prenorm`` ``[B, h]`` are each sequence's last verified row's. Greedy
+    requests that all draft the whole tree take one compiled call where the proposer has one
+    (``specdec.heads.compiled_tree``); the others a pass a level from here.
     """
+    if proposer._greedy_tree is not None and proposer._uniform_greedy(requests) and \
+            requests[0].num_tokens >= tree.num_nodes:  # fmt: skip
+        return _draft_tree_compiled(proposer, requests, bases, logits, prenorm, bans, tree)
     trees = [tree.first(r.num_tokens) for r in requests]
     ranks = max(t.max_rank for t in trees)
     b = len(requests)
@@ -65,6 +70,19 @@ def draft_tree(proposer, requests: list[ProposeRequest], bases: list[int], logit
                 node_logits[i][j] = top[row][s]
                 node_prenorm[i][j] = out_prenorm[row, s]
     return tokens
+
+
+def _draft_tree_compiled(proposer, requests: list[ProposeRequest], bases: list[int], logits: torch.Tensor,
+                         prenorm: torch.Tensor, bans, tree: DraftTree) -> list[list[int]]:  # fmt: skip
+    """``draft_tree`` of greedy requests that all draft the whole ``tree``: its passes in one compiled call."""
+    b = len(requests)
+    host = torch.tensor(bases + [proposer.cache.slot(r.seq_id) for r in requests], dtype=torch.long)
+    base, slots = host.to(proposer.device, non_blocking=True).view(2, b)  # [B] each
+    banned, num_banned = bans if bans is not None else (torch.zeros_like(logits, dtype=torch.bool),
+                                                        torch.zeros_like(base))  # fmt: skip
+    kv_len = max(bases) + 1 + tree.num_nodes
+    return proposer._greedy_tree.run(logits, prenorm, base, slots, proposer.cache.kv, kv_len, banned,
+                                     num_banned).tolist()  # fmt: skip
 
 
 def draft_dynamic_tree(proposer, requests: list[ProposeRequest], bases: list[int], logits: torch.Tensor,
