@@ -13,7 +13,8 @@ from bench.server import TritonServer, free_port
 # A stand-in for serve.sh: answers /v2/health/ready on --http-port and keeps a child (a "stub")
 # in its process group; the child's pid goes to the file named by FAKE_STUB_PID.
 FAKE_SERVER = f"""#!{sys.executable}
-import http.server, os, subprocess, sys
+import http.server, os, signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # started from a background job, SIGINT comes ignored
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
 if os.environ.get("FAKE_EXIT"):
     print("failing to load", flush=True)

@@ -34,12 +34,14 @@ __all__ = ["heads", "pair", "two_layer_pair"]  # fixtures
 
 
 
-@pytest.mark.parametrize("cpu_compile,packed", [(False, False), (True, False), (True, True)],
-                         ids=["eager", "compiled", "compiled-packed"])
+@pytest.mark.parametrize("heads,cpu_compile,packed", [
+    ("one-layer", False, False), ("two-layers", False, False), ("two-layers", True, False), ("one-layer", True, True),
+], ids=["one-layer-eager", "two-layers-eager", "two-layers-compiled", "one-layer-compiled-packed"], indirect=["heads"])
 def test_drafts_equal_the_training_time_test_recurrence(heads, cpu_compile, packed, monkeypatch):
     """The cached, position-addressed proposer computes what ``train_forward`` trains, step for step.
 
     ``packed``: every linear prepacked for oneDNN, as the shipped head's are (the test head's are too small).
+    Compiled once per head depth, not for both depths twice: each compiled head takes a minute on a cold cache.
     """
     if packed:
         monkeypatch.setattr("specdec.fast.cpu_linear.PACK_MIN_ELEMENTS", 0)
@@ -166,10 +168,13 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
     assert counters["aot_autograd"]["total"] == compiles, "every graph is compiled at load, none by a request"
 
 
-@pytest.mark.parametrize("engine", ["fast", "hf", "fast-compiled"])
+@pytest.mark.parametrize("heads,engine", [(h, e) for h in ("one-layer", "two-layers") for e in ("fast", "hf")] +
+                         [("two-layers", "fast-compiled")], indirect=["heads"])  # fmt: skip
 def test_greedy_output_equals_hf_generate_for_every_k(heads, engine):
     target, target_dir, head_dir = heads
-    compiled = engine == "fast-compiled"  # the target and the head, each compiled for CPU
+    # the target and the head, each compiled for CPU: the two-layer head only, whose graphs
+    # test_compiled_drafting_steps_equal_the_per_step_loop compiles too (a minute each on a cold cache)
+    compiled = engine == "fast-compiled"
     lm = FastCausalLM(target_dir, max_num_seqs=4, cpu_compile=compiled) if engine != "hf" else CachedCausalLM(target)
     verifier = TargetVerifier(lm)
     proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=compiled)

@@ -178,15 +178,13 @@ def _hidden_state_passes(target):
             lm.release("a"), lm.release("b")
 
 
-def test_a_warm_tree_load_compiles_tree_passes_before_any_request(tmp_path):
-    """With warm_trees, a tree pass after the load compiles nothing new: its graphs were built by warm_up."""
+def test_a_warm_tree_load_compiles_tree_passes_before_any_request(target):
+    """With warm_trees, a tree pass after the load compiles nothing new: its graphs were built by warm_up.
+    The module's target and sizes: its other graphs are the compiled fixture's, found in the compile cache."""
     import torch._dynamo
 
-    from specdec.cached_lm import ForwardCall
-    from specdec.fast import FastCausalLM
-
-    path = Path(__file__).resolve().parents[1] / "models" / "tiny-target"
-    lm = FastCausalLM(path, max_num_seqs=2, max_model_len=64, cpu_compile=True, warm_trees=True)
+    lm = FastCausalLM(target[0], dtype="float32", max_num_seqs=2, max_model_len=MAX_MODEL_LEN, cpu_compile=True,
+                      warm_trees=True)  # fmt: skip
     counters = torch._dynamo.utils.counters
     before = counters["stats"]["unique_graphs"]
     lm.forward([ForwardCall("s", 0, list(range(20)), 1)])
