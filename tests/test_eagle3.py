@@ -47,7 +47,8 @@ def test_drafts_equal_the_training_time_test_recurrence(heads, cpu_compile, pack
         monkeypatch.setattr("specdec.fast.cpu_linear.PACK_MIN_ELEMENTS", 0)
     target, target_dir, head_dir = heads
     head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=2, cpu_compile=cpu_compile)
+    # max_num_seqs as the other compiled tests of the head: the cache's sizes are in its graphs, which then match
+    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=cpu_compile)
     lm = FastCausalLM(target_dir, max_num_seqs=2)
     tokens = PROMPTS[3]  # the target verified tokens[:-1]; tokens[-1] is its latest output
     _, hidden = lm.forward_with_hidden([ForwardCall("s", 0, tokens[:-1], 1)], head.config.aux_layers)

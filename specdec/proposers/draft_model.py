@@ -88,7 +88,9 @@ class DraftModelProposer(OwnsOneModel):
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         check_propose_requests(requests, lambda s: self._seqs[s].sent if s in self._seqs else 0)
-        self._check_length(requests)
+        drafting = [r for r in requests if r.num_tokens > 0]
+        as_chain = drafts_as_chain(self.tree, drafting)
+        self._check_length(requests, as_chain)
         vocab = self.lm.vocab_size
         for r in requests:  # before any sequence is taken: a refused request leaves nothing held
             if not all(0 <= t < vocab for t in r.token_ids):
@@ -96,8 +98,7 @@ class DraftModelProposer(OwnsOneModel):
             check_banned(r.banned_token_ids, vocab)
         for r in requests:
             self._take(r)
-        drafting = [r for r in requests if r.num_tokens > 0]
-        trees = None if drafts_as_chain(self.tree, drafting) else [self.tree.first(r.num_tokens) for r in drafting]
+        trees = None if as_chain else [self.tree.first(r.num_tokens) for r in drafting]
         try:
             drafts, q_rows = self._draft(drafting) if trees is None else (self._draft_tree(drafting, trees), None)
         except BaseException:
@@ -188,13 +189,13 @@ class DraftModelProposer(OwnsOneModel):
 
         return grow_tree(trees, rank)
 
-    def _check_length(self, requests: list[ProposeRequest]) -> None:
-        """k drafts feed k - 1 of them back (a tree all of its nodes): they and the sequence must fit
-        ``max_model_len``."""
+    def _check_length(self, requests: list[ProposeRequest], as_chain: bool) -> None:
+        """k drafts feed k - 1 of them back (a tree, drafted as a tree, all of its nodes): they and the
+        sequence must fit ``max_model_len``."""
         limit = self.lm.max_model_len
         for r in requests:
             length = r.position + len(r.token_ids)
-            fed = r.num_tokens if self.tree is not None else r.num_tokens - 1
+            fed = r.num_tokens - 1 if as_chain else r.num_tokens
             if limit is not None and r.num_tokens > 0 and length + fed > limit:
                 raise ValueError(
                     f"seq {r.seq_id!r}: {length} tokens + {r.num_tokens} drafts exceed max_model_len={limit}"
