@@ -102,3 +102,15 @@ def test_a_node_takes_its_parents_rank_and_bans_hold_at_its_depth(method):
 def test_a_tree_deeper_than_the_mlp_speculators_stages_is_refused_naming_n_predict():
     with pytest.raises(ValueError, match="n_predict=3"):
         _mlp(parse_token_tree("[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]"))
+
+
+def test_a_draft_models_length_check_counts_what_the_step_feeds_back():
+    """A whole tree feeds all its nodes to the draft's cache; a greedy cut that is the chain feeds k - 1, as a
+    chain does, so a sequence one short of ``max_model_len`` may still draft that chain."""
+    tree = parse_token_tree(TREES["deep"])  # 7 nodes, depth 3: a cut to 3 nodes is the chain of 3
+    proposer = DraftModelProposer(FastCausalLM(MODELS / "tiny-draft", max_num_seqs=2, max_model_len=32), tree=tree)
+    prompt = list(range(5, 35))  # 30 tokens: 30 + 2 fed = 32
+    chain = proposer.propose([ProposeRequest("a", 0, prompt, 3, SamplingParams(), 0)])
+    assert len(chain[0].token_ids) == 3 and chain[0].parents is None
+    with pytest.raises(ValueError, match=r"30 tokens \+ 3 drafts exceed max_model_len=32"):
+        proposer.propose([ProposeRequest("b", 0, prompt, 3, SamplingParams(temperature=1.0), 0)])  # the tree's rule
