@@ -10,10 +10,24 @@ from tiny_llama import build_tiny_llama
 from specdec.fast.checkpoint import read_config
 from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for
 from specdec.heads.formats import save_eagle3
+from specdec.types import ProposeRequest, SamplingParams
 
 VOCAB, DRAFT_VOCAB = 32, 24  # a small vocabulary: a random head agrees with the target often enough to be accepted
 PROMPTS = [[3, 7, 1, 12, 30], [5], [9, 9, 9, 2, 2, 2, 9, 9], list(range(1, 21))]  # no 0: hf_generate_greedy pads with id 0
 NUM_NEW_TOKENS = 20
+
+
+def greedy_drafts(proposer, prompts: dict, features: dict, seq_ids, k: int, banned: tuple[int, ...],
+                  num_banned: int) -> list[list[int]]:  # fmt: skip
+    """Each sequence's greedy drafts from one propose call on fresh sequences, released after; sequence ``b``
+    bans ``banned`` for its first ``num_banned`` drafts (``min_tokens``)."""
+    requests = [ProposeRequest(s, 0, prompts[s], k, SamplingParams(), 0, hidden_states=features[s],
+                               num_banned_tokens=num_banned if s == "b" else 0, banned_token_ids=banned if s == "b" else ())
+                for s in seq_ids]  # fmt: skip
+    out = [p.token_ids.tolist() for p in proposer.propose(requests)]
+    for s in seq_ids:
+        proposer.release(s)
+    return out
 
 
 def random_head(target_dir, seed: int, draft_vocab: int, aux_layers=None, scale: float = 0.3,

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
-from eagle3_heads import DRAFT_VOCAB, NUM_NEW_TOKENS, PROMPTS, VOCAB, heads, pair, random_head, two_layer_pair
+from eagle3_heads import (DRAFT_VOCAB, NUM_NEW_TOKENS, PROMPTS, VOCAB, greedy_drafts, heads, pair, random_head,
+                          two_layer_pair)
 from tiny_llama import build_tiny_llama, hf_generate_greedy
 from specdec.cached_lm import ForwardCall
 from specdec.engine import GenerationParams
@@ -144,13 +145,7 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
 
     def drafts(on_device: bool, k: int, seq_ids: tuple[str, ...], banned: tuple[int, ...]) -> list[list[int]]:
         monkeypatch.setattr(proposer, "_uniform_greedy", lambda requests: on_device)
-        requests = [ProposeRequest(s, 0, prompts[s], k, SamplingParams(), 0, hidden_states=hidden[s],
-                                   num_banned_tokens=3 if s == "b" else 0, banned_token_ids=banned if s == "b" else ())
-                    for s in seq_ids]  # fmt: skip
-        out = [p.token_ids.tolist() for p in proposer.propose(requests)]
-        for s in seq_ids:
-            proposer.release(s)
-        return out
+        return greedy_drafts(proposer, prompts, hidden, seq_ids, k, banned, 3)
 
     compiles = counters["aot_autograd"]["total"]
     free = drafts(False, 4, ("b",), ())

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from eagle3_heads import greedy_drafts
 
 from specdec.cached_lm import ForwardCall
 from specdec.engine import GenerationParams
@@ -13,7 +14,7 @@ from specdec.heads.compiled_tree import CompiledGreedyTree
 from specdec.heads import build_head_proposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.tree import DynamicTree, parse_token_tree
-from specdec.types import ProposeRequest, SamplingParams
+from specdec.types import SamplingParams
 from specdec.verifier import TargetVerifier
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -103,13 +104,7 @@ def test_a_compiled_tree_drafts_the_per_level_passes_tokens(verifier):
 
     def drafts(on_device: bool, seq_ids: str, banned: tuple[int, ...], k: int = tree.num_nodes) -> list[list[int]]:
         proposer._greedy_tree = compiled if on_device else None
-        requests = [ProposeRequest(s, 0, prompts[s], k, SamplingParams(), 0, hidden_states=features[s],
-                                   num_banned_tokens=2 if s == "b" else 0, banned_token_ids=banned if s == "b" else ())
-                    for s in seq_ids]  # fmt: skip
-        out = [p.token_ids.tolist() for p in proposer.propose(requests)]
-        for s in seq_ids:
-            proposer.release(s)
-        return out
+        return greedy_drafts(proposer, prompts, features, seq_ids, k, banned, 2)
 
     free = drafts(False, "b", ())
     banned = (free[0][0], free[0][2])  # b's root children: one at depth 1, one at depth 2
