@@ -3,9 +3,9 @@
 ``specdec.proposers.eagle3_tree.draft_tree`` runs one head pass per level of a tree and
 builds each pass on the host: which nodes, whose pre-norm each is fed, who sees whom, and
 the level's ranked tokens read back before the next level can be fed. On a CPU each of
-those passes also pays a compiled call's fixed entry, so a tree of depth ``D`` paid
-``D - 1`` entries and round trips where a chain of the same passes pays one
-(``compiled_steps``). For a greedy step every one of those host decisions follows from the
+those passes also pays a compiled call's fixed entry, so a tree of depth ``D`` would pay
+``D - 1`` entries and round trips where a chain's greedy steps pay one per
+``STEPS_PER_CALL`` (``compiled_steps``). For a greedy step every one of those host decisions follows from the
 tree's shape alone: the nodes of a level, their parents, their ranks and the visibility
 mask are constants of the shape, and the tokens are the ranked ids of the parents' rows.
 Here the whole tree is traced as one graph per shape, the constants baked in, and its
@@ -34,7 +34,6 @@ class CompiledGreedyTree:
         """``draft_targets``: [draft_vocab] the target id of each draft id."""
         self.head = head
         self.draft_targets = draft_targets
-        self.tree = tree
         # the shape as plain constants for the trace (Dynamo does not trace the tree's derived properties)
         depths = self._depths = tree.depths
         self._parents, self._ranks = tree.parents, tuple(path[-1] for path in tree.paths)
