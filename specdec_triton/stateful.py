@@ -39,12 +39,13 @@ class SequenceHost:
         self.describe_outputs = {**wire.description_outputs(description), **wire.socket_outputs(None),
                                  **(describe_extra or {})}  # fmt: skip
         self.secret = boot_secret()  # only the orchestrator may call
-        self.active = ActiveSequences(name)
-        self.expired = ExpiredSequences(name)
+        self.active: ActiveSequences | None = ActiveSequences(name)
+        self.expired: ExpiredSequences | None = ExpiredSequences(name)
         self.leases = SequenceLeases(idle_timeout_s, holder.release)
         register_stub(name, model_config)  # the orchestrator watches this process, and reloads it with this
         self.lock = threading.Lock()  # execute and the socket's threads take turns
         self.socket: SocketCallServer | None = None
+        self.socket_time: SocketCallTime | None = None
 
     def serve_socket(self, handle_batch: Callable[[list[Inputs]], list[dict]]) -> None:
         """Answer calls on a Unix socket as well, with ``handle_batch`` (execute's), and describe its path.
@@ -52,13 +53,15 @@ class SequenceHost:
         A socket that cannot be made (a temporary directory whose path is too long for
         one) is logged, and the orchestrator then calls by BLS as before.
         """
-        socket_time = SocketCallTime(self.name)
+        self.socket_time = SocketCallTime(self.name)
 
         def answer(inputs: dict, output_names: Sequence[str]) -> dict:
             started = time.perf_counter()
             outputs = handle_batch([inputs])[0]
             self.show_active()
-            socket_time.add(time.perf_counter() - started, flush=wire.is_release(inputs))
+            timer = self.socket_time  # None once closed
+            if timer is not None:
+                timer.add(time.perf_counter() - started, flush=wire.is_release(inputs))
             return outputs
 
         try:
@@ -69,8 +72,13 @@ class SequenceHost:
         self.describe_outputs = {**self.describe_outputs, **wire.socket_outputs(self.socket.address)}
 
     def close(self) -> None:
+        """Stop the socket, and drop the metric families while the stub still stands: Triton 2.51's Python
+        backend destroys a family still referenced at exit inside the stub's destructor, whose write to
+        shared memory then segfaults (triton-inference-server/python_backend#429, fixed after 2.51)."""
         if self.socket is not None:
             self.socket.close()
+        with self.lock:  # no call in flight: the socket's threads may still end one
+            self.active = self.expired = self.socket_time = None
 
     def handle(self, batch: list[Inputs], requests_of: Callable[[Inputs], list], run: Callable[[list], list],
                outputs_of: Callable[[list], dict]) -> list[dict]:  # fmt: skip
@@ -90,7 +98,8 @@ class SequenceHost:
                 self.leases.renew(wire.seq_ids_of(inputs))
         reclaimed = self.leases.expire()
         if reclaimed:
-            self.expired.add(reclaimed)
+            if self.expired is not None:
+                self.expired.add(reclaimed)
             self.logger.warning(f"reclaimed {reclaimed} sequence(s) no request used for "
                                 f"{self.leases.idle_timeout_s:g} s (sequence_idle_timeout_s)")  # fmt: skip
         for inputs in batch:
@@ -117,7 +126,9 @@ class SequenceHost:
         ]  # fmt: skip
 
     def show_active(self) -> None:
-        self.active.set(self.holder.num_active_sequences)
+        gauge = self.active  # None once closed
+        if gauge is not None:
+            gauge.set(self.holder.num_active_sequences)
 
 
 def _holds_no_work(inputs: Inputs) -> bool:
