@@ -108,6 +108,15 @@ class Orchestrator:
         self._background: set[asyncio.Task] = set()  # releases after a fault and the renewals, kept until done
         self._per_client: collections.Counter = collections.Counter()  # client id -> its requests in flight
 
+    def drop_metrics(self) -> None:
+        """Apply the pending counts, then let go of every metric family: Triton 2.51's Python backend
+        destroys a family still referenced at exit inside the stub's destructor, whose write to shared
+        memory then segfaults (triton-inference-server/python_backend#429, fixed after 2.51). Steps after
+        this one are not counted, as with no metrics at all."""
+        if self.counters is not None:
+            self.counters.flush()  # also cancels the scheduled flush, which holds the counters
+        self.counters = self.active = self.suffix_gauges = None
+
     def stage_failed(self, models: list[str]) -> None:
         """Composing models stopped: every request fails now, and new ones are refused until :meth:`recovered`."""
         self.stop_serving(f"composing model(s) {', '.join(models)} stopped (the process died); "

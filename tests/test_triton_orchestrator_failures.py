@@ -3,7 +3,9 @@ misfit models, bad requests; and its counters."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
+import weakref
 
 import pytest
 from local_orchestrator import (MAX_MODEL_LEN, PROMPTS, K, FakeFamily, codec, make_orchestrator, models, request,
@@ -144,6 +146,26 @@ def test_counters_add_up(codec, models):
     assert value["spec_decode_num_drafts"] <= value["spec_decode_num_draft_tokens"]
     assert value["spec_decode_num_steps"] == sum(n for stage, n in stages.sent if stage == "verify")  # a pass per sequence-step
     assert value["spec_decode_num_drafts"] + len(outputs) <= value["spec_decode_num_steps"]
+
+
+def test_dropped_metrics_are_applied_first_and_then_let_go(codec, models):
+    """``finalize`` drops the families (python_backend#429): what is pending is counted, nothing holds them,
+    and a request after that is served, uncounted."""
+    orchestrator, _ = make_orchestrator(codec, models, method="ngram")
+    counters = weakref.ref(orchestrator.counters)
+    steps = FakeFamily.metrics[("spec_decode_num_steps", (("model", "sd"),))]
+
+    async def count_then_drop():
+        orchestrator.counters.record_step(num_draft_tokens=2, num_accepted=1, num_output_tokens=2)
+        assert steps.value == 0  # pending: the flush is scheduled on this loop
+        orchestrator.drop_metrics()
+
+    asyncio.run(count_then_drop())
+    gc.collect()
+    assert steps.value == 1 and counters() is None
+    assert (orchestrator.active, orchestrator.suffix_gauges) == (None, None)
+    assert text_of(run(orchestrator, request("abcabcabcabc", max_tokens=8)))
+    assert steps.value == 1
 
 
 def test_counter_updates_are_summed_and_applied_once_per_interval():
