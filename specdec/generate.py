@@ -64,7 +64,7 @@ def generate(
     check_token_ids(prompt_ids, params, verifier.vocab_size)
     if proposer is None and params.num_speculative_tokens > 0:
         raise ValueError("proposer is required when num_speculative_tokens > 0")
-    state = SequenceState(seq_id, prompt_ids, params, getattr(proposer, "hidden_state_layers", ()))
+    state = SequenceState(seq_id, prompt_ids, params, () if proposer is None else proposer.hidden_state_layers)
     completed = False  # a response that ran to its end may teach the proposer (suffix decoding)
     try:
         while not state.finished:

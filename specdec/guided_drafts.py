@@ -45,12 +45,13 @@ class _Copy:
         return True
 
 
-class GuidedDrafts:
+class GuidedDrafts(Proposer):
     """A ``Proposer`` in front of another, giving each request the guide its sequence's spec describes."""
 
     def __init__(self, proposer: Proposer, compiler: Callable[[], GrammarCompiler], log: Callable[[str], None] = print):
         """``compiler``: makes the compiler for the target's tokenizer and vocabulary, at the first guided request."""
         self.proposer = proposer
+        self.hidden_state_layers, self.draft_limit = proposer.hidden_state_layers, proposer.draft_limit
         self._make_compiler = compiler
         self._compiler: GrammarCompiler | None = None
         self._copies: dict[str, _Copy] = {}

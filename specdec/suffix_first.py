@@ -31,6 +31,7 @@ import torch
 
 from specdec.draft_beside_target import ProposeVerify, fit_to_drafts
 from specdec.propose_in_process import ProposeInProcess
+from specdec.proposers.base import Proposer
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 from specdec.proposers.suffix import SuffixConfig, SuffixProposer
 from specdec.scheduler import Stages, StepCapabilities
@@ -186,14 +187,14 @@ class SuffixFirst:
                        hidden_states=pending, hidden_position=view.num_features)  # fmt: skip
 
 
-class SuffixFirstProposer:
+class SuffixFirstProposer(Proposer):
     """:class:`SuffixFirst` in front of a proposer in this process; itself a ``Proposer``
     (for ``specdec.generate.generate``)."""
 
     def __init__(self, config: SuffixFirstConfig, model):
         self.router = SuffixFirst(config)
         self.model = model
-        self.hidden_state_layers = tuple(getattr(model, "hidden_state_layers", ()))  # the model's: a head reads them
+        self.hidden_state_layers = model.hidden_state_layers  # the model's: a head reads them
 
     @property
     def num_active_sequences(self) -> int:

@@ -21,9 +21,8 @@ from specdec.grammar import GrammarCompiler
 from specdec.guided_drafts import GuidedDrafts
 from specdec.heads import HEAD_METHODS, build_head_proposer, describe_head
 from specdec.methods import METHODS
-from specdec.proposers import (
-    PROPOSERS, DFlashProposer, MedusaProposer, MLPSpeculatorProposer, NgramProposer, SuffixProposer, describe_model_free,
-)  # fmt: skip
+from specdec.proposers import PROPOSERS, NgramProposer, SuffixProposer, describe_model_free
+from specdec.proposers.base import Proposer
 from specdec.proposers.pard import ParallelDraftProposer, read_mask_token
 from specdec.tokenizer import load_tokenizer
 from specdec.tree import DraftTree
@@ -35,8 +34,7 @@ from specdec_triton.repository_config import model_settings
 
 @dataclass(frozen=True)
 class LoadedDraft:
-    proposer: object  # a specdec Proposer: DraftModelProposer, a head's (Eagle3Proposer, MLPSpeculatorProposer,
-    # MedusaProposer, DFlashProposer), or model-free
+    proposer: Proposer  # a draft model's, a head's or a model-free one's
     description: ModelDescription
 
 
@@ -52,7 +50,7 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
                                        config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len,
                                        tree=config.token_tree, log=log)  # fmt: skip
-        _check_stages(proposer, config)
+        _check_draft_limit(proposer, config)
         path = config.target_model if METHODS[config.method].in_target_checkpoint else config.draft_model  # MTP: its own
         return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, path), config))
     _check_draft_window(config)
@@ -91,30 +89,22 @@ def _with_suffix_first(description: ModelDescription, config: DraftProposerConfi
     return replace(description, settings=config.suffix_first.settings())
 
 
-def _check_stages(proposer, config: DraftProposerConfig) -> None:
-    """An MLP speculator drafts at most its ``n_predict`` stages, Medusa at most its ``num_heads`` heads,
-    DFlash at most ``block_size - 1`` masks: a server whose steps ask more would say ready and then fail
-    every request, so the load fails instead, naming both values and the fix."""
-    if isinstance(proposer, MLPSpeculatorProposer):
-        head, stages = "MLP speculator", proposer.model.n_predict
-        has = f"n_predict={stages} stages"
-    elif isinstance(proposer, MedusaProposer):
-        head, stages = "Medusa head", proposer.num_heads
-        has = f"num_heads={stages} heads"
-    elif isinstance(proposer, DFlashProposer):
-        head, stages = "DFlash drafter", proposer.max_drafts
-        has = f"block_size={proposer.block_size} (the last token and {stages} masks)"
-    else:
+def _check_draft_limit(proposer: Proposer, config: DraftProposerConfig) -> None:
+    """A drafter whose checkpoint caps a call's drafts (``Proposer.draft_limit``: an MLP speculator's
+    ``n_predict`` stages, Medusa's heads, DFlash's ``block_size - 1`` masks): a server whose steps ask more
+    would say ready and then fail every request, so the load fails instead, naming both values and the fix."""
+    limit = proposer.draft_limit
+    if limit is None:
         return
     if isinstance(config.token_tree, DraftTree):  # a tree's depth is what reaches the heads; its nodes are k
         return  # build_head_proposer refuses a tree deeper than the heads, naming both
-    if config.most_drafts is not None and config.most_drafts > stages:
+    if config.most_drafts is not None and config.most_drafts > limit.most:
         setting = ("draft_proposer's model_num_speculative_tokens" if config.suffix_first is not None
                    and config.suffix_first.model_num_speculative_tokens else "speculative_decoding's "
                    "num_speculative_tokens (and the largest k of num_speculative_tokens_per_batch_size)")  # fmt: skip
         raise ValueError(
-            f"{head} {config.draft_model!r} has {has}, but a step may ask it for "
-            f"{config.most_drafts} drafts: set {setting} to at most {stages}"
+            f"{limit.drafter} {config.draft_model!r} has {limit.because}, but a step may ask it for "
+            f"{config.most_drafts} drafts: set {setting} to at most {limit.most}"
         )
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_grammar import PROMPTS, SCHEMAS, compiler, decode  # noqa: F401 (fixtures)
 
+from specdec.proposers.base import Proposer
 from specdec.engine import GenerationParams
 from specdec.generate import generate
 from specdec.grammar import allowed_bool
@@ -44,12 +45,12 @@ def build(method: str, shipped_pair):
     return build_head_proposer(method, path, MODELS / "tiny-target", max_num_seqs=1)
 
 
-class Checked:
+class Checked(Proposer):
     """The drafter, with each proposal checked against the request's grammar as the drafter saw it."""
 
     def __init__(self, proposer):
         self.proposer = proposer
-        self.hidden_state_layers = getattr(proposer, "hidden_state_layers", ())
+        self.hidden_state_layers = proposer.hidden_state_layers
         self.drafted = 0
 
     def propose(self, requests):

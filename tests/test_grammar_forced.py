@@ -16,6 +16,7 @@ from test_grammar import (  # noqa: F401 (fixtures)
     small_compiler,
 )
 
+from specdec.proposers.base import Proposer
 from specdec.engine import GenerationParams, SequenceState
 from specdec.generate import generate
 from specdec.grammar import GrammarState
@@ -27,7 +28,7 @@ from specdec.verifier import TargetVerifier
 pytest.importorskip("xgrammar")
 
 
-class NoDrafts:
+class NoDrafts(Proposer):
     """A drafter that never drafts: what a step verifies beyond its first token is what the grammar forced."""
 
     def propose(self, requests):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_grammar import PROMPTS, SCHEMAS, compiler, decode  # noqa: F401 (fixtures)
 
+from specdec.proposers.base import Proposer
 from specdec.engine import GenerationParams
 from specdec.generate import generate
 from specdec.grammar import GrammarState
@@ -28,7 +29,7 @@ from specdec_triton import wire
 pytest.importorskip("xgrammar")
 
 
-class OverTheWire:
+class OverTheWire(Proposer):
     """The scheduler's side of draft_proposer: each request encoded and decoded as served (no live guide crosses)."""
 
     def __init__(self, proposer):
@@ -46,7 +47,7 @@ class OverTheWire:
         self.proposer.release(seq_id, response)
 
 
-class Recorded:
+class Recorded(Proposer):
     """The drafter behind ``GuidedDrafts``: counts the requests that reached it with a guide."""
 
     def __init__(self, proposer, wired):
@@ -95,7 +96,7 @@ def test_drafts_made_under_the_copy_are_never_cut_and_greedy_output_is_k0s(shipp
         assert kept == list(range(reached)), drafts
 
 
-class Fake:
+class Fake(Proposer):
     num_active_sequences = 0
 
     def __init__(self):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tiny_llama import build_tiny_llama, hf_generate_greedy
+from specdec.proposers.base import Proposer
 from specdec.engine import GenerationParams
 from specdec.generate import generate
 from specdec.fast.runner import FastCausalLM
@@ -31,7 +32,7 @@ def request(seq_id, position, tokens, k=4, hidden=None, hidden_position=0) -> Pr
                           hidden_position=hidden_position)  # fmt: skip
 
 
-class RecordingModel:
+class RecordingModel(Proposer):
     """A model proposer that drafts token 1 and records every request it is sent."""
 
     def __init__(self):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdec.proposers.base import Proposer
 from specdec.engine import GenerationParams
 from specdec.generate import generate
 from specdec.fast import FastCausalLM
@@ -105,7 +106,7 @@ def test_the_statistic_sees_a_lossy_rule():
     assert _chi2(first, p[0]) < 1e-6
 
 
-class TreeOfGuesses:
+class TreeOfGuesses(Proposer):
     """A proposer whose rank-0 path is the reference output (so paths are accepted) and other ranks are random."""
 
     def __init__(self, tree, reference: list[int], prompt_len: int, vocab: int):

@@ -12,6 +12,7 @@ nothing) is caught up by the next request, whose tokens start where the last end
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -19,8 +20,27 @@ import torch
 from specdec.types import Proposal, ProposeRequest
 
 
+@dataclass(frozen=True)
+class DraftLimit:
+    """The most drafts one call may ask of a drafter whose checkpoint fixes it, and what in it does."""
+
+    most: int
+    drafter: str  # what drafts, for errors: "MLP speculator"
+    because: str  # the checkpoint's setting behind it: "n_predict=3 stages"
+
+
 @runtime_checkable
 class Proposer(Protocol):
+    """Every proposer subclasses this, so that what it declares is read, never probed for.
+
+    ``hidden_state_layers``: the target's hidden states a head reads
+    (``VerifyRequest.hidden_layers``); ``draft_limit``: set where the checkpoint caps a call's
+    drafts (a load refuses a configuration that would ask more).
+    """
+
+    hidden_state_layers: tuple[int, ...] = ()
+    draft_limit: DraftLimit | None = None
+
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         """One proposal of at most ``request.num_tokens`` tokens per request, in order."""
         ...

@@ -35,7 +35,7 @@ import torch
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.grammar import guided_picks
 from specdec.heads.dflash import DFlashDrafter
-from specdec.proposers.base import check_propose_requests, proposals_in_order
+from specdec.proposers.base import DraftLimit, Proposer, check_propose_requests, proposals_in_order
 from specdec.sampling import make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
@@ -46,7 +46,7 @@ class _Sequence:
     num_context: int = 0  # positions 0 .. num_context - 1 hold context keys and values in the cache
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     method = "dflash"
 
     def __init__(self, model: DFlashDrafter, max_num_seqs: int = 8, max_model_len: int | None = None):
@@ -65,6 +65,8 @@ class DFlashProposer:
                                    self.max_model_len, model.dtype, self.device)  # fmt: skip
         self._seqs: dict[str, _Sequence] = {}
         self._feature_width = len(config.target_layer_ids) * layer.hidden_size
+        self.draft_limit = DraftLimit(self.max_drafts, "DFlash drafter",
+                                      f"block_size={self.block_size} (the last token and {self.max_drafts} masks)")
 
     @property
     def max_drafts(self) -> int:

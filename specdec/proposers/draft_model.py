@@ -28,7 +28,7 @@ import torch
 
 from specdec.cached_lm import CachedLM, ForwardCall, OwnsOneModel
 from specdec.grammar import guided_row
-from specdec.proposers.base import check_propose_requests, drafts_as_chain, proposals_in_order
+from specdec.proposers.base import Proposer, check_propose_requests, drafts_as_chain, proposals_in_order
 from specdec.proposers.static_tree import Row, grow_tree, ranked_candidates
 from specdec.sampling import apply_logit_bias, check_banned, greedy_tokens, make_generator, process_logits, sample_from_probs
 from specdec.tree import ROOT, DraftTree
@@ -71,7 +71,7 @@ def _matching_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class DraftModelProposer(OwnsOneModel):
+class DraftModelProposer(OwnsOneModel, Proposer):
     def __init__(self, lm: CachedLM, tree: DraftTree | None = None):
         """``tree``: draft this static tree, cut to each request's ``num_tokens`` nodes (None or a chain: a chain)."""
         self.lm = lm

@@ -34,7 +34,7 @@ from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
 from specdec.heads.compiled_tree import CompiledGreedyTree
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
-from specdec.proposers.base import check_propose_requests, drafts_as_chain, proposals_in_order
+from specdec.proposers.base import Proposer, check_propose_requests, drafts_as_chain, proposals_in_order
 from specdec.progress import Log
 from specdec.proposers.eagle3_tree import draft_dynamic_tree, draft_tree
 from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
@@ -49,7 +49,7 @@ class _Sequence:
     rows: int = 0  # head rows the KV cache holds that were built from the target's features
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(Proposer):
     method = "eagle3"
     head_name = "EAGLE-3 head"  # in errors
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.proposers.base import check_propose_requests
+from specdec.proposers.base import Proposer, check_propose_requests
 from specdec.types import ProposeRequest
 
 
@@ -60,7 +60,7 @@ class LastHiddenSequences:
         return drafting
 
 
-class DraftsFromLastHidden:
+class DraftsFromLastHidden(Proposer):
     """What such a proposer shares: its sequences (``self._seqs``), their count, and release."""
 
     _seqs: LastHiddenSequences

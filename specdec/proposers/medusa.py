@@ -24,7 +24,7 @@ import torch
 
 from specdec.grammar import guided_picks
 from specdec.heads.medusa import Medusa
-from specdec.proposers.base import drafts_as_chain, proposals_in_order
+from specdec.proposers.base import DraftLimit, drafts_as_chain, proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
 from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree
@@ -48,6 +48,7 @@ class MedusaProposer(DraftsFromLastHidden):
         self.device = model.lm_heads[0].weight.device
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
+        self.draft_limit = DraftLimit(model.num_heads, "Medusa head", f"num_heads={model.num_heads} heads")
         self._seqs = LastHiddenSequences(self.device)
 
     @property

@@ -18,7 +18,7 @@ import torch
 
 from specdec.grammar import guided_row
 from specdec.heads.mlp_speculator import MLPSpeculator
-from specdec.proposers.base import drafts_as_chain, proposals_in_order
+from specdec.proposers.base import DraftLimit, drafts_as_chain, proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
 from specdec.proposers.static_tree import Row, grow_tree, ranked_candidates
 from specdec.sampling import apply_logit_bias, greedy_tokens, make_generator, process_logits, sample_from_probs
@@ -41,6 +41,7 @@ class MLPSpeculatorProposer(DraftsFromLastHidden):
         self.device = model.head[0].weight.device
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
+        self.draft_limit = DraftLimit(model.n_predict, "MLP speculator", f"n_predict={model.n_predict} stages")
         self._seqs = LastHiddenSequences(self.device)
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.proposers.base import check_propose_requests
+from specdec.proposers.base import Proposer, check_propose_requests
 from specdec.types import ModelDescription, Proposal, ProposeRequest
 
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither bound is given
@@ -76,7 +76,7 @@ def find_ngram_continuation(
     return token_ids[:0]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup over the tokens each sequence has been sent, kept until ``release``."""
 
     def __init__(self, prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.proposers.base import check_propose_requests
+from specdec.proposers.base import Proposer, check_propose_requests
 from specdec.suffix_tree import APPROX_NODE_BYTES, Draft, SuffixTree, speculate_in_sequence
 from specdec.types import ModelDescription, Proposal, ProposeRequest
 
@@ -69,7 +69,7 @@ class SuffixCacheStats:
         return self.tree_nodes * APPROX_NODE_BYTES
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding over a local tree per live sequence and one global tree of finished responses."""
 
     def __init__(self, config: SuffixConfig | None = None):
