@@ -35,10 +35,18 @@ __all__ = ["heads", "pair", "two_layer_pair"]  # fixtures
 
 
 
+@pytest.fixture(scope="module")
+def compiled_two_layers(two_layer_pair):
+    """The two-layer head (the shipped depth) compiled for CPU, built once for this module's compiled checks:
+    a build compiles every step shape at load, two minutes on a cold cache. Each check releases its sequences."""
+    _, target_dir, head_dir = two_layer_pair
+    return build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=True)
+
+
 @pytest.mark.parametrize("heads,cpu_compile,packed", [
     ("one-layer", False, False), ("two-layers", False, False), ("two-layers", True, False), ("one-layer", True, True),
 ], ids=["one-layer-eager", "two-layers-eager", "two-layers-compiled", "one-layer-compiled-packed"], indirect=["heads"])
-def test_drafts_equal_the_training_time_test_recurrence(heads, cpu_compile, packed, monkeypatch):
+def test_drafts_equal_the_training_time_test_recurrence(heads, cpu_compile, packed, monkeypatch, request):
     """The cached, position-addressed proposer computes what ``train_forward`` trains, step for step.
 
     ``packed``: every linear prepacked for oneDNN, as the shipped head's are (the test head's are too small).
@@ -48,8 +56,10 @@ def test_drafts_equal_the_training_time_test_recurrence(heads, cpu_compile, pack
         monkeypatch.setattr("specdec.fast.cpu_linear.PACK_MIN_ELEMENTS", 0)
     target, target_dir, head_dir = heads
     head = load_eagle3(head_dir, target_dir, torch.float32, "cpu")
-    # max_num_seqs as the other compiled tests of the head: the cache's sizes are in its graphs, which then match
-    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=cpu_compile)
+    if cpu_compile and not packed:
+        proposer = request.getfixturevalue("compiled_two_layers")
+    else:
+        proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=cpu_compile)
     lm = FastCausalLM(target_dir, max_num_seqs=2)
     tokens = PROMPTS[3]  # the target verified tokens[:-1]; tokens[-1] is its latest output
     _, hidden = lm.forward_with_hidden([ForwardCall("s", 0, tokens[:-1], 1)], head.config.aux_layers)
@@ -58,6 +68,7 @@ def test_drafts_equal_the_training_time_test_recurrence(heads, cpu_compile, pack
     proposer.propose([ProposeRequest("s", 0, tokens[:split + 1], 1, sampling, 1, hidden_states=hidden[0][:split])])
     [proposal] = proposer.propose([ProposeRequest("s", split + 1, tokens[split + 1 :], 3, sampling, 2,
                                                   hidden_states=hidden[0][split:], hidden_position=split)])  # fmt: skip
+    proposer.release("s")
     drafts = proposal.token_ids.tolist()
     full = tokens + drafts
     n = len(tokens)
@@ -132,13 +143,13 @@ def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(heads, monkeyp
         assert drafts(True, k, banned) == drafts(False, k, banned)
 
 
-def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeypatch):
+def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, compiled_two_layers, monkeypatch):
     """With ``cpu_compile``, greedy steps run ``STEPS_PER_CALL`` to a compiled call and the rest a pass a
     call: the drafts are the per-step loop's for every k, bans binding part of a call's steps included.
     One head (the shipped depth): each head's graphs take seconds to compile, more on a cold cache."""
     _, target_dir, head_dir = two_layer_pair
     prompts, hidden = three_prompts_and_features(target_dir, head_dir)
-    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=True)
+    proposer = compiled_two_layers
     chunks = []
     original = proposer._greedy_steps.run
     monkeypatch.setattr(proposer._greedy_steps, "run", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
@@ -166,14 +177,14 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, monkeyp
 
 @pytest.mark.parametrize("heads,engine", [(h, e) for h in ("one-layer", "two-layers") for e in ("fast", "hf")] +
                          [("two-layers", "fast-compiled")], indirect=["heads"])  # fmt: skip
-def test_greedy_output_equals_hf_generate_for_every_k(heads, engine):
+def test_greedy_output_equals_hf_generate_for_every_k(heads, engine, request):
     target, target_dir, head_dir = heads
-    # the target and the head, each compiled for CPU: the two-layer head only, whose graphs
-    # test_compiled_drafting_steps_equal_the_per_step_loop compiles too (a minute each on a cold cache)
+    # the target and the head, each compiled for CPU: the two-layer head only, the module's compiled one
     compiled = engine == "fast-compiled"
     lm = FastCausalLM(target_dir, max_num_seqs=4, cpu_compile=compiled) if engine != "hf" else CachedCausalLM(target)
     verifier = TargetVerifier(lm)
-    proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4, cpu_compile=compiled)
+    proposer = (request.getfixturevalue("compiled_two_layers") if compiled else
+                build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4))  # fmt: skip
     assert decode_every_prompt_as_hf(target, proposer, verifier, range(1, 6)) > 0, "the accepted path must run"
     assert verifier.num_active_sequences == 0 and proposer.num_active_sequences == 0
 
