@@ -244,7 +244,7 @@ class Run:
         if suffix_first(base(method)):
             config = SuffixFirstConfig(min_score=self.args.suffix_min_score, model_num_speculative_tokens=self.args.model_k)
             stages = SuffixFirstStages(stages, SuffixFirst(config))
-        layers = getattr(proposer, "hidden_state_layers", ())
+        layers = () if proposer is None else proposer.hidden_state_layers
         follows = unguided(method).endswith(FOLLOW)
         lengths = None
         if follows:  # what the configuration learned carries on from phase to phase, as in a server
