@@ -111,11 +111,13 @@ class Orchestrator:
     def drop_metrics(self) -> None:
         """Apply the pending counts, then let go of every metric family: Triton 2.51's Python backend
         destroys a family still referenced at exit inside the stub's destructor, whose write to shared
-        memory then segfaults (triton-inference-server/python_backend#429, fixed after 2.51). Steps after
-        this one are not counted, as with no metrics at all."""
-        if self.counters is not None:
-            self.counters.flush()  # also cancels the scheduled flush, which holds the counters
-        self.counters = self.active = self.suffix_gauges = None
+        memory then segfaults (triton-inference-server/python_backend#429, fixed after 2.51); a request
+        still pending at exit holds the orchestrator. Called from ``finalize``'s thread, as the event loop
+        may no longer run then: each use reads a metric attribute once, so a step on the loop either counts
+        or sees None. Steps after this are not counted, as with no metrics at all."""
+        counters, self.counters, self.active, self.suffix_gauges = self.counters, None, None, None
+        if counters is not None:
+            counters.flush()  # also cancels the scheduled flush, which holds the counters
 
     def stage_failed(self, models: list[str]) -> None:
         """Composing models stopped: every request fails now, and new ones are refused until :meth:`recovered`."""
@@ -237,13 +239,14 @@ class Orchestrator:
         return ProposeInProcess(self.stages, self._proposer_here, on_release=self._show_proposer_memory)
 
     def _show_proposer_memory(self, proposer) -> None:
-        if self.suffix_gauges is None:
+        gauges = self.suffix_gauges  # read once: drop_metrics may run on another thread
+        if gauges is None:
             return
         if isinstance(proposer, SuffixFirst):
             proposer = proposer.suffix
         if isinstance(proposer, SuffixProposer):
             stats = proposer.stats()
-            self.suffix_gauges.set(stats.cached_responses, stats.tree_nodes, stats.approx_bytes)
+            gauges.set(stats.cached_responses, stats.tree_nodes, stats.approx_bytes)
 
     async def prepare(self, request: GenerateRequest) -> SequenceState:
         """Tokenize and validate; raises RequestError naming the bad input."""
@@ -303,8 +306,9 @@ class Orchestrator:
                 final_outputs = await self._decode(request, state, send, is_cancelled)
             finally:
                 self._count_request(-1)
-                if self.counters is not None:  # a client that hears of the end sees the request's steps counted
-                    self.counters.flush()
+                counters = self.counters
+                if counters is not None:  # a client that hears of the end sees the request's steps counted
+                    counters.flush()
         finally:
             self._per_client[client] -= 1
             if not self._per_client[client]:
@@ -346,14 +350,15 @@ class Orchestrator:
 
     def _record_step(self, report: StepReport) -> None:
         self._show_running()
-        if self.counters is None:
+        counters = self.counters
+        if counters is None:
             return
-        self.counters.record_step_shape(report.num_sequences, report.k)
+        counters.record_step_shape(report.num_sequences, report.k)
         for sequence in report.sequences:
-            self.counters.record_step(sequence.num_draft_tokens, sequence.num_accepted, sequence.num_new_tokens,
-                                      sequence.source)  # fmt: skip
+            counters.record_step(sequence.num_draft_tokens, sequence.num_accepted, sequence.num_new_tokens,
+                                 sequence.source)  # fmt: skip
         for stage, (num_sequences, seconds) in report.calls.items():
-            self.counters.record_stage_call(stage, num_sequences, seconds)
+            counters.record_stage_call(stage, num_sequences, seconds)
 
     def _count_request(self, change: int) -> None:
         self.num_active_requests += change
@@ -361,8 +366,9 @@ class Orchestrator:
 
     def _show_running(self) -> None:
         """The gauge shows the sequences that hold a slot, as on the stateful models; waiting ones do not."""
-        if self.active is not None:
-            self.active.set(self.scheduler.num_running if self.scheduler is not None else 0)
+        gauge = self.active
+        if gauge is not None:
+            gauge.set(self.scheduler.num_running if self.scheduler is not None else 0)
 
     @staticmethod
     def _outputs(state: SequenceState, step: ScheduledStep, text: str, num_sent: int) -> dict:

@@ -118,9 +118,10 @@ class Supervisor:
         self.call_on_loop(self.orchestrator.stop_serving, SHUTTING_DOWN)
 
     def call_on_loop(self, function: Callable, *args) -> None:
-        """Run ``function`` on the orchestrator's loop and wait for it; directly when no loop serves yet."""
+        """Run ``function`` on the orchestrator's loop and wait for it; directly when no loop runs (none has
+        served yet, or it has stopped): a call sent to a loop that does not run waits out the timeout."""
         loop = self.loop
-        if loop is None or loop.is_closed():
+        if loop is None or loop.is_closed() or not loop.is_running():
             function(*args)
             return
 

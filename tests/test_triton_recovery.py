@@ -211,6 +211,19 @@ def test_a_stopping_server_ends_every_request_and_recovers_nothing_more():
     assert orchestrator.events == [("stopped", "the server is shutting down")] and supervisor.stopping
 
 
+def test_a_call_for_a_loop_that_no_longer_runs_is_made_at_once():
+    """At ``finalize`` the stub's event loop may have stopped: a call sent to it would wait out its timeout."""
+    _, _, supervisor = supervise("reload", lambda model: None, [])
+    calls = []
+    supervisor.loop = asyncio.new_event_loop()  # made, never run: what a stopped loop looks like
+    try:
+        started = time.monotonic()
+        supervisor.call_on_loop(calls.append, "now")
+        assert calls == ["now"] and time.monotonic() - started < 1
+    finally:
+        supervisor.loop.close()
+
+
 def test_unknown_on_stub_failure_is_refused():
     with pytest.raises(ValueError, match="on_stub_failure must be one of"):
         Supervisor(FakeOrchestrator(), FixedWatch([]), None, "restart")

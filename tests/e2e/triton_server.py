@@ -52,6 +52,15 @@ class Server(TritonServer):
         except TimeoutError as err:
             pytest.fail(f"{err}:\n{self.log_tail()}")
 
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop the server; a stub that crashed, on its way out or before, fails the test (each model drops
+        its metric families in ``finalize``, which python_backend#429 otherwise crashes on at exit)."""
+        running = self.process is not None
+        super().stop(timeout_s)
+        if running and self.log_path.exists():
+            assert "Segfault encountered" not in self.log_path.read_text(errors="replace"), \
+                f"a model's stub crashed; the server's log: {self.log_path}"
+
     def metrics(self) -> Samples:
         """Prometheus samples as {(name, sorted label pairs): value}."""
         return parse_prometheus(self.metrics_text())

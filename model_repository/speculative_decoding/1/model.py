@@ -137,7 +137,7 @@ class TritonPythonModel:
             self.logger.info(f"shutting down: ending {self.orchestrator.num_active_requests} request(s) in flight")
             self.supervisor.call_on_loop(self.orchestrator.stop_serving, SHUTTING_DOWN)
         self.model_stages.close()
-        self.supervisor.call_on_loop(self.orchestrator.drop_metrics)  # on the loop: no flush runs beside it
+        self.orchestrator.drop_metrics()
         if self.stop_watch.check():  # not on an unload by the repository API: the models keep using them
             remove_server_files()
         self.logger.info("unloaded")
