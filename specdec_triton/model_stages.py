@@ -1,9 +1,19 @@
 """The scheduler's and orchestrator's stages as requests to the composing models of the repository.
 
-Tokenize and describe are BLS requests. A step's calls to the models that hold
-sequences (propose, verify, release) go to the socket a model describes when
-``stage_calls`` is ``socket`` (:mod:`specdec_triton.socket_calls`: the same inputs and
-outputs, without Triton's round trip), else as BLS requests.
+One implementation of the step contract (``specdec.scheduler.Stages``) per placement of a
+model drafter, each declaring its :class:`~specdec.types.StepCapabilities`:
+
+* :class:`DraftInItsOwnModel` -- draft_proposer drafts and target_verifier verifies, a call each;
+* :class:`DraftWithTheTarget` -- target_verifier holds the drafter too (draft_proposer's
+  ``run_with_target``): a step is one call there (:mod:`specdec_triton.beside_wire`).
+
+Both share everything but those calls (:class:`ModelStages`). Tokenize and describe are BLS
+requests. A step's calls to the models that hold sequences go to the socket a model describes
+when ``stage_calls`` is ``socket`` (:mod:`specdec_triton.socket_calls`: the same inputs and
+outputs, without Triton's round trip), else as BLS requests. In both placements sampled
+sequences are judged inside the verify call: ``q`` and ``p`` go to rejection_sampler from the
+models that make them, and only the verdicts come back (:mod:`specdec_triton.sample_hop`), so
+neither has a ``sample`` stage.
 """
 from __future__ import annotations
 
@@ -20,26 +30,34 @@ from specdec_triton.plumbing import ModelLogger, ServingError, bytes_array
 from specdec_triton.socket_calls import SocketCallClient
 
 _THREADS_WITHOUT_SEQUENCE_LIMIT = 32  # sequences assumed for the BLS thread pool when the stages set no limit
+Described = tuple[ModelDescription, ModelDescription, dict[str, str | None]]  # draft, target, model -> socket
+
+
+def stages_for_placement(logger: ModelLogger, secret: str, stage_calls: str, draft_beside_target: bool) -> ModelStages:
+    """The stages of the placement draft_proposer's ``run_with_target`` names."""
+    placement = DraftWithTheTarget if draft_beside_target else DraftInItsOwnModel
+    return placement(logger, secret, stage_calls)
 
 
 class ModelStages:
-    def __init__(self, logger: ModelLogger, secret: str, stage_calls: str = "socket", draft_beside_target: bool = False):
-        """``stage_calls``: ``socket`` to call the stateful models on the sockets they describe.
-        ``draft_beside_target``: draft_proposer sets ``run_with_target``: target_verifier holds the
-        draft, describes it and takes each step as one call on its socket (``specdec_triton.beside_wire``)."""
+    """What both placements share: tokenize, describe, the connections, verify, release and renew."""
+
+    capabilities: StepCapabilities
+
+    def __init__(self, logger: ModelLogger, secret: str, stage_calls: str = "socket"):
+        """``stage_calls``: ``socket`` to call the stateful models on the sockets they describe."""
         self.logger = logger
         self.stage_calls = stage_calls
-        # sampled sequences are judged inside the verify call: q and p go to rejection_sampler from the
-        # models that make them, and only the verdicts come back (specdec_triton.sample_hop), so there is
-        # no `sample` here; with the draft beside the target, a step is one call to target_verifier
-        self.capabilities = StepCapabilities(samples_in_verify=True, proposes_in_verify=draft_beside_target)
         self._sockets: dict[str, SocketCallClient] = {}  # model -> its connection, made at describe
         self._secret = wire.secret_input(secret)  # sent with every request to a stateful model
         self._stateful = self._models_holding(draft=True)  # the models that hold sequences: released
 
     def _models_holding(self, draft: bool) -> tuple[str, ...]:
-        draft = draft and not self.capabilities.proposes_in_verify  # with the target: target_verifier frees it
-        return (wire.DRAFT_PROPOSER,) * draft + (wire.TARGET_VERIFIER,)
+        """``draft``: the drafter holds sequences (a model-free method runs in the orchestrator and holds none)."""
+        raise NotImplementedError
+
+    async def _describe_holders(self, probe: dict) -> Described:
+        raise NotImplementedError
 
     async def tokenize(self, text: str, stop_words: tuple[str, ...]) -> Tokenized:
         inputs = {"text_input": bytes_array([text])}
@@ -53,47 +71,22 @@ class ModelStages:
         )
 
     async def describe(self) -> Descriptions:
-        """Each composing model's description, asked of all four at once; then the sockets to call on."""
+        """Each composing model's description, asked of all at once; then the sockets to call on."""
         probe = wire.describe_inputs()
-        beside = self.capabilities.proposes_in_verify  # the draft is described by target_verifier, on its socket
-        tokenizer, (draft, draft_socket), (target, target_socket), sampler = await asyncio.gather(
+        tokenizer, (draft, target, sockets), sampler = await asyncio.gather(
             bls(wire.TOKENIZER, probe, wire.DESCRIBE_OUTPUTS),
-            self._no_description() if beside else self._describe_draft(probe),
-            self._describe_target(probe),
+            self._describe_holders(probe),
             bls(wire.REJECTION_SAMPLER, probe, wire.DESCRIBE_OUTPUTS),
         )
-        if beside:
-            draft = await self._describe_draft_beside(target_socket)
         descriptions = Descriptions(wire.description_of(tokenizer), draft, target, wire.description_of(sampler))
         # a model-free method runs in the orchestrator (specdec.propose_in_process): the model holds nothing;
         # a model holds its sequences, with suffix decoding in front of it (settings described) or not
-        holds = draft.method not in MODEL_FREE_METHODS
-        self._stateful = self._models_holding(draft=holds)
-        await self._connect({wire.DRAFT_PROPOSER: draft_socket, wire.TARGET_VERIFIER: target_socket})
+        self._stateful = self._models_holding(draft=draft.method not in MODEL_FREE_METHODS)
+        await self._connect(sockets)
         # a step's calls are few (one per stage), but finished sequences' releases and new
         # requests' tokenize calls run beside them
         ensure_bls_threads(2 * (descriptions.max_num_seqs or _THREADS_WITHOUT_SEQUENCE_LIMIT) + 4)
         return descriptions
-
-    async def _describe_draft(self, probe) -> tuple[ModelDescription, str | None]:
-        names = hidden_wire.DRAFT_DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS
-        out = await bls(wire.DRAFT_PROPOSER, probe, names, batched=True)
-        return hidden_wire.draft_description_of(out), wire.socket_of(out)
-
-    @staticmethod
-    async def _no_description() -> tuple[None, None]:
-        return None, None
-
-    async def _describe_draft_beside(self, target_socket: str | None) -> ModelDescription:
-        if self.stage_calls != "socket" or target_socket is None:
-            why = (f"stage_calls is {self.stage_calls!r}" if self.stage_calls != "socket"
-                   else "target_verifier describes no socket (its log says why)")  # fmt: skip
-            raise ServingError(f"draft_proposer sets run_with_target, whose steps go to target_verifier's socket, and "
-                               f"{why}: set stage_calls: socket, or run_with_target: false")  # fmt: skip
-        await self._connect({wire.TARGET_VERIFIER: target_socket})
-        out = await self._sockets[wire.TARGET_VERIFIER].call(beside_wire.describe_draft_inputs(),
-                                                             hidden_wire.DRAFT_DESCRIBE_OUTPUTS)  # fmt: skip
-        return hidden_wire.draft_description_of(out)
 
     async def _describe_target(self, probe) -> tuple[ModelDescription, str | None]:
         out = await bls(wire.TARGET_VERIFIER, probe, wire.DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS, batched=True)
@@ -102,7 +95,7 @@ class ModelStages:
     async def _connect(self, addresses: dict[str, str | None]) -> None:
         """Connections to the stateful models that describe a socket: kept while the model's socket is the
         same and the connection works (a release of the last run may still use it), else made anew."""
-        wanted = {m: addresses[m] for m in self._stateful if self.stage_calls == "socket"}
+        wanted = {m: addresses.get(m) for m in self._stateful if self.stage_calls == "socket"}
         for model, client in list(self._sockets.items()):
             if wanted.get(model) != client.address or client.broken:
                 client.close()
@@ -124,21 +117,6 @@ class ModelStages:
         if client is not None:
             return await client.call(inputs, names)
         return await bls(model, inputs, names, batched=True)
-
-    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        # the ids alone come back: greedy drafts have no q, and a sampled one's q goes to the sampler
-        hold = sample_hop.propose_hold_inputs(requests)
-        names = wire.GREEDY_PROPOSE_OUTPUTS + (sample_hop.PROPOSE_HOLD_OUTPUTS if hold else ())
-        inputs = {**wire.propose_inputs(requests), **hidden_wire.propose_hidden_inputs(requests), **hold,
-                  **self._secret}  # fmt: skip
-        out = await self._call(wire.DRAFT_PROPOSER, inputs, names)
-        return sample_hop.mark_held(wire.proposals_of(out), out)
-
-    async def propose_and_verify(self, steps: list[ProposeVerify]) -> list[tuple[Proposal, VerifyResult]]:
-        """A step as one call to target_verifier, which holds the draft beside the target."""
-        out = await self._call(wire.TARGET_VERIFIER, {**beside_wire.step_inputs(steps), **self._secret},
-                               beside_wire.step_output_names(steps))  # fmt: skip
-        return beside_wire.step_results_of(steps, out)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         # the argmax alone comes back: a sampled sequence carries sample_here, so its p stays behind
@@ -179,3 +157,62 @@ class ModelStages:
         if failures:
             self.logger.error(f"{what} failed: {'; '.join(failures)}")
             raise RuntimeError(f"{what} failed in {'; '.join(failures)}")
+
+
+class DraftInItsOwnModel(ModelStages):
+    """draft_proposer drafts (a model, or a model-free method's describe only) and target_verifier verifies."""
+
+    capabilities = StepCapabilities(samples_in_verify=True)
+
+    def _models_holding(self, draft: bool) -> tuple[str, ...]:
+        return (wire.DRAFT_PROPOSER,) * draft + (wire.TARGET_VERIFIER,)
+
+    async def _describe_holders(self, probe: dict) -> Described:
+        (draft, draft_socket), (target, target_socket) = await asyncio.gather(self._describe_draft(probe),
+                                                                              self._describe_target(probe))  # fmt: skip
+        return draft, target, {wire.DRAFT_PROPOSER: draft_socket, wire.TARGET_VERIFIER: target_socket}
+
+    async def _describe_draft(self, probe) -> tuple[ModelDescription, str | None]:
+        names = hidden_wire.DRAFT_DESCRIBE_OUTPUTS + wire.DESCRIBE_SOCKET_OUTPUTS
+        out = await bls(wire.DRAFT_PROPOSER, probe, names, batched=True)
+        return hidden_wire.draft_description_of(out), wire.socket_of(out)
+
+    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        # the ids alone come back: greedy drafts have no q, and a sampled one's q goes to the sampler
+        hold = sample_hop.propose_hold_inputs(requests)
+        names = wire.GREEDY_PROPOSE_OUTPUTS + (sample_hop.PROPOSE_HOLD_OUTPUTS if hold else ())
+        inputs = {**wire.propose_inputs(requests), **hidden_wire.propose_hidden_inputs(requests), **hold,
+                  **self._secret}  # fmt: skip
+        out = await self._call(wire.DRAFT_PROPOSER, inputs, names)
+        return sample_hop.mark_held(wire.proposals_of(out), out)
+
+
+class DraftWithTheTarget(ModelStages):
+    """target_verifier holds the drafter beside the target, describes it on its socket and takes a step as one call.
+
+    A model-free method never runs here (it runs in the orchestrator, and ``run_with_target`` changes nothing
+    for it: ``drafters.read_draft_beside_target``), so target_verifier holds every sequence: its releases free both.
+    """
+
+    capabilities = StepCapabilities(samples_in_verify=True, proposes_in_verify=True)
+
+    def _models_holding(self, draft: bool) -> tuple[str, ...]:
+        return (wire.TARGET_VERIFIER,)
+
+    async def _describe_holders(self, probe: dict) -> Described:
+        target, target_socket = await self._describe_target(probe)
+        if self.stage_calls != "socket" or target_socket is None:
+            why = (f"stage_calls is {self.stage_calls!r}" if self.stage_calls != "socket"
+                   else "target_verifier describes no socket (its log says why)")  # fmt: skip
+            raise ServingError(f"draft_proposer sets run_with_target, whose steps go to target_verifier's socket, and "
+                               f"{why}: set stage_calls: socket, or run_with_target: false")  # fmt: skip
+        await self._connect({wire.TARGET_VERIFIER: target_socket})
+        out = await self._sockets[wire.TARGET_VERIFIER].call(beside_wire.describe_draft_inputs(),
+                                                             hidden_wire.DRAFT_DESCRIBE_OUTPUTS)  # fmt: skip
+        return hidden_wire.draft_description_of(out), target, {wire.TARGET_VERIFIER: target_socket}
+
+    async def propose_and_verify(self, steps: list[ProposeVerify]) -> list[tuple[Proposal, VerifyResult]]:
+        """A step as one call to target_verifier, which holds the draft beside the target."""
+        out = await self._call(wire.TARGET_VERIFIER, {**beside_wire.step_inputs(steps), **self._secret},
+                               beside_wire.step_output_names(steps))  # fmt: skip
+        return beside_wire.step_results_of(steps, out)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from specdec_triton import wire
-from specdec_triton.model_stages import ModelStages
+from specdec_triton.model_stages import DraftInItsOwnModel, DraftWithTheTarget
 from specdec_triton.health import dead_stub_in
 from specdec_triton.metrics import SocketCallTime
 from specdec_triton.plumbing import ModelLogger, RequestError, ServingError
@@ -201,7 +201,7 @@ def test_the_stages_call_the_stateful_models_on_their_sockets_and_keep_a_working
     servers = {model: _serve(_echo) for model in (wire.DRAFT_PROPOSER, wire.TARGET_VERIFIER)}
     try:
         async def main():
-            stages = ModelStages(ModelLogger("speculative_decoding"), "secret", stage_calls="socket")
+            stages = DraftInItsOwnModel(ModelLogger("speculative_decoding"), "secret", stage_calls="socket")
             addresses = {model: server.address for model, server in servers.items()}
             await stages._connect(addresses)
             assert set(stages._sockets) == set(addresses)
@@ -215,7 +215,7 @@ def test_the_stages_call_the_stateful_models_on_their_sockets_and_keep_a_working
             stages.close()
             assert not stages._sockets
 
-            by_bls = ModelStages(ModelLogger("speculative_decoding"), "secret", stage_calls="bls")
+            by_bls = DraftInItsOwnModel(ModelLogger("speculative_decoding"), "secret", stage_calls="bls")
             await by_bls._connect(addresses)
             assert not by_bls._sockets
 
@@ -351,13 +351,12 @@ def test_a_draft_beside_the_target_is_described_on_target_verifiers_socket_and_n
     monkeypatch.setattr(model_stages, "ensure_bls_threads", lambda n: None)
     try:
         async def main():
-            stages = ModelStages(ModelLogger("speculative_decoding"), "secret", draft_beside_target=True)
+            stages = DraftWithTheTarget(ModelLogger("speculative_decoding"), "secret")
             descriptions = await stages.describe()
             assert descriptions.draft == head and descriptions.target == target and stages.capabilities.proposes_in_verify
             assert stages._stateful == (wire.TARGET_VERIFIER,)  # its releases free the draft too
             stages.close()
-            by_bls = ModelStages(ModelLogger("speculative_decoding"), "secret", stage_calls="bls",
-                                 draft_beside_target=True)  # fmt: skip
+            by_bls = DraftWithTheTarget(ModelLogger("speculative_decoding"), "secret", stage_calls="bls")
             with pytest.raises(ServingError, match="run_with_target, whose steps go to target_verifier's socket, "
                                                    "and stage_calls is 'bls'"):  # fmt: skip
                 await by_bls.describe()

@@ -22,7 +22,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from specdec_triton import wire
-from specdec_triton.model_stages import ModelStages
+from specdec_triton.model_stages import stages_for_placement
 from specdec_triton.configs import OrchestratorConfig
 from specdec_triton.health import StubWatch, reload_config
 from specdec_triton.internal import boot_secret, remove_server_files
@@ -88,7 +88,7 @@ class TritonPythonModel:
     def _stages(self, repository_dir, stage_calls):
         """Requests to the composing models; with run_with_target, target_verifier holds the draft too."""
         beside = read_draft_beside_target(repository_dir) is not None
-        self.model_stages = ModelStages(self.logger, boot_secret(), stage_calls=stage_calls, draft_beside_target=beside)
+        self.model_stages = stages_for_placement(self.logger, boot_secret(), stage_calls, draft_beside_target=beside)
         return self.model_stages
 
     async def execute(self, requests):
