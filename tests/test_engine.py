@@ -8,6 +8,7 @@ from specdec.engine import GenerationParams, SequenceState, StepOutput
 from specdec.generate import generate
 from specdec.models import CachedCausalLM
 from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.proposers.base import Proposer
 from specdec.rejection_sampler import RejectionSampler
 from specdec.types import Proposal, SampleResult, SamplingParams
 from specdec.verifier import TargetVerifier
@@ -16,7 +17,7 @@ PROMPT = list(b"def add(a, b):\n    return")
 SAMPLED = SamplingParams(temperature=1.0, top_k=8)
 
 
-class Recording:
+class Recording(Proposer):
     """Wraps a proposer or sampler and keeps what passed through it."""
 
     def __init__(self, inner):
@@ -182,7 +183,7 @@ def test_release_on_finish_early_close_and_errors(target_model, draft_model):
 
 
 def test_a_failing_proposer_still_releases_the_verifier(target_model):
-    class Broken:
+    class Broken(Proposer):
         released = []
 
         def propose(self, requests):
