@@ -142,6 +142,18 @@ class DraftProposerConfig:
         return self.run_with_target and self.method not in MODEL_FREE_METHODS
 
 
+def read_draft_beside_target(repository_dir: str) -> DraftProposerConfig | None:
+    """draft_proposer's settings when target_verifier's process is to load its draft model or head
+    (``run_with_target``), else None (also for a repository without draft_proposer)."""
+    from specdec_triton.repository_config import model_settings
+
+    found = model_settings(repository_dir, "draft_proposer")
+    if found is None or not found[0].get_bool("run_with_target", False):
+        return None
+    config = DraftProposerConfig.from_parameters(found[0])
+    return config if config.beside_target else None
+
+
 def _refuse_removed_placement(params: Parameters, model: str) -> None:
     """``run_in_orchestrator`` loaded a model in speculative_decoding's process; it was removed, since the
     placements below served as fast (docs/drafters.md#where-a-drafter-runs). A repository written before may

@@ -136,13 +136,3 @@ def drafts_trees(repository_dir: str | os.PathLike) -> bool:
         return False
     suffix = config.suffix if config.method == "suffix" or config.suffix_first is not None else None
     return config.token_tree is not None or (suffix is not None and suffix.use_tree_spec)
-
-
-def read_draft_beside_target(repository_dir: str | os.PathLike) -> DraftProposerConfig | None:
-    """draft_proposer's settings when target_verifier's process is to load its draft model or head
-    (``run_with_target``), else None (also for a repository without draft_proposer)."""
-    found = model_settings(repository_dir, wire.DRAFT_PROPOSER)
-    if found is None or not found[0].get_bool("run_with_target", False):
-        return None
-    config = DraftProposerConfig.from_parameters(found[0])
-    return config if config.beside_target else None

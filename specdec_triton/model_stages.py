@@ -191,7 +191,7 @@ class DraftWithTheTarget(ModelStages):
     """target_verifier holds the drafter beside the target, describes it on its socket and takes a step as one call.
 
     A model-free method never runs here (it runs in the orchestrator, and ``run_with_target`` changes nothing
-    for it: ``drafters.read_draft_beside_target``), so target_verifier holds every sequence: its releases free both.
+    for it: ``configs.read_draft_beside_target``), so target_verifier holds every sequence: its releases free both.
     """
 
     capabilities = StepCapabilities(samples_in_verify=True, proposes_in_verify=True)

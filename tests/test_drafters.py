@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from specdec.proposers import DraftModelProposer
-from specdec_triton.configs import DraftProposerConfig, TargetVerifierConfig
-from specdec_triton.drafters import build_proposer, read_draft_beside_target
+from specdec_triton.configs import DraftProposerConfig, TargetVerifierConfig, read_draft_beside_target
+from specdec_triton.drafters import build_proposer
 from specdec_triton.plumbing import ParameterError, Parameters
 from specdec_triton.repository_config import model_settings
 

@@ -9,6 +9,7 @@ pointing there. Without the model pair the tests skip.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -19,6 +20,8 @@ from specdec.models import load_causal_lm
 from specdec_triton.text import TextCodec
 
 SHIPPED_METHOD = "suffix"  # the committed draft_proposer's method
+# suffix decoding set by vLLM's JSON alone on serve.sh's command line, its speculation tree verified as a tree
+SUFFIX_TREE_JSON = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
 sys.path.insert(0, str(REPO_ROOT))  # the command-line client is a top-level package, not installed
 
 
@@ -64,6 +67,21 @@ def table_server(tmp_path_factory):
     server = _start_server(tmp_path_factory, "draft_model", {
         "num_speculative_tokens": "4", "num_speculative_tokens_per_batch_size": "1:4,2:2,3:0",
         "speculation_follows_acceptance": "false"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def suffix_json_server(tmp_path_factory):
+    """``SUFFIX_TREE_JSON`` over a copy whose method and k are left empty for the JSON to set: the server of
+    ``test_suffix.py`` (lossless, learns from past responses) and of ``test_trees.py``'s suffix tree."""
+    models = models_dir()
+    if not (models / "tiny-target").is_dir():
+        pytest.skip(f"model pair not found under {models}")
+    workdir = tmp_path_factory.mktemp("server_suffix_json")
+    server = server_on_free_ports(workdir, repository_copy(workdir, models, ""),
+                                  serve_args=(f"--speculative-config={json.dumps(SUFFIX_TREE_JSON)}",))  # fmt: skip
+    server.start()
     yield server
     server.stop()
 

@@ -11,32 +11,32 @@ from triton_server import models_dir, repository_copy, server_on_free_ports
 pytestmark = pytest.mark.server
 
 MAX_TOKENS = 32
-PROMPTS = [
-    "Once upon a time",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "abababababababab",
-    "The mitochondria is the powerhouse of the cell. The mitochondria is",
-    "Hello, world! Hello, world! Hello,",
+PROMPTS = [  # none of test_suffix.py's, whose server the suffix tree's tests share
+    "Once upon a midnight dreary,",
+    "def gcd(a, b):\n    while b:\n        a, b =",
+    "cdcdcdcdcdcdcdcd",
+    "The heart pumps blood through the body. The heart pumps",
+    "Hi there! Hi there! Hi",
     "1, 2, 3, 4, 5, 6, 7,",
 ]
 TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
-# suffix decoding's tree set by vLLM-style JSON on serve.sh's command line, Medusa's in draft_proposer's
-# speculative_config parameter, EAGLE-3's in config.pbtxt's own keys (the shipped k is 8), drafted beside the target
-SUFFIX_JSON = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
+# suffix decoding's tree set by vLLM-style JSON on serve.sh's command line (conftest.py's suffix_json_server),
+# Medusa's in draft_proposer's speculative_config parameter, EAGLE-3's in config.pbtxt's own keys (the shipped k
+# is 8), drafted beside the target
 HEAD_PARAMETERS = {"speculative_token_tree": TREE, "speculation_follows_acceptance": "false"}
 HEADS = {"eagle3": "tiny-eagle3", "medusa": "tiny-medusa"}  # the tree's depth 4: Medusa's four heads
 
 
 @pytest.fixture(scope="module", params=["suffix", "eagle3", "medusa"])
 def tree_server(request, tmp_path_factory):
+    if request.param == "suffix":  # the session's, which test_suffix.py shares (conftest.py)
+        yield request.getfixturevalue("suffix_json_server")
+        return
     models = models_dir()
     if not all((models / head).is_dir() for head in HEADS.values()):
         pytest.skip(f"shipped models not found under {models}")
     workdir = tmp_path_factory.mktemp(f"server_tree_{request.param}")
-    if request.param == "suffix":
-        repository = repository_copy(workdir, models, "")
-        serve_args = (f"--speculative-config={json.dumps(SUFFIX_JSON)}",)
-    elif request.param == "medusa":  # vLLM's JSON in draft_proposer's speculative_config parameter
+    if request.param == "medusa":  # vLLM's JSON in draft_proposer's speculative_config parameter
         config = {"method": "medusa", "model": str(models / HEADS["medusa"]), "num_speculative_tokens": 8,
                   "speculative_token_tree": TREE}  # fmt: skip
         parameters = {"speculative_config": json.dumps(config).replace('"', '\\"'), "draft_model": "",

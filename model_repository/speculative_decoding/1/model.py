@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 from specdec_triton import wire
 from specdec_triton.model_stages import stages_for_placement
-from specdec_triton.configs import OrchestratorConfig
+from specdec_triton.configs import OrchestratorConfig, read_draft_beside_target
 from specdec_triton.health import StubWatch, reload_config
 from specdec_triton.internal import boot_secret, remove_server_files
 from specdec_triton.metrics import ActiveSequences, SpecDecodeCounters, SuffixCacheGauges
@@ -33,7 +33,6 @@ from specdec_triton.plumbing import (
     request_inputs,
 )  # fmt: skip
 from specdec_triton.recovery import SHUTTING_DOWN, RecoveryActions, Supervisor
-from specdec_triton.drafters import read_draft_beside_target
 from specdec.scheduler import SequenceCancelled
 from specdec_triton.request import GENERATE_INPUTS, GenerateRequest, check_parameters
 from specdec_triton.server_stop import (

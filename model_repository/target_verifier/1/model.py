@@ -30,9 +30,9 @@ from specdec.draft_beside_target import DraftBesideTarget
 from specdec.verifier import TargetVerifier
 from specdec.compile_locks import set_lock_timeout
 from specdec_triton import beside_wire, hidden_wire, sample_hop, wire
-from specdec_triton.configs import TargetVerifierConfig
+from specdec_triton.configs import TargetVerifierConfig, read_draft_beside_target
 from specdec_triton.internal import boot_secret
-from specdec_triton.drafters import build_proposer, drafts_trees, grammar_compiler, read_draft_beside_target
+from specdec_triton.drafters import build_proposer, drafts_trees, grammar_compiler
 from specdec_triton.plumbing import ModelLogger, Parameters, ServingError, answer_batch, instance_device
 from specdec_triton.stateful import SequenceHost
 
