@@ -103,8 +103,8 @@ def _check_draft_limit(proposer: Proposer, config: DraftProposerConfig) -> None:
                    and config.suffix_first.model_num_speculative_tokens else "speculative_decoding's "
                    "num_speculative_tokens (and the largest k of num_speculative_tokens_per_batch_size)")  # fmt: skip
         raise ValueError(
-            f"{limit.drafter} {config.draft_model!r} has {limit.because}, but a step may ask it for "
-            f"{config.most_drafts} drafts: set {setting} to at most {limit.most}"
+            f"{limit.drafter[:1].upper()}{limit.drafter[1:]} {config.draft_model!r} has {limit.setting} {limit.counts}, "
+            f"but a step may ask it for {config.most_drafts} drafts: set {setting} to at most {limit.most}"
         )
 
 

@@ -22,11 +22,25 @@ from specdec.types import Proposal, ProposeRequest
 
 @dataclass(frozen=True)
 class DraftLimit:
-    """The most drafts one call may ask of a drafter whose checkpoint fixes it, and what in it does."""
+    """The most drafts one call may ask of a drafter whose checkpoint fixes it, and what in it does.
+
+    Read by the proposer at each call (:func:`check_draft_limit`) and by a server's load, which refuses
+    a configuration whose steps would ask more; both errors name the setting.
+    """
 
     most: int
-    drafter: str  # what drafts, for errors: "MLP speculator"
-    because: str  # the checkpoint's setting behind it: "n_predict=3 stages"
+    drafter: str  # what drafts, for errors: "an MLP speculator"
+    setting: str  # the checkpoint's setting behind the limit: "n_predict=3"
+    counts: str  # what that setting counts: "stages"
+    bound: str  # the limit as a request's error states it: "n_predict"
+
+
+def check_draft_limit(requests: list[ProposeRequest], limit: DraftLimit) -> None:
+    """Refuse, naming the setting, a request for more drafts than the drafter's checkpoint allows."""
+    for r in requests:
+        if r.num_tokens > limit.most:
+            raise ValueError(f"seq {r.seq_id!r}: {r.num_tokens} drafts asked of {limit.drafter} with {limit.setting}; "
+                             f"num_speculative_tokens must be at most {limit.bound}")
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ import torch
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.grammar import guided_picks
 from specdec.heads.dflash import DFlashDrafter
-from specdec.proposers.base import DraftLimit, Proposer, check_propose_requests, proposals_in_order
+from specdec.proposers.base import DraftLimit, Proposer, check_draft_limit, check_propose_requests, proposals_in_order
 from specdec.sampling import make_generator, process_logits, sample_from_probs
 from specdec.types import Proposal, ProposeRequest
 
@@ -65,8 +65,9 @@ class DFlashProposer(Proposer):
                                    self.max_model_len, model.dtype, self.device)  # fmt: skip
         self._seqs: dict[str, _Sequence] = {}
         self._feature_width = len(config.target_layer_ids) * layer.hidden_size
-        self.draft_limit = DraftLimit(self.max_drafts, "DFlash drafter",
-                                      f"block_size={self.block_size} (the last token and {self.max_drafts} masks)")
+        self.draft_limit = DraftLimit(self.max_drafts, "a DFlash drafter", f"block_size={self.block_size}",
+                                      f"(the last token and {self.max_drafts} masks)",
+                                      f"block_size - 1 = {self.max_drafts}")  # fmt: skip
 
     @property
     def max_drafts(self) -> int:
@@ -101,13 +102,8 @@ class DFlashProposer(Proposer):
         if len(new) > self.cache.num_free:
             raise ValueError(f"{len(new)} new sequences, {self.cache.num_free} of max_num_seqs={self.max_num_seqs} "
                              f"slots free")  # fmt: skip
+        check_draft_limit(requests, self.draft_limit)
         for r in requests:
-            if r.num_tokens > self.max_drafts:
-                raise ValueError(
-                    f"seq {r.seq_id!r}: {r.num_tokens} drafts asked of a DFlash drafter with block_size="
-                    f"{self.block_size}; num_speculative_tokens must be at most block_size - 1 = {self.max_drafts} "
-                    f"(the block holds the last token and one mask per draft)"
-                )
             hidden = r.hidden_states
             if hidden is not None and (hidden.dim() != 2 or hidden.shape[1] != self._feature_width):
                 raise ValueError(f"seq {r.seq_id!r}: hidden_states of shape {tuple(hidden.shape)}; the DFlash "

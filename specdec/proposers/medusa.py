@@ -24,7 +24,7 @@ import torch
 
 from specdec.grammar import guided_picks
 from specdec.heads.medusa import Medusa
-from specdec.proposers.base import DraftLimit, drafts_as_chain, proposals_in_order
+from specdec.proposers.base import DraftLimit, check_draft_limit, drafts_as_chain, proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
 from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree
@@ -48,7 +48,8 @@ class MedusaProposer(DraftsFromLastHidden):
         self.device = model.lm_heads[0].weight.device
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
-        self.draft_limit = DraftLimit(model.num_heads, "Medusa head", f"num_heads={model.num_heads} heads")
+        self.draft_limit = DraftLimit(model.num_heads, "a Medusa head", f"num_heads={model.num_heads}", "heads",
+                                      "num_heads")  # fmt: skip
         self._seqs = LastHiddenSequences(self.device)
 
     @property
@@ -59,10 +60,9 @@ class MedusaProposer(DraftsFromLastHidden):
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         self._seqs.check(requests)
         width = self.model.config.hidden_size
+        if self.tree is None:  # a tree's nodes may outnumber the heads; its depth may not (checked at build)
+            check_draft_limit(requests, self.draft_limit)
         for r in requests:
-            if self.tree is None and r.num_tokens > self.num_heads:
-                raise ValueError(f"seq {r.seq_id!r}: {r.num_tokens} drafts asked of a Medusa head with num_heads="
-                                 f"{self.num_heads}; num_speculative_tokens must be at most num_heads")  # fmt: skip
             if r.hidden_states is not None and r.hidden_states.shape[-1] != width:
                 raise ValueError(f"seq {r.seq_id!r}: hidden_states of width {r.hidden_states.shape[-1]}; the Medusa "
                                  f"head reads the target's last hidden state, hidden_size={width}")  # fmt: skip

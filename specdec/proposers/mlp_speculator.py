@@ -18,7 +18,7 @@ import torch
 
 from specdec.grammar import guided_row
 from specdec.heads.mlp_speculator import MLPSpeculator
-from specdec.proposers.base import DraftLimit, drafts_as_chain, proposals_in_order
+from specdec.proposers.base import DraftLimit, check_draft_limit, drafts_as_chain, proposals_in_order
 from specdec.proposers.last_hidden import DraftsFromLastHidden, LastHiddenSequences
 from specdec.proposers.static_tree import Row, grow_tree, ranked_candidates
 from specdec.sampling import apply_logit_bias, greedy_tokens, make_generator, process_logits, sample_from_probs
@@ -41,18 +41,16 @@ class MLPSpeculatorProposer(DraftsFromLastHidden):
         self.device = model.head[0].weight.device
         self.vocab_size = model.vocab_size
         self.hidden_state_layers = (target_num_layers,)  # the target's final normed hidden state
-        self.draft_limit = DraftLimit(model.n_predict, "MLP speculator", f"n_predict={model.n_predict} stages")
+        self.draft_limit = DraftLimit(model.n_predict, "an MLP speculator", f"n_predict={model.n_predict}", "stages",
+                                      "n_predict")  # fmt: skip
         self._seqs = LastHiddenSequences(self.device)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         self._seqs.check(requests)
+        if self.tree is None:  # a tree's nodes may outnumber the stages; its depth may not (checked at build)
+            check_draft_limit(requests, self.draft_limit)
         for r in requests:
-            if self.tree is None and r.num_tokens > self.model.n_predict:
-                raise ValueError(
-                    f"seq {r.seq_id!r}: {r.num_tokens} drafts asked of an MLP speculator with n_predict="
-                    f"{self.model.n_predict}; num_speculative_tokens must be at most n_predict"
-                )
             if r.hidden_states is not None and r.hidden_states.shape[-1] != self.model.emb_dim:
                 raise ValueError(
                     f"seq {r.seq_id!r}: hidden_states of width {r.hidden_states.shape[-1]}; the MLP speculator "
