@@ -125,7 +125,7 @@ def test_greedy_drafts_kept_on_the_device_equal_the_per_step_loop(heads, monkeyp
 
     def drafts(on_device: bool, k: int, banned: tuple[int, ...]) -> list[list[int]]:
         proposer = build_head_proposer("eagle3", head_dir, target_dir, max_num_seqs=4)
-        monkeypatch.setattr(proposer, "_uniform_greedy", lambda requests: on_device)
+        monkeypatch.setattr(proposer, "uniform_greedy", lambda requests: on_device)
         used = {}
         original = proposer._draft_greedy_on_device
         monkeypatch.setattr(proposer, "_draft_greedy_on_device", lambda *a: used.setdefault("yes", original(*a)))
@@ -155,7 +155,7 @@ def test_compiled_drafting_steps_equal_the_per_step_loop(two_layer_pair, compile
     monkeypatch.setattr(proposer._greedy_steps, "run", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
 
     def drafts(on_device: bool, k: int, seq_ids: tuple[str, ...], banned: tuple[int, ...]) -> list[list[int]]:
-        monkeypatch.setattr(proposer, "_uniform_greedy", lambda requests: on_device)
+        monkeypatch.setattr(proposer, "uniform_greedy", lambda requests: on_device)
         return greedy_drafts(proposer, prompts, hidden, seq_ids, k, banned, 3)
 
     compiles = counters["aot_autograd"]["total"]

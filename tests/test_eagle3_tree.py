@@ -92,7 +92,7 @@ def test_a_compiled_tree_drafts_the_per_level_passes_tokens(verifier):
     every chain graph too (``tests/test_eagle3.py`` covers those)."""
     tree = SHAPES["static"][0]
     proposer = build_head_proposer("eagle3", MODELS / "tiny-eagle3", MODELS / "tiny-target", max_num_seqs=3, tree=tree)
-    compiled, calls = CompiledGreedyTree(proposer.head, proposer._draft_targets, tree), []
+    compiled, calls = CompiledGreedyTree(proposer.head, proposer.draft_targets, tree), []
     run = compiled.run
     compiled.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
     layers, lm = proposer.hidden_state_layers, verifier.lm
@@ -103,7 +103,7 @@ def test_a_compiled_tree_drafts_the_per_level_passes_tokens(verifier):
         lm.release(s)
 
     def drafts(on_device: bool, seq_ids: str, banned: tuple[int, ...], k: int = tree.num_nodes) -> list[list[int]]:
-        proposer._greedy_tree = compiled if on_device else None
+        proposer.greedy_tree = compiled if on_device else None
         return greedy_drafts(proposer, prompts, features, seq_ids, k, banned, 2)
 
     free = drafts(False, "b", ())

@@ -81,11 +81,11 @@ class Eagle3Proposer(Proposer):
         # [slots, max_model_len, h]: fc(target features) of each held sequence, by cache slot and position
         self._fused = torch.zeros(max_num_seqs, self.max_model_len, config.hidden_size, dtype=head.dtype,
                                   device=self.device)  # fmt: skip
-        self._draft_targets = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [draft_vocab]
-        self._draft_targets_host = self._draft_targets.cpu()  # for the ban masks, built on the host
-        self._head_forward = head  # the module, or its compiled forward
+        self.draft_targets = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [draft_vocab]
+        self._draft_targets_host = self.draft_targets.cpu()  # for the ban masks, built on the host
+        self.head_forward = head  # the module, or its compiled forward
         self._greedy_steps: CompiledGreedySteps | None = None  # on CPU with cpu_compile: drafting steps unrolled
-        self._greedy_tree: CompiledGreedyTree | None = None  # on CPU with cpu_compile: a static tree in one call
+        self.greedy_tree: CompiledGreedyTree | None = None  # on CPU with cpu_compile: a static tree in one call
         self.graphs: StaticHeadRunner | None = None
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
@@ -99,10 +99,10 @@ class Eagle3Proposer(Proposer):
             # two layers, two sequences) would be taken for the same symbol and a third sequence recompile
             torch._dynamo.mark_static(self.cache.kv)
             with compile_phase(log, f"compiling the {self.head_name} for CPU") as progress:
-                self._head_forward = compile_forward(head)
-                self._greedy_steps = CompiledGreedySteps(head, self._draft_targets)
+                self.head_forward = compile_forward(head)
+                self._greedy_steps = CompiledGreedySteps(head, self.draft_targets)
                 static = isinstance(self.tree, DraftTree)
-                self._greedy_tree = CompiledGreedyTree(head, self._draft_targets, self.tree) if static else None
+                self.greedy_tree = CompiledGreedyTree(head, self.draft_targets, self.tree) if static else None
                 self._warm_up(progress)
 
     # (new tokens, k) of each greedy warm-up request after the prefill: a step that accepted nothing, then
@@ -120,7 +120,7 @@ class Eagle3Proposer(Proposer):
         """
         seq_ids, _ = warm_up_plan(self.cache.num_free, self.max_model_len)
         steps = [(new, k, SamplingParams()) for new, k in self._WARM_UP_STEPS]  # (new tokens, k, sampling)
-        if self._greedy_tree is not None:  # the whole tree: one compiled call greedy, a pass a level sampled
+        if self.greedy_tree is not None:  # the whole tree: one compiled call greedy, a pass a level sampled
             steps += [(1, self.tree.num_nodes, SamplingParams()), (1, self.tree.num_nodes, SamplingParams(1.0))]
         needed = WARM_UP_PREFIX + sum(n for n, _, _ in steps) + max(k for _, k, _ in steps)
         if not seq_ids or needed > self.max_model_len:
@@ -281,7 +281,7 @@ class Eagle3Proposer(Proposer):
         if not drafts_as_chain(self.tree, requests):
             tokens = draft_tree(self, requests, bases, logits, prenorm, bans, self.tree)
             return tokens, no_q, [self.tree.first(len(t)).parents for t in tokens]
-        if self._uniform_greedy(requests):
+        if self.uniform_greedy(requests):
             return self._draft_greedy_on_device(requests, seqs, logits, prenorm, bans), no_q, None
         generators = [None if r.sampling.greedy else make_generator(r.seed, self.device) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -300,7 +300,7 @@ class Eagle3Proposer(Proposer):
         return drafts, q_rows, None
 
     @staticmethod
-    def _uniform_greedy(requests: list[ProposeRequest]) -> bool:
+    def uniform_greedy(requests: list[ProposeRequest]) -> bool:
         """One k for every sequence, none sampled or under a grammar: the drafts stay on the device between steps."""
         return len({r.num_tokens for r in requests}) == 1 and all(r.sampling.greedy and r.guide is None for r in requests)
 
@@ -347,7 +347,7 @@ class Eagle3Proposer(Proposer):
         if bucket is not None:  # [B', S', ...] for the bucket's (B', S'): rows past b and s are padding
             logits, prenorm = self.graphs.run_head(bucket, input_ids, hidden, starts, num_new, slots)
         else:
-            logits, prenorm = self._head_forward(input_ids, hidden, starts, num_new, slots, self.cache.kv, kv_len)
+            logits, prenorm = self.head_forward(input_ids, hidden, starts, num_new, slots, self.cache.kv, kv_len)
         last = num_new - 1  # [B]
         rows = torch.arange(b, device=self.device)
         return logits[rows, last], prenorm[rows, last]  # [B, draft_vocab], [B, h]
@@ -370,7 +370,7 @@ class Eagle3Proposer(Proposer):
         if bans is not None:
             mask, num_banned = bans if rows is None else (bans[0][rows], bans[1][rows])
             logits = logits.masked_fill(mask & (step < num_banned)[:, None], float("-inf"))
-        return self._draft_targets[logits.argmax(-1)]
+        return self.draft_targets[logits.argmax(-1)]
 
     def _pick(self, requests, live, step, logits, generators, q_rows, bans, drafts) -> list[int]:
         """Each next draft: a free greedy row's is ``_greedy_ids``; the others' go on the target's vocabulary,

@@ -37,7 +37,7 @@ def draft_tree(proposer, requests: list[ProposeRequest], bases: list[int], logit
     requests that all draft the whole tree take one compiled call where the proposer has one
     (``specdec.heads.compiled_tree``); the others a pass a level from here.
     """
-    if proposer._greedy_tree is not None and proposer._uniform_greedy(requests) and \
+    if proposer.greedy_tree is not None and proposer.uniform_greedy(requests) and \
             requests[0].num_tokens >= tree.num_nodes:  # fmt: skip
         return _draft_tree_compiled(proposer, requests, bases, logits, prenorm, bans, tree)
     trees = [tree.first(r.num_tokens) for r in requests]
@@ -81,7 +81,7 @@ def _draft_tree_compiled(proposer, requests: list[ProposeRequest], bases: list[i
     banned, num_banned = bans if bans is not None else (torch.zeros_like(logits, dtype=torch.bool),
                                                         torch.zeros_like(base))  # fmt: skip
     kv_len = max(bases) + 1 + tree.num_nodes
-    return proposer._greedy_tree.run(logits, prenorm, base, slots, proposer.cache.kv, kv_len, banned,
+    return proposer.greedy_tree.run(logits, prenorm, base, slots, proposer.cache.kv, kv_len, banned,
                                      num_banned).tolist()  # fmt: skip
 
 
@@ -145,7 +145,7 @@ def _top_log_probs(proposer, logits: torch.Tensor, k: int, depth: int, bans, row
         mask, num_banned = bans if rows is None else (bans[0][rows], bans[1][rows])
         logits = logits.masked_fill(mask & (depth < num_banned)[:, None], float("-inf"))
     values, indices = logits.float().log_softmax(-1).topk(k, dim=-1)
-    return values.tolist(), proposer._draft_targets[indices].tolist()
+    return values.tolist(), proposer.draft_targets[indices].tolist()
 
 
 def _has_children(tree: DraftTree, node: int) -> bool:
@@ -202,7 +202,7 @@ def _run_nodes(proposer, requests, bases, running, rows: list[NodeRows], depth: 
     positions = (base_t + depth - 1)[:, None].expand(len(running), width)  # [R, S]: a depth-d node rotates at base + d
     tree = TreeAttention(base_t, positions.contiguous(), visible.to(device, non_blocking=True))
     kv_len = max(bases[i] + 1 + r.span for i, r in zip(running, rows))
-    return proposer._head_forward(ids.to(device, non_blocking=True), hidden, starts_t, num_new_t, slots_t,
+    return proposer.head_forward(ids.to(device, non_blocking=True), hidden, starts_t, num_new_t, slots_t,
                                   proposer.cache.kv, kv_len, tree)  # fmt: skip
 
 
@@ -212,4 +212,4 @@ def _top_targets(proposer, logits: torch.Tensor, ranks: int, depth: int, bans, r
     if bans is not None:
         mask, num_banned = bans if rows is None else (bans[0][rows], bans[1][rows])
         logits = logits.masked_fill(mask & (depth < num_banned)[:, None], float("-inf"))
-    return proposer._draft_targets[logits.topk(ranks, dim=-1).indices]  # [n, ranks]
+    return proposer.draft_targets[logits.topk(ranks, dim=-1).indices]  # [n, ranks]
