@@ -10,10 +10,13 @@ one forward. This script fine-tunes a copy of ``--draft`` (``models/tiny-draft``
   (the standard library's ``.py`` files, the same held-out split), ``--generated-share`` of
   them (all, by default) the target's greedy continuation of their first ``--prompt-tokens``
   tokens. In a generated window the tokens after any prefix *are* the target's greedy
-  continuation of it, which is what a greedy draft is accepted against.
+  continuation of it, which is what a greedy draft is accepted against. The defaults match
+  what the benchmarks serve: 128 tokens of text (a prompt's length), then 64 generated.
 * **Objective.** Each window is fed once as text (every position predicts the next token, the
   draft's old task, offset 0) and ``--chains`` times as a chain of ``K - 1`` masks
-  (``K = --max-k``) after a random prefix: mask ``j`` sits at position ``prefix + j``, attends
+  (``K = --max-k``) after a random prefix in the generated part (``--chain-prefixes``; masks
+  after a prefix of plain text would learn the corpus's next tokens, not the target's):
+  mask ``j`` sits at position ``prefix + j``, attends
   to the prefix's real tokens and the chain's earlier masks (one 4D attention mask over the
   packed row), and predicts the token at offset ``j``. A mask sees only its own chain's
   earlier masks, so a chain of ``K - 1`` masks holds the input of every shorter k: PARD's
@@ -33,7 +36,7 @@ agreement with the target's greedy tokens on held-out generated windows (offset 
 token, as a chain drafter's first draft), for the PARD draft and the draft it started from;
 and greedy decoding of held-out prompts through the engine at ``--eval-k`` with the PARD
 draft drafting in parallel and the original draft drafting a chain (tokens per step,
-acceptance per position). Seeded, on CPU in about 13 minutes with the defaults (one thread).
+acceptance per position). Seeded, on CPU in about 15 minutes with the defaults (one thread).
 
     python scripts/train_pard_draft.py --out models/tiny-draft-pard
 """
@@ -142,8 +145,14 @@ def pack(windows: torch.Tensor, prefixes: torch.Tensor, mask_id: int, num_masks:
 
 
 def sample_prefixes(batch: int, args, gen: torch.Generator) -> torch.Tensor:
-    """[B, C] chain prefixes: the last real position of each, leaving room for K - 1 labelled masks."""
-    return torch.randint(0, args.seq_len - args.max_k, (batch, args.chains), generator=gen)
+    """[B, C] chain prefixes: the last real position of each, leaving room for K - 1 labelled masks.
+
+    ``--chain-prefixes generated`` starts every chain at the prompt's last token or later, so
+    each mask's label is the target's greedy continuation of its prefix (what a draft is
+    accepted against) rather than the corpus's next tokens.
+    """
+    low = args.prompt_tokens - 1 if args.chain_prefixes == "generated" else 0
+    return torch.randint(low, args.seq_len - args.max_k, (batch, args.chains), generator=gen)
 
 
 def train(args, draft, windows: torch.Tensor, mask_id: int) -> list[float]:
@@ -224,13 +233,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-k", type=int, default=4, help="K: chains of K - 1 masks, drafts 1..K trained")
     parser.add_argument("--chains", type=int, default=32, help="mask chains per window")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--windows", type=int, default=1536, help="training windows (the target continues a share once)")
+    parser.add_argument("--seq-len", type=int, default=192)
+    parser.add_argument("--windows", type=int, default=3072, help="training windows (the target continues a share once)")
     parser.add_argument("--generated-share", type=float, default=1.0,
                         help="share of windows continued by the target (1.0: every label is its greedy token)")
-    parser.add_argument("--prompt-tokens", type=int, default=32, help="text tokens a generated window starts from")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="text tokens a generated window starts from")
+    parser.add_argument("--chain-prefixes", choices=("generated", "all"), default="generated",
+                        help="where mask chains start: in the generated part only, or anywhere in the window")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--corpus-chars", type=int, default=4_000_000)
     parser.add_argument("--mask-token-id", type=int, default=None, help="default: the token of byte 0xFF (checked)")
@@ -284,7 +295,8 @@ def main() -> None:
         "seed": args.seed,
         "mask_token": {"key": MASK_TOKEN_KEY, "id": mask_id, "why": mask_why},
         "max_k": args.max_k, "chains_per_window": args.chains, "steps": args.steps, "batch_size": args.batch_size,
-        "windows": args.windows, "generated_share": args.generated_share,
+        "windows": args.windows, "generated_share": args.generated_share, "prompt_tokens": args.prompt_tokens,
+        "seq_len": args.seq_len, "chain_prefixes": args.chain_prefixes,
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
         "held_out_offset_top1_agreement": {
             "what": f"argmax at offset j (0: the next token; j >= 1: mask j) == the target's greedy token, over "
