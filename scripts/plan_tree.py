@@ -104,6 +104,7 @@ class Planner:
         tokenizer = load_tokenizer(args.target)
         self.prompts = plan_prompts(args, tokenizer)
         self.measured = measurement_tree(args.max_depth, args.max_rank, args.max_off_top)
+        self.timed_shapes()  # refused before a measurement, not after it
         # the measurement decodes past --max-tokens by the tree's size: a step drafts no more nodes than tokens are
         # left, so its first --max-tokens tokens draft the whole tree and the rest (uncounted) a cut of it
         self.max_model_len = max(map(len, self.prompts)) + args.max_tokens + 2 * self.measured.num_nodes + 8
@@ -130,8 +131,14 @@ class Planner:
         return PathAcceptance.from_steps(tree, recording.accepted)
 
     def timed_shapes(self) -> list[DraftTree | None]:
+        """k = 0, the chains, and the wide shapes the measurement tree holds (their rates are known)."""
         depth = min(self.args.max_depth, 5)
-        return [None, *(chain(k) for k in range(1, depth + 1)), *map(parse_token_tree, WIDE_SHAPES)]
+        wide = [t for t in map(parse_token_tree, WIDE_SHAPES) if set(t.paths) <= set(self.measured.paths)]
+        if not wide:
+            raise SystemExit(f"none of the wide shapes {WIDE_SHAPES} fits a measurement tree of depth "
+                             f"{self.args.max_depth} and ranks below {self.args.max_rank}: a step's cost per node "
+                             "cannot be told from its cost per level")  # fmt: skip
+        return [None, *(chain(k) for k in range(1, depth + 1)), *wide]
 
     def costs(self) -> tuple[StepCost, list[dict]]:
         """Each timed shape's median step seconds and tokens/s at one stream, and the line fitted to them."""
