@@ -12,8 +12,10 @@
 #      (and, with "eager" in STEPS, EAGLE-3 against k = 0 without them).
 #   4. where EAGLE-3's time goes at four streams: each propose and verify timed apart (profile_steps.py);
 #   5. ("trees" in STEPS) the shipped drafters' trees and the one-pass drafters (PARD, MTP, DFlash,
-#      Medusa) on the GPU in float32, lossless as in 2, timed against EAGLE-3's chain.
-# STEPS picks the steps (default "tests lossless checkpoints graphs profile"; "eager" and "trees" add theirs), so a
+#      Medusa) on the GPU in float32, lossless as in 2, timed against EAGLE-3's chain;
+#   6. ("plan" in STEPS) the fastest EAGLE-3 tree for this GPU (plan_tree.py), then that tree against
+#      the chain in benchmark_engine.py.
+# STEPS picks the steps (default "tests lossless checkpoints graphs profile"; "eager", "trees" and "plan" add theirs), so a
 # lease of 15 minutes can run them around the served check (scripts/gpu_serve_check.sh, after
 # scripts/gpu_bundle.sh here), which makes or reuses the same random checkpoints; in two calls of
 # under 10 minutes each, the second right after the first (the machine and /tmp stay while warm):
@@ -61,6 +63,15 @@ step trees "trees and one-pass drafters on GPU (shipped models, float32)" 90 bas
   $PY scripts/benchmark_engine.py --device cuda --dtype float32 --no-hf --commit $COMMIT --out-dir $OUT/trees \
     --configs k0,mlp_speculator:3,mlp_speculator+tree:7 --concurrency 1,4 --num-prompts 8 --max-tokens 64 \
     --rounds 1 --token-tree '[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]'"
+
+step plan "a tree planned for this GPU (shipped EAGLE-3, float32), then timed against the chain" 150 bash -ec "
+  mkdir -p $OUT/plan
+  $PY scripts/plan_tree.py --device cuda --dtype float32 --num-prompts 16 --max-nodes 24 --out-dir $OUT/plan \
+    --best-out $OUT/plan/best.txt
+  { read -r nodes; read -r tree; } < $OUT/plan/best.txt
+  $PY scripts/benchmark_engine.py --device cuda --dtype float32 --no-hf --commit $COMMIT --out-dir $OUT/plan \
+    --configs k0,eagle3:3,eagle3:4,eagle3+tree:\$nodes --token-tree \"\$tree\" --concurrency 1,4 \
+    --num-prompts 8 --max-tokens 64 --rounds 3"
 
 step checkpoints "random checkpoints (those not made yet)" 90 bash -ec "
   [ -f $MODELS/llama-1b/config.json ] ||

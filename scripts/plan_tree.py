@@ -16,7 +16,8 @@ costs, then print the fastest tree of each size (``specdec.tree_plan``) as a ``s
 
 The engine is ``scripts/benchmark_engine.py``'s (``bench.engine``), so a planned tree can be
 checked there: ``--configs k0,eagle3:3,eagle3+tree:N --token-tree "<the plan's tree>"``.
-Writes ``benchmarks/results/plan-tree-<UTC date-time>-<commit>.json``.
+On CUDA the target and the drafter replay CUDA graphs where they would served (a chain's steps;
+a tree's passes run eagerly). Writes ``benchmarks/results/plan-tree-<UTC date-time>-<commit>.json``.
 
     python scripts/plan_tree.py --method eagle3 --max-nodes 12
 """
@@ -72,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    p.add_argument("--best-out", type=Path, default=None,
+                   help="also write the fastest tree here: its node count on one line, its tree on the next")
     return p.parse_args()
 
 
@@ -108,7 +111,9 @@ class Planner:
         # the measurement decodes past --max-tokens by the tree's size: a step drafts no more nodes than tokens are
         # left, so its first --max-tokens tokens draft the whole tree and the rest (uncounted) a cut of it
         self.max_model_len = max(map(len, self.prompts)) + args.max_tokens + 2 * self.measured.num_nodes + 8
-        self.lm = FastCausalLM(args.target, args.dtype, args.device, 4, self.max_model_len, cuda_graphs=False)
+        # on CUDA the chains' steps replay captured graphs as served; a tree's passes run eagerly either way
+        self.graphs = args.device != "cpu"
+        self.lm = FastCausalLM(args.target, args.dtype, args.device, 4, self.max_model_len, cuda_graphs=self.graphs)
         self.verifier = TargetVerifier(self.lm)
         self.eos = tuple(eos_token_ids(tokenizer, args.target))
 
@@ -118,7 +123,7 @@ class Planner:
                                 num_speculative_tokens=k)  # fmt: skip
 
     def proposer(self, tree: DraftTree | None):
-        return build_proposer(self.args.method, self.args, 4, self.max_model_len, False, tree)
+        return build_proposer(self.args.method, self.args, 4, self.max_model_len, self.graphs, tree)
 
     def acceptance(self) -> PathAcceptance:
         tree = self.measured
@@ -220,6 +225,8 @@ def main() -> None:
         "plans": rows,
     }, indent=1))
     print(f"[plan] wrote {out}")
+    if args.best_out is not None:
+        args.best_out.write_text(f"{best.num_nodes}\n{best.tree.spec()}\n")
 
 
 if __name__ == "__main__":
