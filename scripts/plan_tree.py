@@ -93,9 +93,8 @@ class RecordingSampler:
     def __init__(self, sampler: RejectionSampler, num_nodes: int):
         self.sampler, self.num_nodes, self.accepted = sampler, num_nodes, []
 
-    def __call__(self, *call):
-        result = self.sampler(*call)
-        parents = call[6]
+    def __call__(self, draft_token_ids, draft_probs, verify, seed, method=None, position=None, parents=None):
+        result = self.sampler(draft_token_ids, draft_probs, verify, seed, method, position, parents)
         if parents is not None and len(parents) == self.num_nodes:  # a step near the end, cut, is not counted
             self.accepted.append(result.accepted_nodes)
         return result
