@@ -144,8 +144,11 @@ class SequenceState:
         """k_eff for this step: drafts + one recovered/bonus token fit in the tokens left."""
         if self._step == 0:
             return 0
-        left = self.params.max_tokens - len(self.output_ids)
-        return max(0, min(self.params.num_speculative_tokens, left - 1))
+        return max(0, min(self.params.num_speculative_tokens, self.num_tokens_left() - 1))
+
+    def num_tokens_left(self) -> int:
+        """Output tokens the request may still emit (``max_tokens`` less those emitted)."""
+        return self.params.max_tokens - len(self.output_ids)
 
     def num_unsent_to_proposer(self) -> int:
         """Tokens the next propose request carries: the prompt at first, then what the steps since added."""

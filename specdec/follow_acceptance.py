@@ -108,7 +108,8 @@ class AcceptanceEstimate:
         return values
 
 
-def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts, margin: float = 0.0) -> list[int]:
+def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts, margin: float = 0.0,
+               catch_up_s: Sequence[float] | None = None) -> list[int]:  # fmt: skip
     """Each sequence's k (at most ``len(values[i])``) that together maximise the step's expected tokens per second.
 
     ``values[i][j - 1]`` is what sequence ``i``'s ``j``-th draft adds to the step's expected
@@ -120,6 +121,11 @@ def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts, margin: flo
     (``value / c > N / T``): the first that is not is where to stop. Each depth's best is
     compared with the others' and with no drafts at all, which drafts must beat by
     ``margin`` (a share of its goodput). Ties draft less.
+
+    ``catch_up_s[i]``: what sequence ``i``'s first draft costs beyond a draft's, the share of
+    its drafter's catch-up this step bears (:func:`catch_up_share`). A first draft not worth
+    that is skipped, and the sequence with it; any other draft that is not worth its cost
+    ends the search, as every later one is worth less and costs no less.
     """
     if any(v < 0 or v > 1 for row in values for v in row):
         raise ValueError(f"a draft adds between 0 and 1 expected tokens, got {[list(row) for row in values]}")
@@ -127,18 +133,24 @@ def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts, margin: flo
     plain_s = costs.seconds(n, 0, 0)
     best_ks, best = [0] * n, (1 + margin) * n / plain_s  # each sequence's recovered or bonus token
     per_draft = costs.verify_row_s + costs.draft_s
-    ranked = sorted(((v, j, i) for i, row in enumerate(values) for j, v in enumerate(row)), reverse=True)
+    # most valuable first; a sequence's drafts in their order where their values tie
+    ranked = sorted(((v, j, i) for i, row in enumerate(values) for j, v in enumerate(row)),
+                    key=lambda d: (-d[0], d[1], -d[2]))  # fmt: skip
     deepest = max(map(len, values), default=0)
     # without a cost per depth, the deepest allowed is no dearer than any other: one pass is the best
+    catch_up_s = catch_up_s or [0.0] * n
     for depth in range(1, deepest + 1) if costs.depth_s > 0 else range(deepest, deepest + 1):
         tokens, seconds = float(n), plain_s + costs.call_s + costs.depth_s * depth  # the depth's fixed part
         ks = [0] * n
         for value, j, i in ranked:
-            if j >= depth:  # a draft past this depth
+            if j >= depth or ks[i] < j:  # a draft past this depth, or after a first draft that was skipped
                 continue
-            if value * seconds <= tokens * per_draft:  # value / per_draft <= tokens / seconds: no gain
+            cost = per_draft + (catch_up_s[i] if j == 0 else 0.0)
+            if value * seconds <= tokens * cost:  # value / cost <= tokens / seconds: no gain
+                if cost > per_draft:
+                    continue
                 break
-            tokens, seconds = tokens + value, seconds + per_draft
+            tokens, seconds = tokens + value, seconds + cost
             ks[i] += 1
         if (max(ks) == depth or costs.depth_s == 0) and tokens / seconds > best:  # else priced at its own depth
             best_ks, best = ks, tokens / seconds
@@ -161,14 +173,39 @@ def probe_every(costs: DraftCosts, num_sequences: int, unsent: int = 0) -> int:
     return max(1, math.ceil(goodput * probe_s / PROBE_SHARE))
 
 
+def catch_up_share(costs: DraftCosts, unsent: int, cap: int, tokens_left: int, values: Sequence[float]) -> float:
+    """The seconds of a drafter's catch-up that one step starting to draft bears.
+
+    A drafter that has not drafted for a sequence for a while (or ever: a new request's
+    prompt) reads what it missed before its first draft, ``DraftCosts.feed_s`` a token beyond
+    the ``cap + 1`` a drafting step feeds anyway. Four sequences starting at once after a
+    stretch at k = 0 read hundreds of tokens each, a step several times a plain one's. The
+    catch-up is paid once and serves every later step the sequence drafts, so a step bears
+    it over the steps left to the request at the tokens a step then emits
+    (``1 + sum(values)``): a new request's prompt weighs little, a catch-up near the end of
+    a request much.
+    """
+    missed = max(0, unsent - (cap + 1))
+    if missed == 0 or costs.feed_s == 0:
+        return 0.0
+    steps_left = max(1.0, tokens_left / (1.0 + sum(values)))
+    return costs.feed_s * missed / steps_left
+
+
 def choose_ks(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], costs: DraftCosts,
-              population_rate: float, unsent: Sequence[int] | None = None) -> list[int]:  # fmt: skip
+              population_rate: float, unsent: Sequence[int] | None = None,
+              tokens_left: Sequence[int] | None = None) -> list[int]:  # fmt: skip
     """The goodput rule over each sequence's rate, and a probe of one draft for a sequence long at k = 0.
 
-    ``unsent``: the tokens each sequence's drafter has not read (its probe's catch-up).
+    ``unsent``: the tokens each sequence's drafter has not read (its catch-up, charged as
+    :func:`catch_up_share` says where ``tokens_left`` is given, and its probe's).
     """
-    ks = goodput_ks([e.draft_values(population_rate, cap) for e, cap in zip(estimates, caps)], costs, DRAFT_MARGIN)
+    values = [e.draft_values(population_rate, cap) for e, cap in zip(estimates, caps)]
     unsent = unsent or [0] * len(estimates)
+    catch_up = None
+    if tokens_left is not None:
+        catch_up = [catch_up_share(costs, u, cap, left, v) for u, cap, left, v in zip(unsent, caps, tokens_left, values)]
+    ks = goodput_ks(values, costs, DRAFT_MARGIN, catch_up)
     return [1 if k == 0 and cap > 0 and e.steps_without_drafts >= probe_every(costs, len(estimates), u) else k
             for k, cap, e, u in zip(ks, caps, estimates, unsent)]  # fmt: skip
 
@@ -227,7 +264,8 @@ class DraftLengths:
             caps = [min(cap, state.num_draft_tokens()) for state in states]
             prior = self.population.rate(INITIAL_RATE)
             unsent = [state.num_unsent_to_proposer() for state in states]
-            ks = choose_ks([state.acceptance for state in states], caps, costs, prior, unsent)
+            left = [state.num_tokens_left() for state in states]
+            ks = choose_ks([state.acceptance for state in states], caps, costs, prior, unsent, left)
             ks = self._population_probe(ks, caps, unsent, costs)
         feeds = [s.num_unsent_to_proposer() for s, k in zip(states, ks) if k and s.num_draft_tokens()]
         return StepLengths(cap, tuple(ks), max(feeds, default=0) <= cap + 1, sum(feeds))

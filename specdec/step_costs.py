@@ -17,7 +17,8 @@ parts scale with different things, and a k chosen from a wrong shape of cost spi
 :class:`CostMeter` fits both from measured steps (older ones fading by :data:`COST_DECAY`);
 where nothing has varied yet (one batch size, one k) it charges every second to what
 varies (rows; depth), the reading under which nothing looks free; once the rows have
-varied, the last slope read stands while they keep still.
+varied, the last slope read stands while they keep still. A row slope within noise of zero
+(``Moments.slope_stands_out``) is not taken as read: verifying drafts would look free.
 """
 from __future__ import annotations
 
@@ -77,10 +78,10 @@ class Moments:
     """Decayed sums of points ``(x1, x2, y)``: what a least-squares fit of ``y`` in ``x1`` and ``x2`` needs."""
 
     weight: float = 0.0
-    sums: tuple[float, ...] = (0.0,) * 8  # x1, x2, y, x1^2, x2^2, x1 x2, x1 y, x2 y
+    sums: tuple[float, ...] = (0.0,) * 9  # x1, x2, y, x1^2, x2^2, x1 x2, x1 y, x2 y, y^2
 
     def after(self, x1: float, x2: float, y: float) -> Moments:
-        point = (x1, x2, y, x1 * x1, x2 * x2, x1 * x2, x1 * y, x2 * y)
+        point = (x1, x2, y, x1 * x1, x2 * x2, x1 * x2, x1 * y, x2 * y, y * y)
         return Moments(COST_DECAY * self.weight + 1, tuple(COST_DECAY * s + p for s, p in zip(self.sums, point)))
 
     def means(self) -> tuple[float, float, float]:
@@ -96,6 +97,22 @@ class Moments:
     def spread(self) -> bool:
         """Whether ``x1`` has varied enough for a slope to be read."""
         return self.weight > 0 and self.covariances()[0] > MIN_SPREAD
+
+    def slope_stands_out(self) -> bool:
+        """Whether ``y``'s slope in ``x1`` alone is above zero by more than twice its standard error.
+
+        A few noisy steps can fit a slope near zero where the true one is not: read as a
+        row's cost, verifying drafts would look free.
+        """
+        if not self.spread():
+            return False
+        v1, _, _, c1y, _ = self.covariances()
+        my = self.means()[2]
+        slope = c1y / v1
+        residual = max(0.0, self.sums[8] / self.weight - my * my - slope * c1y)  # var y less what x1 explains
+        if slope * v1**0.5 <= 1e-9 * abs(my):  # flat to float precision
+            return False
+        return slope > 2.0 * (residual / (v1 * self.weight)) ** 0.5
 
     def fit(self) -> tuple[float, float, float]:
         """(intercept, slope in x1, slope in x2), none negative.
@@ -140,7 +157,8 @@ class CostMeter:
         rest, propose, rows_read, fed = self.rest, self.propose, self.rows_read, self.fed
         if timing.decode:
             rest = rest.after(float(timing.rows), 0.0, timing.rest_s)
-            rows_read = rest.fit()[:2] if rest.spread() else rows_read
+            if rest.slope_stands_out():  # else the last reading stands (or none: the rule keeps exploring)
+                rows_read = rest.fit()[:2]
         if timing.num_drafts > 0:
             propose = propose.after(float(timing.depth), float(timing.num_drafts), timing.propose_s)
         elif timing.fed > 0:  # what the call took beyond a steady call of its depth (before one: all of it)

@@ -20,6 +20,7 @@ from specdec.follow_acceptance import (
     AcceptanceEstimate,
     DraftLengths,
     StepLengths,
+    catch_up_share,
     choose_ks,
     goodput_ks,
     probe_every,
@@ -155,6 +156,31 @@ def test_a_probe_that_must_catch_a_draft_up_on_a_prompt_waits_longer():
     assert choose_ks([failing, failing], [CAP, CAP], costs, 0.0, unsent=[1, 500]) == [1, 0]
 
 
+def test_a_catch_up_is_shared_by_the_steps_left_to_the_request():
+    costs = replace(SERVED_DRAFT, feed_s=2e-5)
+    values = [0.8, 0.6]  # a drafting step then emits 2.4 tokens
+    assert catch_up_share(costs, unsent=3, cap=2, tokens_left=60, values=values) == 0.0  # what a step feeds anyway
+    assert catch_up_share(replace(costs, feed_s=0.0), 500, 2, 60, values) == 0.0
+    assert catch_up_share(costs, 203, 2, tokens_left=60, values=values) == pytest.approx(2e-5 * 200 / 25)
+    assert catch_up_share(costs, 203, 2, tokens_left=2, values=values) == pytest.approx(2e-5 * 200)  # one step left
+
+
+def test_a_first_draft_not_worth_its_catch_up_is_skipped_and_the_others_still_draft():
+    values = [[0.9, 0.8], [0.9, 0.8]]
+    assert goodput_ks(values, SERVED_DRAFT, catch_up_s=[0.0, 0.0]) == [2, 2]
+    assert goodput_ks(values, SERVED_DRAFT, catch_up_s=[0.0, 50e-3]) == [2, 0]
+    assert goodput_ks(values, SERVED_DRAFT, catch_up_s=[50e-3, 50e-3]) == [0, 0]
+
+
+def test_sequences_that_missed_many_tokens_near_their_end_do_not_start_drafting_together():
+    """Four sequences at k = 0 for a while, a few tokens left: catching their drafter up costs more than it earns."""
+    costs = replace(GPU, feed_s=1e-4)
+    passing = [AcceptanceEstimate(6.0, 4.0)] * 4
+    assert choose_ks(passing, [4] * 4, costs, 0.6, unsent=[3] * 4, tokens_left=[12] * 4) == [2] * 4
+    assert choose_ks(passing, [4] * 4, costs, 0.6, unsent=[190] * 4, tokens_left=[12] * 4) == [0] * 4
+    assert choose_ks(passing, [4] * 4, costs, 0.6, unsent=[190] * 4, tokens_left=[400] * 4) == [2] * 4  # a prompt
+
+
 def test_the_population_probes_its_cheapest_sequence_once_no_one_has_drafted_for_a_probe_s_interval():
     costs = replace(SERVED_DRAFT, feed_s=1e-4)
     lengths = DraftLengths(SpeculationLength(CAP, follows_acceptance=True), costs=costs)
@@ -193,12 +219,16 @@ class FakeState:
     acceptance: AcceptanceEstimate = AcceptanceEstimate()
     drafts_left: int = CAP
     unsent: int = 1
+    tokens_left: int = 64
 
     def num_draft_tokens(self) -> int:
         return self.drafts_left
 
     def num_unsent_to_proposer(self) -> int:
         return self.unsent
+
+    def num_tokens_left(self) -> int:
+        return self.tokens_left
 
 
 def test_with_the_knob_off_every_sequence_drafts_the_table_s_k():
@@ -226,7 +256,7 @@ def test_until_both_costs_are_read_each_sequence_drafts_one_every_other_step():
     costs = lengths.meter.costs()  # one sequence: its depth and its drafts are one number, read as depth
     assert lengths.meter.measured_drafts and (costs.depth_s, costs.draft_s) == (pytest.approx(1e-4), 0.0)
     assert lengths.meter.rows_read is None and lengths.choose([FakeState()]).ks == (1,)  # still exploring
-    lengths.observe([(0, 0)], 1, StepLengths(CAP, (0,)), 0.0, 9.9e-3)  # rows 2, 2, 1: now they varied
+    lengths.observe([(0, 0)], 1, StepLengths(CAP, (0,)), 0.0, 9.0e-3)  # rows 2, 2, 1: now they varied, at a cost
     assert lengths.meter.rows_read is not None and lengths.choose([FakeState()]).ks == (CAP,)
     assert lengths.population.rate(0.8) > 0.8
 

@@ -33,6 +33,22 @@ def test_the_rest_is_a_line_in_the_rows_of_decode_steps_only():
         CostMeter().after(StepTiming(0, 0, 0, 0.0, 1e-3))
 
 
+def test_a_row_cost_within_noise_of_zero_is_not_read():
+    """A few noisy steps can fit a row at nearly nothing; the drafts would then look free to verify."""
+    rng = random.Random(0)
+
+    def steps(row_s: float, n: int) -> list[StepTiming]:
+        return [StepTiming(4 + 4 * (i % 2), 4 * (i % 2), i % 2, 1e-3 * (i % 2),
+                           6e-3 + row_s * 4 * (i % 2) + rng.gauss(0, 1e-3)) for i in range(n)]  # fmt: skip
+
+    assert metered(steps(2e-5, 10)).rows_read is None  # 0.08 ms a step's rows against 1 ms of noise: unread
+    read = metered(steps(2e-4, 200)).rows_read  # enough steps tell 0.8 ms from the noise
+    assert read is not None and read[1] == pytest.approx(2e-4, rel=0.3)
+    assert metered(steps(2e-4, 200) + steps(0.0, 6)).rows_read[1] > 0  # a flat stretch leaves the reading standing
+    flat = [StepTiming(4 + 4 * (i % 2), 4 * (i % 2), i % 2, 0.0, 6e-3) for i in range(20)]
+    assert metered(flat).rows_read is None
+
+
 def test_the_propose_call_is_its_own_cost_a_cost_per_depth_and_one_per_draft():
     rng, steps = random.Random(0), []
     for _ in range(300):  # 16 sequences of mixed k: a 1 ms call, 3 ms a depth (a forward), 0.1 ms a draft token
