@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdec.speculation_length import SpeculationLength
@@ -57,6 +57,11 @@ INITIAL_RATE = 0.8  # the population's rate before any step: the first requests 
 # less than this are as likely to lose as to win, and k = 0 never loses to itself.
 DRAFT_MARGIN = 0.15
 PROBE_SHARE = 0.01  # the most of the tokens that probes of sequences at k = 0 may cost
+# A choice of no drafts stands this many steps while the batch keeps its sequences and no
+# probe falls due: without drafts no sequence's estimate moves, only the measured costs,
+# which drift by a few percent in that time. Choosing afresh every step costs about as much
+# as the probes do (~60 us of Python a step, 1-2 % of a one-stream step on a CPU).
+IDLE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class AcceptanceEstimate:
         if not 0 <= num_accepted <= num_drafts:
             raise ValueError(f"num_accepted must be in [0, num_drafts={num_drafts}], got {num_accepted}")
         if num_drafts == 0:  # no evidence: only a probe can tell whether its drafts pass again
-            return replace(self, steps_without_drafts=self.steps_without_drafts + 1)
+            return AcceptanceEstimate(self.accepted, self.rejected, self.steps_without_drafts + 1, self.prior_weight)
         return self.observed(num_accepted, float(num_accepted < num_drafts))
 
     def observed(self, accepted: float, rejected: float) -> AcceptanceEstimate:
@@ -133,10 +138,15 @@ def goodput_ks(values: Sequence[Sequence[float]], costs: DraftCosts, margin: flo
     plain_s = costs.seconds(n, 0, 0)
     best_ks, best = [0] * n, (1 + margin) * n / plain_s  # each sequence's recovered or bonus token
     per_draft = costs.verify_row_s + costs.draft_s
+    deepest = max(map(len, values), default=0)
+    # the likeliest draft not worth its seconds even in the dearest step: no draft is (drafts that
+    # keep failing, every step of them: the rule's common case where it matters that it is cheap)
+    most = max((row[0] for row in values if row), default=0.0)
+    if most * (plain_s + costs.call_s + costs.depth_s * deepest) <= n * per_draft:
+        return best_ks
     # most valuable first; a sequence's drafts in their order where their values tie
     ranked = sorted(((v, j, i) for i, row in enumerate(values) for j, v in enumerate(row)),
                     key=lambda d: (-d[0], d[1], -d[2]))  # fmt: skip
-    deepest = max(map(len, values), default=0)
     # without a cost per depth, the deepest allowed is no dearer than any other: one pass is the best
     catch_up_s = catch_up_s or [0.0] * n
     for depth in range(1, deepest + 1) if costs.depth_s > 0 else range(deepest, deepest + 1):
@@ -239,6 +249,8 @@ class DraftLengths:
         self.steps_exploring = 0
         self._costs: DraftCosts | None = None  # the meter's, read since its last step
         self.steps_without_drafts = 0  # steps in which no sequence drafted: the population's own probe
+        # after a choice of no drafts: the batch (each sequence and its cap) and the steps the choice still stands
+        self._idle: tuple[tuple[tuple[str, int], ...], int] | None = None
 
     def choose(self, states: Sequence[SequenceState]) -> StepLengths:
         """Each ``SequenceState``'s k in a step.
@@ -247,11 +259,18 @@ class DraftLengths:
         varied), each sequence drafts one every other step: a step at the cap could cost
         many plain steps where drafts are dear, a step without drafts teaches nothing of
         them, and steps that alternate between no draft and one vary the rows, which is what
-        lets a row's cost be read.
+        lets a row's cost be read. A choice of no drafts stands while the batch does, for at
+        most :data:`IDLE_STEPS` and never past a probe's step.
         """
         cap = self.speculation.k_for(len(states))
         if not self.speculation.follows_acceptance:  # the table alone: nothing else to read per step
             return StepLengths(cap, (cap,) * len(states), True)
+        if self._idle is not None:
+            batch, stands = self._idle
+            self._idle = None
+            if stands > 0 and batch == tuple((s.seq_id, min(cap, s.num_draft_tokens())) for s in states):
+                self._idle, self.steps_without_drafts = (batch, stands - 1), self.steps_without_drafts + 1
+                return StepLengths(cap, (0,) * len(states))
         if self._costs is None and self.fixed_costs is None:  # read once a step measured, not once a choice
             self._costs = self.meter.costs()
         costs = self.fixed_costs or self._costs
@@ -267,8 +286,22 @@ class DraftLengths:
             left = [state.num_tokens_left() for state in states]
             ks = choose_ks([state.acceptance for state in states], caps, costs, prior, unsent, left)
             ks = self._population_probe(ks, caps, unsent, costs)
+            if not any(ks):
+                batch = tuple((state.seq_id, c) for state, c in zip(states, caps))
+                self._idle = (batch, self._idle_steps(states, caps, unsent, costs))
         feeds = [s.num_unsent_to_proposer() for s, k in zip(states, ks) if k and s.num_draft_tokens()]
         return StepLengths(cap, tuple(ks), max(feeds, default=0) <= cap + 1, sum(feeds))
+
+    def _idle_steps(self, states: Sequence[SequenceState], caps: list[int], unsent: list[int],
+                    costs: DraftCosts) -> int:  # fmt: skip
+        """The steps after this one for which a choice of no drafts stands: :data:`IDLE_STEPS`, less where a probe
+        falls due sooner (a sequence's, or the population's of its cheapest)."""
+        able = [i for i, cap in enumerate(caps) if cap > 0]
+        due = [probe_every(costs, len(states), unsent[i]) - states[i].acceptance.steps_without_drafts for i in able]
+        if able:
+            cheapest = min(unsent[i] for i in able)
+            due.append(probe_every(costs, len(states), cheapest) - self.steps_without_drafts)
+        return max(0, min([IDLE_STEPS, *due]) - 1)
 
     def _population_probe(self, ks: list[int], caps: list[int], unsent: list[int], costs: DraftCosts) -> list[int]:
         """One draft for the sequence cheapest to probe, once no sequence has drafted for its probe's interval.

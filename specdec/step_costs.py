@@ -81,8 +81,10 @@ class Moments:
     sums: tuple[float, ...] = (0.0,) * 9  # x1, x2, y, x1^2, x2^2, x1 x2, x1 y, x2 y, y^2
 
     def after(self, x1: float, x2: float, y: float) -> Moments:
-        point = (x1, x2, y, x1 * x1, x2 * x2, x1 * x2, x1 * y, x2 * y, y * y)
-        return Moments(COST_DECAY * self.weight + 1, tuple(COST_DECAY * s + p for s, p in zip(self.sums, point)))
+        d, s = COST_DECAY, self.sums  # written out: the rule's meter updates once a step, on the step's time
+        return Moments(d * self.weight + 1, (d * s[0] + x1, d * s[1] + x2, d * s[2] + y, d * s[3] + x1 * x1,
+                                             d * s[4] + x2 * x2, d * s[5] + x1 * x2, d * s[6] + x1 * y,
+                                             d * s[7] + x2 * y, d * s[8] + y * y))  # fmt: skip
 
     def means(self) -> tuple[float, float, float]:
         return self.sums[0] / self.weight, self.sums[1] / self.weight, self.sums[2] / self.weight

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
 
 from specdec.follow_acceptance import (
     DRAFT_MARGIN,
+    IDLE_STEPS,
     PRIOR_WEIGHT,
     PROBE_SHARE,
     AcceptanceEstimate,
@@ -191,6 +192,26 @@ def test_the_population_probes_its_cheapest_sequence_once_no_one_has_drafted_for
     assert lengths.choose(states).ks == (0, 0)
 
 
+def test_a_choice_of_no_drafts_stands_until_the_batch_changes_or_idle_steps_pass():
+    """Without drafts no estimate moves: the choice is kept, not made again each step, while the batch keeps its
+    sequences and caps; a new sequence, a cap that changed, or IDLE_STEPS steps (costs drift) make it afresh."""
+    costs = replace(SERVED_DRAFT, feed_s=1e-4)  # probes of a 300-token catch-up: hundreds of steps apart
+    lengths = DraftLengths(SpeculationLength(CAP, follows_acceptance=True), costs=costs)
+    lengths.population = AcceptanceEstimate(0.0, 50.0)
+    failing = FakeState(AcceptanceEstimate(0.0, 30.0, prior_weight=PRIOR_WEIGHT), unsent=300)
+    assert lengths.choose([failing]).ks == (0,)
+    failing.acceptance = AcceptanceEstimate(90.0, 10.0)  # as if its drafts now passed: seen only once re-chosen
+    kept = [lengths.choose([failing]).ks for _ in range(IDLE_STEPS)]
+    assert kept[:-1] == [(0,)] * (IDLE_STEPS - 1) and kept[-1][0] > 0
+    failing.acceptance = AcceptanceEstimate(0.0, 30.0, prior_weight=PRIOR_WEIGHT)
+    assert lengths.choose([failing]).ks == (0,)
+    passing = FakeState(AcceptanceEstimate(90.0, 10.0), unsent=300)  # a request joins: chosen afresh at once
+    assert lengths.choose([failing, passing]).ks[1] > 0
+    assert lengths.choose([failing]).ks == (0,)
+    failing.drafts_left, failing.acceptance = 2, AcceptanceEstimate(90.0, 10.0)  # its cap changed
+    assert lengths.choose([failing]).ks[0] > 0
+
+
 def test_where_a_verify_position_is_dear_a_batch_drafts_less():
     estimates = [AcceptanceEstimate(35.0, 15.0)] * 16  # 0.7 per draft
     assert choose_ks(estimates[:1], [CAP], COMPUTE_BOUND, 0.8)[0] > 0
@@ -214,12 +235,16 @@ def test_drafts_must_promise_more_than_the_margin_over_plain_decoding():
     assert choose_ks([AcceptanceEstimate(300.0, 700.0)], [1], costs, 0.3) == [0]
 
 
+SEQ_IDS = itertools.count()
+
+
 @dataclass
 class FakeState:
     acceptance: AcceptanceEstimate = AcceptanceEstimate()
     drafts_left: int = CAP
     unsent: int = 1
     tokens_left: int = 64
+    seq_id: str = field(default_factory=lambda: f"seq-{next(SEQ_IDS)}")
 
     def num_draft_tokens(self) -> int:
         return self.drafts_left
