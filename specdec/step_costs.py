@@ -132,7 +132,7 @@ class Moments:
             if b1 >= 0 and b2 >= 0:
                 return max(0.0, my - b1 * m1 - b2 * m2), b1, b2
             if b2 >= 0 > b1:  # x2 alone explains what varies
-                b2 = min(c2y / v2, my / m2)
+                b2 = min(max(c2y / v2, 0.0), my / m2)
                 return max(0.0, my - b2 * m2), 0.0, b2
         if v1 <= MIN_SPREAD and v2 > MIN_SPREAD:  # only x2 varied: its slope, and the rest charged to x1
             b2 = min(max(c2y / v2, 0.0), my / m2)

@@ -87,6 +87,20 @@ def test_noise_never_gives_a_negative_cost():
     assert min(costs.step_s, costs.verify_row_s, costs.draft_s, costs.call_s, costs.depth_s) >= 0.0
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_costs_read_at_any_step_of_a_noisy_batch_are_never_negative(seed):
+    """Several sequences at varied k (depth and drafts vary apart), timings that fall as often as they rise:
+    every fit along the way gives costs a step can be priced with (a negative one would stop the scheduler)."""
+    rng, meter = random.Random(seed), CostMeter()
+    for _ in range(60):
+        ks = [rng.randint(0, 4) for _ in range(rng.randint(1, 4))]
+        drafts, depth = sum(ks), max(ks)
+        propose_s = max(0.0, 1e-3 + rng.gauss(0, 2e-4) - 2e-5 * drafts) if drafts else 0.0
+        meter = meter.after(StepTiming(len(ks) + drafts, drafts, depth, propose_s, max(0.0, rng.gauss(5e-3, 1e-3))))
+        assert meter.costs() is not None  # DraftCosts refuses a negative part
+        assert min(meter.rest.fit()) >= 0.0 and (meter.propose.weight == 0 or min(meter.propose.fit()) >= 0.0)
+
+
 def test_a_step_s_seconds_add_its_parts():
     costs = DraftCosts(step_s=5.0, verify_row_s=1.0, draft_s=0.5, call_s=2.0, depth_s=3.0)
     assert costs.seconds(4, 0, 0) == 9.0
