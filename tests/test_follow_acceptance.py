@@ -310,6 +310,30 @@ def test_costs_read_off_the_steps_bring_failing_drafts_to_probes_and_passing_one
         assert sum(late) <= len(late) * num_sequences * 0.05
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_any_timings_and_outcomes_give_a_choice_never_an_error(seed):
+    """The rule runs inside the step loop, where an exception stops every request: requests joining and leaving,
+    drafts passing and failing at random, step times of any size (zero included) never make it raise."""
+    rng = random.Random(seed)
+    lengths = DraftLengths(SpeculationLength(CAP, per_batch_size=((1, CAP), (5, 2)), follows_acceptance=True))
+    states = []
+    for _ in range(300):
+        while len(states) < rng.randint(1, 8):
+            states.append(FakeState(drafts_left=rng.randint(0, CAP), unsent=rng.choice([1, 3, 200])))
+        if rng.random() < 0.1:
+            states.pop(rng.randrange(len(states)))
+        if not states:
+            continue
+        chosen = lengths.choose(states)
+        assert len(chosen.ks) == len(states) and all(0 <= k <= chosen.cap for k in chosen.ks)
+        judged = [(k, rng.randint(0, k)) for k in chosen.ks]
+        rows = len(states) + sum(chosen.ks) + (rng.choice([0, 0, 0, 100]))  # now and then a prompt among them
+        propose_s = rng.choice([0.0, rng.uniform(0, 5e-3)]) if any(chosen.ks) else 0.0
+        lengths.observe(judged, rows, chosen, propose_s, propose_s + rng.choice([0.0, rng.uniform(0, 2e-2)]))
+        states = [replace(s, acceptance=s.acceptance.after(n, a), unsent=rng.choice([1, 3, 200]))
+                  for s, (n, a) in zip(states, judged)]  # fmt: skip
+
+
 class RightAndWrongDrafts(ScriptedStages):
     """Drafts the target's own tokens for every sequence but those in ``wrong``, whose drafts never pass."""
 
