@@ -35,17 +35,19 @@ def build_proposer(method: str, args, max_num_seqs: int, max_model_len: int, cud
                    tree: DraftTree | None = None, parallel: bool = False):  # fmt: skip
     """The proposer of ``method`` from the checkpoints ``args`` names (``draft``, ``eagle3``,
     ``mlp_speculator``, ``medusa``, ``dflash``, ``target``, ``dtype``, ``device``); ``cuda_graphs`` None: wherever CUDA is;
-    ``tree``: the static tree a drafter drafts (``speculative_token_tree``); ``parallel``: the draft model
-    ``args.pard_draft`` drafting in parallel (PARD, ``parallel_drafting``)."""
+    ``tree``: the static tree a drafter drafts (``speculative_token_tree``); ``parallel``: ``parallel_drafting``,
+    the draft model ``args.pard_draft`` (PARD) or the EAGLE-3 head ``args.peagle`` (P-EAGLE)."""
     if method == "draft_model":
         path = args.pard_draft if parallel else args.draft
         lm = FastCausalLM(path, args.dtype, args.device, max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
         return ParallelDraftProposer(lm, read_mask_token(path)) if parallel else DraftModelProposer(lm, tree)
     if method in HEAD_METHODS:
-        # the head's directory: args.eagle3, args.mlp_speculator, args.medusa or args.dflash; MTP layers are the target's own
-        path = args.target if METHODS[method].in_target_checkpoint else getattr(args, method)
+        # the head's directory: args.eagle3 (args.peagle in parallel), args.mlp_speculator, args.medusa or args.dflash;
+        # MTP layers are the target's own
+        path = args.peagle if parallel else args.target if METHODS[method].in_target_checkpoint else getattr(args, method)
         return build_head_proposer(method, path, args.target, args.dtype, args.device, max_num_seqs,
-                                   cuda_graphs=cuda_graphs if args.device != "cpu" else None, tree=tree)  # fmt: skip
+                                   cuda_graphs=cuda_graphs if args.device != "cpu" else None, tree=tree,
+                                   parallel_drafting=parallel)  # fmt: skip
     if method == "ngram":
         return NgramProposer()
     return SuffixProposer(SuffixConfig(use_tree_spec=tree is not None))  # a tree: its own speculation tree

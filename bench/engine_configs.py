@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench.repository import SUFFIX_FIRST
 from specdec.heads import HEAD_METHODS
+from specdec.methods import METHODS as DECLARED
 from specdec.proposers.model_free import MODEL_FREE_METHODS
 
 K0 = "k0"
@@ -23,7 +24,8 @@ MODEL_METHODS = ("draft_model", *HEAD_METHODS)
 METHODS = (*MODEL_METHODS, *MODEL_FREE_METHODS, *(m + SUFFIX_FIRST for m in MODEL_METHODS))
 FOLLOW = "+follow"  # a configuration whose k follows each sequence's acceptance, under K
 TREE = "+tree"  # drafting --token-tree cut to K nodes instead of a chain of K
-PARALLEL = "+pard"  # a draft model drafting its K tokens in one forward (parallel_drafting)
+PARALLEL = "+pard"  # K tokens drafted in one forward (parallel_drafting): a PARD draft model, a P-EAGLE head
+PARALLEL_METHODS = tuple(name for name, method in DECLARED.items() if method.parallel_drafting)
 GUIDED = "+json"  # every request under the run's JSON schema (structured output)
 
 # The guide when ``--guide`` names none: a record whose keys, booleans and enum values the
@@ -50,10 +52,11 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
         method, _, k = item.partition(":")
         if base(method) not in METHODS or not k.isdigit() or int(k) < 1:
             raise argparse.ArgumentTypeError(f"config {item!r}: expected k0, METHOD:K, METHOD{FOLLOW}:K, "
-                                             f"METHOD{TREE}:K or draft_model{PARALLEL}:K with METHOD in {METHODS}, "
+                                             f"METHOD{TREE}:K or METHOD{PARALLEL}:K with METHOD in {METHODS}, "
                                              f"K >= 1, each optionally followed by {GUIDED}")  # fmt: skip
-        if PARALLEL in method and base(method) != "draft_model":
-            raise argparse.ArgumentTypeError(f"config {item!r}: {PARALLEL} (parallel_drafting) is for draft_model")
+        if PARALLEL in method and base(method) not in PARALLEL_METHODS:
+            raise argparse.ArgumentTypeError(f"config {item!r}: {PARALLEL} (parallel_drafting) is for "
+                                             f"{' and '.join(PARALLEL_METHODS)}")  # fmt: skip
         configs.append((method, int(k)))
     if (K0, 0) not in configs:
         configs.insert(0, (K0, 0))

@@ -14,7 +14,8 @@ each concurrency, with the configurations interleaved round by round:
   ``METHOD+follow:K`` drafting at most K, each sequence as its acceptance and the measured
   step costs say (``specdec.follow_acceptance``), what it learned carried from phase to phase
   (the warm-up's included) as a server's scheduler carries it from request to request; ``draft_model+pard:K``
-  the draft model ``--pard-draft`` drafting K tokens in one forward (PARD, ``parallel_drafting``);
+  the draft model ``--pard-draft`` drafting K tokens in one forward (PARD, ``parallel_drafting``), ``eagle3+pard:K``
+  the P-EAGLE head ``--peagle`` doing so (``specdec.proposers.peagle``);
 * ``+json`` after any of them (``k0+json``, ``eagle3+json:3``, ``eagle3+tree+json:4``) -- every request
   constrained by the JSON schema ``--guide`` (default: ``bench.engine_configs.DEFAULT_GUIDE``), applied
   in the verifier as a served ``guided_decoding_guide`` is (``specdec.grammar``); ``k0+json`` is added
@@ -84,6 +85,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pard-draft", type=Path, default=REPO_ROOT / "models" / "tiny-draft-pard",
                    help="draft_model+pard:K's draft: a PARD checkpoint naming its mask token (pard_token)")
     p.add_argument("--eagle3", type=Path, default=REPO_ROOT / "models" / "tiny-eagle3", help="EAGLE-3 head directory")
+    p.add_argument("--peagle", type=Path, default=REPO_ROOT / "models" / "tiny-peagle",
+                   help="eagle3+pard:K's head: a P-EAGLE head (mask_hidden, mask_token_id)")
     p.add_argument("--mlp-speculator", type=Path, default=REPO_ROOT / "models" / "tiny-mlp-speculator")
     p.add_argument("--medusa", type=Path, default=REPO_ROOT / "models" / "tiny-medusa", help="Medusa heads directory")
     p.add_argument("--dflash", type=Path, default=REPO_ROOT / "models" / "tiny-dflash", help="DFlash drafter directory")

@@ -50,7 +50,7 @@ $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 't
 
 step tests "gpu tests" 90 $PY -m pytest -q -p no:cacheprovider -m gpu -ra \
   tests/test_fast_cuda_graphs.py tests/test_rejection_kernel.py tests/test_fast_attention_kernel.py \
-  tests/test_rejection_sampler.py tests/test_eagle3.py tests/test_mlp_speculator.py
+  tests/test_rejection_sampler.py tests/test_eagle3.py tests/test_peagle.py tests/test_mlp_speculator.py
 
 step lossless "lossless on GPU (shipped models, float32)" 80 $PY scripts/benchmark_engine.py --device cuda --dtype float32 \
   --configs k0,draft_model:4,eagle3:4,mlp_speculator:3,suffix:4,eagle3+suffix:8 --model-k 4 --concurrency 1,4 \
@@ -58,7 +58,7 @@ step lossless "lossless on GPU (shipped models, float32)" 80 $PY scripts/benchma
 
 step trees "trees and one-pass drafters on GPU (shipped models, float32)" 90 bash -ec "
   $PY scripts/benchmark_engine.py --device cuda --dtype float32 --no-hf --commit $COMMIT --out-dir $OUT/trees \
-    --configs k0,eagle3:3,eagle3+tree:8,draft_model+tree:8,medusa+tree:8,draft_model+pard:4,mtp:2,dflash:4 \
+    --configs k0,eagle3:3,eagle3+tree:8,draft_model+tree:8,medusa+tree:8,draft_model+pard:4,eagle3+pard:4,mtp:2,dflash:4 \
     --concurrency 1,4 --num-prompts 8 --max-tokens 64 --rounds 1
   $PY scripts/benchmark_engine.py --device cuda --dtype float32 --no-hf --commit $COMMIT --out-dir $OUT/trees \
     --configs k0,mlp_speculator:3,mlp_speculator+tree:7 --concurrency 1,4 --num-prompts 8 --max-tokens 64 \

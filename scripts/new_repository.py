@@ -181,7 +181,7 @@ def check_configs(repository: Path) -> None:
             raw = get_parameters(config.read_text())
             checked = config_type.from_parameters(Parameters(raw, str(repository), model, str(repository / model)))
             if model == wire.DRAFT_PROPOSER and checked.method in HEAD_METHODS:
-                check_head(checked.method, checked.draft_model, checked.target_model)
+                check_head(checked.method, checked.draft_model, checked.target_model, checked.parallel_drafting)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,8 @@ output); its embedding is the target's (frozen, as EAGLE-3), its LM head starts 
   ``original_lm_head``); ``--eval-tree`` also measures a tree.
 * ``dflash``: a block drafter of ``--num-layers`` layers over the target's layer outputs ``--target-layer-ids``,
   trained on blocks of ``--block-size`` (``train_dflash.py``); held-out top-1 agreement per block position.
+* ``eagle3 --parallel-drafting``: a P-EAGLE head from ``--init-head``, ``--parallel-depths`` drafts from one forward
+  (``train_peagle.py``); held-out top-1 agreement per depth, and the engine beside the EAGLE-3 chain.
 
 Then the head is written (speculators / MLPSpeculator format) and run in the real engine at ``--k``
 (greedy), beside ``--baseline-draft``, on ``benchmark_engine.py``'s held-out prompts (``--eval-prompts``,
@@ -42,6 +44,7 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
 
 from eval_tiny_models import run  # noqa: E402
 from train_dflash import add_arguments as add_dflash_arguments, fit_dflash, held_out_report  # noqa: E402
+import train_peagle  # noqa: E402
 from train_tiny_models import corpus_files, encode_stream, lr_at, read_texts  # noqa: E402
 
 from bench.workload import held_out_texts, select_prompts  # noqa: E402
@@ -66,10 +69,8 @@ STEP_DECAY = 0.8  # EAGLE-3's weight of training-time-test step j: 0.8 ** j
 def aux_layers_for(num_layers: int, given: str | None) -> tuple[int, ...]:
     if given:
         return tuple(int(x) for x in given.split(","))
-    layers = default_aux_layers(num_layers)
-    if len(set(layers)) == 3:
-        return layers
-    return (1, num_layers // 2, num_layers - 1)  # a shallow target: low, middle and last layer inputs, distinct
+    layers = default_aux_layers(num_layers)  # where they collide (a shallow target): low, middle and last, distinct
+    return layers if len(set(layers)) == 3 else (1, num_layers // 2, num_layers - 1)
 
 
 def soft_ce(logits: torch.Tensor, target_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -251,11 +252,11 @@ def train(args, head, loss_fn, pool) -> list[float]:
 
 def evaluate(args, tokenizer) -> list[dict]:
     """Greedy mean tokens per verify step at k on held-out prompts: the new head and the baseline draft."""
-    chosen = select_prompts(held_out_texts(), lambda t: tokenizer(t)["input_ids"], args.eval_prompts,
-                            args.prompt_tokens, args.eval_seed)  # fmt: skip
-    prompts = [p.token_ids for p in chosen]
+    prompts = [p.token_ids for p in select_prompts(held_out_texts(), lambda t: tokenizer(t)["input_ids"],
+                                                   args.eval_prompts, args.prompt_tokens, args.eval_seed)]  # fmt: skip
     verifier = TargetVerifier(build_lm(args.target, "fast", "float32", "cpu", max_num_seqs=2))
-    proposers = [(args.method, build_head_proposer(args.method, args.out, args.target, "float32", "cpu", 2))]
+    proposers = (train_peagle.engine_proposers(args) if args.parallel_drafting else
+                 [(args.method, build_head_proposer(args.method, args.out, args.target, "float32", "cpu", 2))])
     tree = parse_token_tree(args.eval_tree) if args.eval_tree else None
     if tree is not None:
         proposers.append((f"{args.method}+tree", build_head_proposer(args.method, args.out, args.target, "float32",
@@ -317,6 +318,7 @@ def main() -> None:
                         help="medusa: one LM head, the target's, frozen (original_lm_head), or one trained per head")
     parser.add_argument("--eval-tree", help="medusa, eagle3: also measure this speculative_token_tree (all its nodes)")
     add_dflash_arguments(parser)
+    train_peagle.add_arguments(parser)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=24, help="as benchmark_engine.py's --num-prompts")
     parser.add_argument("--eval-seed", type=int, default=0, help="as benchmark_engine.py's --seed")
@@ -330,10 +332,9 @@ def main() -> None:
         parser.error(f"--generated-share must be in [0, 1], got {args.generated_share}")
     if args.method == "mlp_speculator" and not 0 <= args.keep_stages <= args.n_predict:
         parser.error(f"--keep-stages must be in 0..{args.n_predict} (--n-predict), got {args.keep_stages}")
-    if args.method == "eagle3" and args.num_layers < 1:
-        parser.error(f"--num-layers must be >= 1 for eagle3, got {args.num_layers}")
-    if args.method == "eagle3" and args.ttt_steps < 3:
-        parser.error(f"--ttt-steps must be >= 3 for eagle3, got {args.ttt_steps}")
+    if args.method == "eagle3" and (args.num_layers < 1 or args.ttt_steps < 3):
+        parser.error(f"eagle3 needs --num-layers >= 1, --ttt-steps >= 3; got {args.num_layers}, {args.ttt_steps}")
+    train_peagle.check_arguments(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -346,7 +347,10 @@ def main() -> None:
     data = encode_stream(tokenizer, read_texts(train_files, args.corpus_chars))
     print(f"[train] {len(data)} training tokens", flush=True)
     windows = training_windows(target, data, args)
-    if args.method == "eagle3":
+    extra = {}  # the method's own report entries
+    if args.parallel_drafting:  # P-EAGLE, written by train_peagle.fit
+        head, losses, extra = train_peagle.fit(args, target, data, windows, target_outputs, train, training_windows)
+    elif args.method == "eagle3":
         head = build_eagle3(target, arch, args, data)
         pool = target_outputs(target, windows, args, head.config.aux_layers, head.t2d.nonzero().flatten())
         losses = train(args, head, lambda *batch: eagle3_loss(head, *batch, args.ttt_steps), pool)
@@ -356,7 +360,7 @@ def main() -> None:
     elif args.method == "dflash":
         head, losses = fit_dflash(args, target, arch, data, windows, target_outputs, train)
         save_dflash(head, args.out)
-        dflash_held_out = held_out_report(head, target, tokenizer, args, training_windows)
+        extra = {"held_out_blocks": held_out_report(head, target, tokenizer, args, training_windows)}
     elif args.method == "medusa":
         head = build_medusa(target, arch, args)
         pool = target_outputs(target, windows, args, (arch.num_layers,), None)
@@ -378,19 +382,15 @@ def main() -> None:
         save_medusa(head.to(getattr(torch, args.save_dtype)), args.out)
         written = f"the heads as trained, {args.save_dtype}"
     report = {
-        "command": " ".join(sys.argv),
-        "method": args.method,
-        "train_windows": args.windows,
-        "train_tokens_seen": args.steps * args.batch_size * (args.seq_len + 2),
+        "command": " ".join(sys.argv), "method": args.method + ("+parallel_drafting" if args.parallel_drafting else ""),
+        "train_windows": args.windows, "train_tokens_seen": args.steps * args.batch_size * (args.seq_len + 2),
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-        "train_seconds": round(train_seconds),
-        "written": written,
-        **({"held_out_blocks": dflash_held_out} if args.method == "dflash" else {}),
+        "train_seconds": round(train_seconds), "written": written,
+        **extra,
         "eval": {"prompts": "benchmark_engine.py's held-out slices, EOS banned", "num_prompts": args.eval_prompts,
                  "seed": args.eval_seed, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                  "results": results},  # fmt: skip
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -28,9 +28,8 @@ class Method:
     drafts_dynamic_trees: bool = False  # EAGLE-2's dynamic tree (specdec.tree.DynamicTree)
     # a head whose weights are the target's own (MTP layers): read from the target's checkpoint, no model path
     in_target_checkpoint: bool = False
-    # drafts k tokens in one forward from mask tokens (PARD, vLLM's ``parallel_drafting``:
-    # specdec.proposers.pard) when its checkpoint names a mask token; eagle3 would need a
-    # P-EAGLE head, which is not built, so it declares none
+    # drafts k tokens in one forward from mask tokens (vLLM's ``parallel_drafting``) when its checkpoint
+    # was trained for it: a PARD draft model (specdec.proposers.pard), a P-EAGLE head (specdec.proposers.peagle)
     parallel_drafting: bool = False
 
     def __post_init__(self):
@@ -44,7 +43,8 @@ METHODS = {
         Method("draft_model", MODEL, drafts_static_trees=True, parallel_drafting=True),
         Method("ngram", MODEL_FREE),
         Method("suffix", MODEL_FREE),
-        Method("eagle3", HEAD, drafts_static_trees=True, drafts_dynamic_trees=True),
+        Method("eagle3", HEAD, drafts_static_trees=True, drafts_dynamic_trees=True,
+               parallel_drafting=True),  # parallel: a P-EAGLE head (specdec.heads.peagle)
         Method("mlp_speculator", HEAD, drafts_static_trees=True),
         Method("medusa", HEAD, drafts_static_trees=True),
         Method("mtp", HEAD, in_target_checkpoint=True),

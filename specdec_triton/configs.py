@@ -80,7 +80,8 @@ class DraftProposerConfig:
     # speculative_token_tree, or speculative_eagle_topk and speculative_num_steps: the tree a head drafts
     # (specdec.tree); None: a chain
     token_tree: DraftTree | DynamicTree | None = None
-    # draft_model: PARD, all k drafts from one forward over mask tokens (specdec.proposers.pard)
+    # all k drafts from one forward over mask tokens: draft_model, PARD (specdec.proposers.pard); eagle3, P-EAGLE
+    # (specdec.proposers.peagle)
     parallel_drafting: bool = default("draft_proposer", "parallel_drafting")
 
     @classmethod
@@ -197,11 +198,8 @@ def _parallel_drafting(read: Reader, method: str) -> bool:
     enabled = read("parallel_drafting")
     if enabled and not METHODS[method].parallel_drafting:
         able = [m.name for m in METHODS.values() if m.parallel_drafting]
-        why = ""
-        if method == "eagle3":
-            why = " (parallel EAGLE drafting needs a P-EAGLE head, which this server does not load)"
         raise ParameterError(f"draft_proposer: parameter 'parallel_drafting' true is for methods {able}, not "
-                             f"{method!r}{why}")  # fmt: skip
+                             f"{method!r}")  # fmt: skip
     return enabled
 
 
@@ -245,6 +243,10 @@ def _token_tree(read: Reader, config: DraftProposerConfig) -> DraftTree | Dynami
         dynamic = [m.name for m in METHODS.values() if m.drafts_dynamic_trees]
         raise ParameterError(f"draft_proposer: parameter 'speculative_eagle_topk' (a dynamic tree) is for methods "
                              f"{dynamic}, not {config.method!r}; a static speculative_token_tree is")  # fmt: skip
+    if config.method == "eagle3" and config.parallel_drafting:
+        raise ParameterError("draft_proposer: parameter 'speculative_token_tree' (or a dynamic tree) with method "
+                             "'eagle3' needs parallel_drafting false (a P-EAGLE head drafts a chain in one forward); "
+                             "got parallel_drafting true")  # fmt: skip
     if config.method == "draft_model" and (config.parallel_drafting or config.engine != "fast"):
         raise ParameterError("draft_proposer: parameter 'speculative_token_tree' with method 'draft_model' needs "
                              "engine 'fast' (tree passes) and parallel_drafting false (a PARD draft drafts a chain "

@@ -49,8 +49,11 @@ def build_proposer(config: DraftProposerConfig, device: str, log=None) -> Loaded
     if config.method in HEAD_METHODS:
         proposer = build_head_proposer(config.method, config.draft_model, config.target_model, config.dtype, device,
                                        config.max_num_seqs, config.cpu_compile, max_model_len=config.max_model_len,
-                                       tree=config.token_tree, log=log)  # fmt: skip
+                                       tree=config.token_tree, log=log, parallel_drafting=config.parallel_drafting)
         _check_draft_limit(proposer, config)
+        if config.parallel_drafting and log is not None:
+            log(f"parallel_drafting: {config.draft_model} drafts a step's tokens in one forward (P-EAGLE), mask "
+                f"token {proposer.mask_token_id}")
         path = config.target_model if METHODS[config.method].in_target_checkpoint else config.draft_model  # MTP: its own
         return LoadedDraft(proposer, _with_suffix_first(describe_head(proposer, path), config))
     _check_draft_window(config)

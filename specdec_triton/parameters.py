@@ -198,10 +198,11 @@ DRAFT_PROPOSER = (
               minimum=1, unset="target_verifier's (empty there too: the checkpoint's "
               "`max_position_embeddings`, a head's target's)"),  # fmt: skip
     Parameter("parallel_drafting", "bool", False,
-              "`draft_model` only: PARD, every draft of a step from one draft forward over the sequence and "
-              "k - 1 mask tokens; the draft checkpoint must name its mask token (`pard_token` in config.json) "
-              "([speculative_config.md](speculative_config.md#parallel-drafting-pard)); refused for every other "
-              "method"),  # fmt: skip
+              "`draft_model` and `eagle3`: every draft of a step from one forward over the sequence and k - 1 mask "
+              "tokens; `draft_model`: a PARD draft naming its mask token (`pard_token` in config.json); `eagle3`: a "
+              "P-EAGLE head (`mask_hidden` in its weights, `mask_token_id` or `ptd_token_id` in config.json) "
+              "([speculative_config.md](speculative_config.md#parallel-drafting-pard-and-p-eagle)); a checkpoint "
+              "without them and every other method are refused, and a tree with it"),  # fmt: skip
     Parameter("run_with_target", "bool", False,
               "`draft_model` and heads: target_verifier loads the draft beside the target, and "
               "a step is one call there that proposes and verifies "

@@ -29,7 +29,7 @@ ENV_VAR = "SPECDEC_SPECULATIVE_CONFIG"
 PARAMETER = "speculative_config"  # in the orchestrator's config.pbtxt
 ORCHESTRATOR = "speculative_decoding"
 METHODS = ("draft_model", "ngram", "suffix", "eagle3", "mlp_speculator", "medusa", "mtp", "dflash")
-PARALLEL_DRAFTING_METHODS = ("draft_model",)  # specdec.methods' parallel_drafting, kept torch-free as METHODS is
+PARALLEL_DRAFTING_METHODS = ("draft_model", "eagle3")  # specdec.methods' parallel_drafting, torch-free as METHODS is
 
 
 class SpeculativeConfigError(ValueError):
@@ -60,7 +60,7 @@ SETTINGS = {
     "enable_suffix_decoding": Setting("draft_proposer", "enable_suffix_decoding", bool, ("", "false")),
     "rejection_sample_method": Setting("rejection_sampler", "rejection_sample_method", str, ("", "probabilistic")),
     "speculative_token_tree": Setting("draft_proposer", "speculative_token_tree", str, ("",)),  # checked at load
-    # PARD: a draft_model drafting every token of a step in one forward (refused for other methods at load)
+    # every token of a step from one forward: a PARD draft_model or a P-EAGLE eagle3 head (refused for other methods)
     "parallel_drafting": Setting("draft_proposer", "parallel_drafting", bool, ("", "false")),
     **_SUFFIX,
 }

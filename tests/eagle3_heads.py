@@ -1,5 +1,6 @@
 """Random EAGLE-3 heads for tests: a 6-layer Llama target and heads of one or two layers over a reduced
-draft vocabulary (``d2t`` / ``t2d`` a random subset of the target's), written in the ``speculators`` format.
+draft vocabulary (``d2t`` / ``t2d`` a random subset of the target's), written in the ``speculators`` format, and
+P-EAGLE heads built on them (``random_peagle``).
 The ``pair``, ``two_layer_pair`` and ``heads`` fixtures are imported by the test modules."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tiny_llama import build_tiny_llama
 from specdec.fast.checkpoint import read_config
 from specdec.heads.eagle3 import Eagle3Head, eagle3_config_for
 from specdec.heads.formats import save_eagle3
+from specdec.heads.peagle import PEagleHead
 from specdec.types import ProposeRequest, SamplingParams
 
 VOCAB, DRAFT_VOCAB = 32, 24  # a small vocabulary: a random head agrees with the target often enough to be accepted
@@ -68,3 +70,13 @@ def two_layer_pair(pair, tmp_path_factory):
 def heads(request):
     """The tests of what the head computes run with both depths."""
     return request.getfixturevalue("pair" if request.param == "one-layer" else "two_layer_pair")
+
+
+def random_peagle(target_dir, seed: int, draft_vocab: int, mask_token_id: int, **head_args) -> PEagleHead:
+    """``random_head``'s head as a P-EAGLE one: the mask token, and a ``mask_hidden`` drawn normal(0, 1)."""
+    eagle = random_head(target_dir, seed, draft_vocab, **head_args)
+    head = PEagleHead(eagle.config, mask_token_id)
+    head.load_state_dict(eagle.state_dict(), strict=False)  # all but mask_hidden
+    with torch.no_grad():
+        head.mask_hidden.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    return head

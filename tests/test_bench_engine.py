@@ -82,8 +82,9 @@ def test_configs_parse_and_always_include_k0():
     assert parse("medusa:4,medusa+tree:8") == [("k0", 0), ("medusa", 4), ("medusa+tree", 8)]
     assert parse("mtp:2") == [("k0", 0), ("mtp", 2)]  # the target's own MTP layer
     assert parse("draft_model+pard:6") == [("k0", 0), ("draft_model+pard", 6)]  # parallel_drafting
-    with pytest.raises(Exception, match=r"\+pard \(parallel_drafting\) is for draft_model"):
-        parse("eagle3+pard:4")
+    assert parse("eagle3+pard:4") == [("k0", 0), ("eagle3+pard", 4)]  # P-EAGLE
+    with pytest.raises(Exception, match=r"\+pard \(parallel_drafting\) is for draft_model and eagle3"):
+        parse("medusa+pard:4")
     with pytest.raises(Exception, match="METHOD:K"):
         parse("eagle:3")
     with pytest.raises(Exception, match="METHOD:K"):

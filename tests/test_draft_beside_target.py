@@ -1,6 +1,6 @@
 """A draft model or head beside the target (specdec.draft_beside_target): one call per step, same output.
 
-The scheduler drives real models here (a random Llama target, an EAGLE-3 head, an MLP
+The scheduler drives real models here (a random Llama target, an EAGLE-3 head and a P-EAGLE one, an MLP
 speculator and a draft model built in the test) through ``DraftBesideTarget``, as target_verifier runs it
 when draft_proposer sets ``run_with_target``; greedy output must equal HF ``generate``
 of the target alone, and seeded sampled output must equal the output of the same
@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from eagle3_heads import PROMPTS, random_head
+from eagle3_heads import PROMPTS, random_head, random_peagle
 from test_dflash import write_dflash
 from test_medusa import write_medusa
 from test_mlp_speculator import write_speculator
@@ -126,6 +126,8 @@ def models(tmp_path_factory):
     target = build_tiny_llama(seed=0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, initializer_range=0.3)
     target.save_pretrained(root / "target")
     save_eagle3(random_head(root / "target", 5, DRAFT_VOCAB, num_layers=2), root / "head", verifier=str(root / "target"))
+    save_eagle3(random_peagle(root / "target", 6, DRAFT_VOCAB, VOCAB - 1, num_layers=2), root / "peagle",
+                verifier=str(root / "target"))  # fmt: skip
     write_speculator(root / "mlp", VOCAB, 32, n_predict=K, tie=False)
     write_medusa(root / "medusa", VOCAB, 32, num_heads=K)
     write_into_target(random_mtp(root / "target", 2), root / "target")
@@ -142,6 +144,9 @@ def build(models, method):
         return DraftModelProposer(CachedCausalLM(draft)), verifier, ()
     if method == "draft_model+parallel":  # PARD: every draft from one forward over mask tokens
         return ParallelDraftProposer(CachedCausalLM(draft), mask_token_id=3), verifier, ()
+    if method == "eagle3+parallel":  # P-EAGLE: the same, an EAGLE-3 head over the target's hidden states
+        proposer = build_head_proposer("eagle3", root / "peagle", root / "target", max_num_seqs=8, parallel_drafting=True)
+        return proposer, verifier, describe_head(proposer, str(root / "peagle")).hidden_state_layers
     head = root / {"eagle3": "head", "mlp_speculator": "mlp", "medusa": "medusa", "mtp": "target", "dflash": "dflash"}[method]
     proposer = build_head_proposer(method, head, root / "target", max_num_seqs=8)
     return proposer, verifier, describe_head(proposer, str(head)).hidden_state_layers
@@ -165,7 +170,8 @@ def decode(stages, layers, params_of, rows_stay: bool, on_step=None,
     return [(list(state.output_ids), state.stats.num_accepted_tokens) for state in states]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model", "draft_model+parallel", "mlp_speculator", "medusa", "mtp", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle3+parallel", "draft_model", "draft_model+parallel", "mlp_speculator",
+                                    "medusa", "mtp", "dflash"])  # fmt: skip
 @pytest.mark.parametrize("k", [1, 3, K])
 def test_greedy_output_equals_hf_generate_with_the_proposer_beside_the_target(models, method, k):
     def params(i):
@@ -197,7 +203,8 @@ def test_a_k_that_follows_acceptance_beside_the_target_keeps_the_targets_output(
     assert verifier.num_active_sequences == 0 and len(stages.beside.rows) == 0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "draft_model", "draft_model+parallel", "mlp_speculator", "mtp", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle3+parallel", "draft_model", "draft_model+parallel", "mlp_speculator",
+                                    "mtp", "dflash"])  # fmt: skip
 def test_sampled_output_equals_the_two_stage_output_seed_for_seed(models, method):
     def params(i):
         sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)

@@ -160,6 +160,7 @@ def test_a_static_tree_loads_and_reaches_its_proposer(tmp_path, method, beside):
     ("suffix", TREE, 3, "", "suffix_decoding_use_tree_spec"),
     ("draft_model", TREE, 3, ', { key: "engine" value: { string_value: "hf" } }', "got engine 'hf'"),
     ("draft_model", TREE, 3, ', { key: "parallel_drafting" value: { string_value: "true" } }', "parallel_drafting true"),
+    ("eagle3", TREE, 3, ', { key: "parallel_drafting" value: { string_value: "true" } }', "parallel_drafting true"),
     ("dflash", TREE, 3, "", "is for methods ['draft_model', 'eagle3', 'mlp_speculator', 'medusa'], not 'dflash'"),
 ])  # fmt: skip
 def test_a_bad_tree_fails_the_load_naming_the_key(tmp_path, method, tree, k, extra, named):

@@ -29,7 +29,7 @@ from specdec.verifier import TargetVerifier
 pytest.importorskip("xgrammar")
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
-DRAFTERS = ["draft_model", "draft_model+parallel", "eagle3", "mtp", "dflash", "medusa", "mlp_speculator"]
+DRAFTERS = ["draft_model", "draft_model+parallel", "eagle3", "eagle3+parallel", "mtp", "dflash", "medusa", "mlp_speculator"]
 HEAD_DIRS = {"eagle3": "tiny-eagle3", "dflash": "tiny-dflash", "medusa": "tiny-medusa", "mlp_speculator": "tiny-mlp-speculator"}
 K = 3  # within every shipped head's n_predict / num_heads
 MAX_TOKENS = 40
@@ -41,6 +41,9 @@ def build(method: str, shipped_pair):
     if method == "draft_model+parallel":
         path = MODELS / "tiny-draft-pard"
         return ParallelDraftProposer(CachedCausalLM(load_causal_lm(path, dtype="float32")), read_mask_token(path))
+    if method == "eagle3+parallel":  # P-EAGLE: a step's drafts from one head pass, picked one by one under the grammar
+        return build_head_proposer("eagle3", MODELS / "tiny-peagle", MODELS / "tiny-target", max_num_seqs=1,
+                                   parallel_drafting=True)  # fmt: skip
     path = MODELS / ("tiny-target" if method == "mtp" else HEAD_DIRS[method])
     return build_head_proposer(method, path, MODELS / "tiny-target", max_num_seqs=1)
 

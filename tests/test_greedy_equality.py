@@ -22,6 +22,7 @@ from specdec.verifier import TargetVerifier
 SHIPPED_TARGET = Path(__file__).resolve().parents[1] / "models" / "tiny-target"  # it carries an MTP layer
 TIE_TOLERANCE = 1e-4
 SHIPPED_PARD = Path(__file__).resolve().parents[1] / "models" / "tiny-draft-pard"
+SHIPPED_PEAGLE = Path(__file__).resolve().parents[1] / "models" / "tiny-peagle"
 NUM_NEW_TOKENS = 24
 KS = (1, 3, 5)
 
@@ -123,7 +124,7 @@ def test_random_models_match_target_greedy(method, k, target_model, draft_model,
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("method", ["draft_model", "draft_model+parallel", "ngram", "suffix", "mtp"])
+@pytest.mark.parametrize("method", ["draft_model", "draft_model+parallel", "ngram", "suffix", "mtp", "eagle3+parallel"])
 def test_shipped_pair_matches_target_greedy(method, k, shipped_pair, hf_greedy):
     tokenizer, target = shipped_pair.tokenizer, shipped_pair.target
     eos = tokenizer.eos_token_id
@@ -139,6 +140,10 @@ def test_shipped_pair_matches_target_greedy(method, k, shipped_pair, hf_greedy):
         proposer = SuffixProposer()
     elif method == "mtp":  # the shipped target's own MTP layer, chained k times
         proposer = build_head_proposer("mtp", SHIPPED_TARGET, SHIPPED_TARGET, max_num_seqs=1)
+    elif method == "eagle3+parallel":  # the shipped P-EAGLE head: every draft of a step from one head pass
+        if not SHIPPED_PEAGLE.is_dir():
+            pytest.skip(f"{SHIPPED_PEAGLE} not trained (scripts/train_draft_head.py --parallel-drafting)")
+        proposer = build_head_proposer("eagle3", SHIPPED_PEAGLE, SHIPPED_TARGET, max_num_seqs=1, parallel_drafting=True)
     else:
         proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=4)
     accepted = 0

@@ -19,7 +19,7 @@ def test_every_reader_of_a_methods_kind_agrees_with_the_declaration():
     assert tuple(MODEL_FREE_METHODS) == names_of(MODEL_FREE) == ("ngram", "suffix")
     assert names_of(MODEL) == ("draft_model",)
     parallel = tuple(name for name, method in METHODS.items() if method.parallel_drafting)
-    assert speculative_config.PARALLEL_DRAFTING_METHODS == parallel == ("draft_model",)
+    assert speculative_config.PARALLEL_DRAFTING_METHODS == parallel == ("draft_model", "eagle3")
 
 
 def test_a_method_of_an_unknown_kind_is_refused_naming_it():

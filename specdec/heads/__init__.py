@@ -1,5 +1,6 @@
-"""Draft heads that read the target's hidden states: EAGLE-3, the MLP speculator, Medusa, DFlash and the
-target's own MTP layer (``specdec.heads.mtp``, read from the target's checkpoint: ``path`` is not read).
+"""Draft heads that read the target's hidden states: EAGLE-3 (P-EAGLE with ``parallel_drafting``), the MLP
+speculator, Medusa, DFlash and the target's own MTP layer (``specdec.heads.mtp``, read from the target's
+checkpoint: ``path`` is not read).
 
 ``build_head_proposer`` loads a head directory (``specdec.heads.formats``) for the target
 checkpoint it drafts for and wraps it in its proposer; ``describe_head`` is what the
@@ -23,13 +24,18 @@ from specdec.types import ModelDescription
 HEAD_METHODS = names_of(HEAD)
 
 
-def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathLike) -> None:
+def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathLike,
+               parallel_drafting: bool = False) -> None:  # fmt: skip
     """Refuse a head of another kind than ``method``, or one built for another target, from the
-    configs alone: what a load would refuse, without reading weights."""
-    from specdec.heads.formats import eagle3_config, head_kind, read_head_config
+    configs alone: what a load would refuse, without reading weights. ``parallel_drafting``: an
+    EAGLE-3 head must be a P-EAGLE one (a mask token in its config, ``mask_hidden`` among its weights' names)."""
+    from specdec.heads.formats import eagle3_config, head_kind, peagle_mask_token, read_head_config
     from specdec.heads.medusa import medusa_config
     from specdec.heads.mlp_speculator import mlp_speculator_config
 
+    if parallel_drafting and not METHODS[method].parallel_drafting:
+        able = [m.name for m in METHODS.values() if m.parallel_drafting]
+        raise ValueError(f"parallel_drafting is for methods {able}, not {method!r}")
     if METHODS[method].in_target_checkpoint:
         from specdec.heads.mtp import mtp_config
 
@@ -43,6 +49,8 @@ def check_head(method: str, path: str | os.PathLike, target_path: str | os.PathL
         )
     if method == "eagle3":
         eagle3_config(path, read_config(target_path), os.fspath(target_path))
+        if parallel_drafting:
+            peagle_mask_token(path)
     elif method == "dflash":
         from specdec.heads.dflash import dflash_config
 
@@ -65,8 +73,13 @@ def build_head_proposer(
     max_model_len: int | None = None,
     tree: DraftTree | None = None,
     log: Log | None = None,
+    parallel_drafting: bool = False,
 ):
     """The proposer for the head at ``path``; refuses a head of another kind or for another target.
+
+    ``parallel_drafting``: an EAGLE-3 head trained to draft in parallel (P-EAGLE, ``specdec.heads.peagle``)
+    drafts every token of a step in one forward (``specdec.proposers.peagle``); a head without a mask
+    token or ``mask_hidden``, another method, or a tree is refused.
 
     ``tree``: the static draft tree it drafts (``specdec.tree``; None or a chain: a chain); EAGLE-3, Medusa
     and the MLP speculator draft trees, DFlash and MTP a chain only. A tree deeper than Medusa's heads or the
@@ -80,7 +93,10 @@ def build_head_proposer(
     EAGLE-3 head's passes replay captured graphs (None: wherever it runs on CUDA). ``log``: a line as its
     compile starts, progresses and ends.
     """
-    check_head(method, path, target_path)
+    check_head(method, path, target_path, parallel_drafting)
+    if parallel_drafting and tree is not None and not (isinstance(tree, DraftTree) and tree.is_chain):
+        raise ValueError("speculative_token_tree: parallel_drafting drafts a chain in one forward; a tree is drafted "
+                         "with parallel_drafting false")  # fmt: skip
     torch_dtype = resolve_dtype(dtype, device)
     if METHODS[method].in_target_checkpoint:  # the target's own MTP layer
         return _mtp_proposer(target_path, torch_dtype, device, max_num_seqs, cpu_compile, cuda_graphs, max_model_len,
@@ -89,9 +105,13 @@ def build_head_proposer(
         from specdec.heads.formats import load_eagle3
         from specdec.proposers.eagle3 import Eagle3Proposer
 
-        head = load_eagle3(path, target_path, torch_dtype, device)
+        head = load_eagle3(path, target_path, torch_dtype, device, parallel_drafting)
         positions = _place_decoder_head(head, target_path, torch_dtype, device, max_model_len)
         compiled = cpu_compile and torch.device(device).type == "cpu"
+        if parallel_drafting:
+            from specdec.proposers.peagle import PEagleProposer
+
+            return PEagleProposer(head, max_num_seqs, positions, compiled, cuda_graphs, log)
         return Eagle3Proposer(head, max_num_seqs, positions, compiled, cuda_graphs, tree, log)
     if method == "medusa":
         from specdec.heads.medusa import load_medusa

@@ -18,10 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from specdec.fast.cpu_compile import compile_dynamic
+from specdec.compile_locks import CompileProgress
+from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_dynamic, warm_up_plan
 from specdec.heads.eagle3 import Eagle3Head
+from specdec.types import ProposeRequest, SamplingParams
 
 STEPS_PER_CALL = 3  # the shipped head's k = 4: its first draft, then one call
+# (new tokens, k) of each greedy warm-up request after the prefill: a step that accepted nothing, then
+# one that accepted drafts, at every k the loop runs differently (no step, a pass, steps compiled
+# together, and those followed by a pass); a sampled request's per-step loop makes the same passes
+WARM_UP_STEPS = ((1, 1), (2, 2), (1, STEPS_PER_CALL + 1), (3, STEPS_PER_CALL + 2))
 
 
 class CompiledGreedySteps:
@@ -55,3 +61,37 @@ class CompiledGreedySteps:
             last_ids = self.draft_targets[masked.argmax(-1)]  # [B]
             drafts.append(last_ids)
         return torch.stack(drafts, 1), prenorm
+
+
+def warm_up(proposer, progress: CompileProgress) -> None:
+    """Compile every graph a request of ``proposer`` (an ``Eagle3Proposer`` or one built on it) needs now,
+    through its ``propose`` itself, on sequences released after.
+
+    A graph's guards check how its inputs were made as well as their shapes (a view's
+    storage offset, a stride, sizes 0 and 1 specialised), so passes fed made-up tensors
+    left graphs for the first requests to compile: a stall of seconds at serving time. One
+    sequence, then several at once, each sent a prefill and then ``WARM_UP_STEPS``.
+    """
+    seq_ids, _ = warm_up_plan(proposer.cache.num_free, proposer.max_model_len)
+    steps = [(new, k, SamplingParams()) for new, k in WARM_UP_STEPS]  # (new tokens, k, sampling)
+    if proposer.greedy_tree is not None:  # the whole tree: one compiled call greedy, a pass a level sampled
+        nodes = proposer.tree.num_nodes
+        steps += [(1, nodes, SamplingParams()), (1, nodes, SamplingParams(1.0))]
+    needed = WARM_UP_PREFIX + sum(n for n, _, _ in steps) + max(k for _, k, _ in steps)
+    if not seq_ids or needed > proposer.max_model_len:
+        return  # a head this short compiles on its first passes instead
+    width = proposer.head.config.feature_size
+    for rows in sorted({1, len(seq_ids)}):  # one row and several: torch specialises size 1
+        batch = seq_ids[:rows]
+        progress.step(f"{rows} sequence(s): a prefill, then steps of up to {max(k for _, k, _ in steps)} drafts")
+        try:
+            proposer.propose([ProposeRequest(s, 0, [0] * WARM_UP_PREFIX, 1, SamplingParams(), 0,
+                                             hidden_states=torch.zeros(WARM_UP_PREFIX - 1, width)) for s in batch])
+            length = WARM_UP_PREFIX
+            for new, k, sampling in steps:
+                proposer.propose([ProposeRequest(s, length, [0] * new, k, sampling, 0, hidden_position=length - 1,
+                                                 hidden_states=torch.zeros(new, width)) for s in batch])  # fmt: skip
+                length += new
+        finally:
+            for seq_id in batch:
+                proposer.release(seq_id)

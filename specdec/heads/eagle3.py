@@ -169,29 +169,46 @@ def train_forward(
     ``i``'s key at row ``t - j + i`` for ``1 <= i <= j``: the mask built here (the same in
     every layer, each with its own keys), so training sees exactly the inputs inference will.
     """
-    config = head.config
     t = input_ids.shape[1]
-    positions = torch.arange(t, device=input_ids.device)  # [T]
-    freqs = positions[:, None].float() * head.inv_freq  # [T, head_dim // 2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(head.dtype), emb.sin().to(head.dtype)  # [T, head_dim]
-    first = head.layers[0]
-    embeds = first.input_layernorm(head.embed_tokens(input_ids))  # [B, T, h]
+    cos, sin = rope_cos_sin(head, torch.arange(t, device=input_ids.device))  # [T, head_dim] each
+    embeds = head.layers[0].input_layernorm(head.embed_tokens(input_ids))  # [B, T, h]
     hidden = head.fuse(features)  # [B, T, h]
     seen: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in head.layers]  # each layer's keys, values
     outputs = []
     for j in range(num_steps):
-        mask = _ttt_mask(t, j, input_ids.device)  # [T, (j + 1) * T]
-        normed = first.hidden_norm(hidden)
-        residual = normed if config.norm_before_residual else hidden
-        x = residual + _ttt_attention(first.self_attn, torch.cat([embeds, normed], -1), cos, sin, seen[0], mask)
-        x = x + first.mlp(first.post_attention_layernorm(x))  # [B, T, h]
-        for layer, keys_values in zip(head.layers[1:], seen[1:]):
-            x = x + _ttt_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, keys_values, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))  # [B, T, h]
+        x = masked_layers(head, embeds, hidden, cos, sin, seen, _ttt_mask(t, j, input_ids.device))  # [B, T, h]
         outputs.append(head.lm_head(head.norm(x)))
         hidden = torch.cat([x[:, :1], x[:, :-1]], 1)  # row t takes row t - 1's pre-norm output (row 0: unused)
     return outputs
+
+
+def rope_cos_sin(head: Eagle3Head, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos and sin [T, head_dim] of the rows' positions [T], in the head's dtype."""
+    freqs = positions[:, None].float() * head.inv_freq  # [T, head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(head.dtype), emb.sin().to(head.dtype)
+
+
+def masked_layers(
+    head: Eagle3Head,
+    embeds: torch.Tensor,  # [B, T, h]: the normed embeddings of the rows' tokens
+    hidden: torch.Tensor,  # [B, T, h]: the rows' fused features (or the head's own pre-norm output)
+    cos: torch.Tensor,  # [T, head_dim]: at each row's position
+    sin: torch.Tensor,
+    seen: list[tuple[list[torch.Tensor], list[torch.Tensor]]],  # each layer's keys and values before; appended to
+    mask: torch.Tensor,  # [T, keys] bool: True = visible, keys = the earlier ones in ``seen`` and these rows'
+) -> torch.Tensor:  # [B, T, h] pre-norm
+    """The head's layers over whole rows under an explicit attention mask, for training: the training-time
+    test's steps (``train_forward``) and P-EAGLE's parallel groups (``specdec.heads.peagle``)."""
+    first = head.layers[0]
+    normed = first.hidden_norm(hidden)
+    residual = normed if head.config.norm_before_residual else hidden
+    x = residual + _ttt_attention(first.self_attn, torch.cat([embeds, normed], -1), cos, sin, seen[0], mask)
+    x = x + first.mlp(first.post_attention_layernorm(x))  # [B, T, h]
+    for layer, keys_values in zip(head.layers[1:], seen[1:]):
+        x = x + _ttt_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, keys_values, mask)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))  # [B, T, h]
+    return x
 
 
 def _ttt_attention(
@@ -200,7 +217,7 @@ def _ttt_attention(
     cos: torch.Tensor,  # [T, head_dim]
     sin: torch.Tensor,  # [T, head_dim]
     keys_values: tuple[list[torch.Tensor], list[torch.Tensor]],  # this layer's of the steps before; appended to
-    mask: torch.Tensor,  # [T, (j + 1) * T] bool
+    mask: torch.Tensor,  # [T, keys] bool: (j + 1) * T keys at training-time test's step j
 ) -> torch.Tensor:  # [B, T, h]
     b, t, _ = x.shape
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], -1)

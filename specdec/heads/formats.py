@@ -14,6 +14,11 @@
 A head without ``embed_tokens`` shares the target's (as vLLM does), so loading names the
 target checkpoint; it also fixes the default hidden-state layers and is what a head is
 checked against: a head for another target is refused naming both.
+
+A P-EAGLE head (``specdec.heads.peagle``) is a speculators EAGLE-3 checkpoint with ``mask_hidden``
+among its weights and ``parallel_drafting`` and ``mask_token_id`` in its ``config.json``. Loaded with
+``parallel_drafting`` it is a ``PEagleHead``, and a checkpoint without either is refused naming the key;
+loaded without, it is the EAGLE-3 head it also is (``mask_hidden`` unread), as vLLM serves it then.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from specdec.fast.checkpoint import (
     SHARD_INDEX, SINGLE_FILE, LlamaArchConfig, read_config, safetensors_files, weight_files,
 )  # fmt: skip
 from specdec.heads.eagle3 import EAGLE3, Eagle3Config, Eagle3Head, default_aux_layers
+from specdec.heads.peagle import MASK_HIDDEN, MASK_TOKEN_KEYS, PARALLEL_DRAFTING_KEY, PEagleHead
 
 SPECULATORS_VERSION = "0.1.0"
 TORCH_SINGLE_FILE, TORCH_SHARD_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -137,13 +143,53 @@ def _eagle3_state(raw: dict[str, torch.Tensor], config: Eagle3Config) -> dict[st
     return state
 
 
+def peagle_mask_token(path: str | os.PathLike) -> int:
+    """The mask token id of the P-EAGLE head at ``path``, from its config.json and weight names alone;
+    refused naming the key a head trained only to draft a chain lacks, and where to get one that has it."""
+    raw = read_head_config(path)
+    token = next((raw[key] for key in MASK_TOKEN_KEYS if raw.get(key) is not None), None)
+    if token is None:
+        raise _not_peagle(path, f"names no mask token ({' or '.join(map(repr, MASK_TOKEN_KEYS))} in its config.json)")
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise ValueError(f"draft head {os.fspath(path)!r}: mask token must be a token id, got {token!r}")
+    if MASK_HIDDEN not in _weight_names(os.fspath(path)):
+        raise _not_peagle(path, f"has no {MASK_HIDDEN!r} among its weights")
+    return token
+
+
+def _not_peagle(path, what: str) -> ValueError:
+    return ValueError(
+        f"parallel_drafting with method eagle3 needs a P-EAGLE head: draft head {os.fspath(path)!r} {what}; serve "
+        f"one trained to draft in parallel (models/tiny-peagle, scripts/train_draft_head.py --method eagle3 "
+        f"--parallel-drafting) or set parallel_drafting false"
+    )
+
+
+def _weight_names(path: str) -> set[str]:
+    """The names of the head's tensors: read from the safetensors headers, or the weights loaded where it has none."""
+    if weight_files(path) is None:
+        return set(read_head_weights(path))
+    names = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def load_eagle3(
-    path: str | os.PathLike, target_path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+    path: str | os.PathLike, target_path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
+    parallel_drafting: bool = False,
 ) -> Eagle3Head:
-    """Load an EAGLE-3 head for the target at ``target_path``; refuses one built for another target."""
+    """Load an EAGLE-3 head for the target at ``target_path``; refuses one built for another target.
+
+    ``parallel_drafting``: a ``PEagleHead``, refused for a checkpoint without a mask token or ``mask_hidden``."""
     path, target_path = check_model_dir(path), check_model_dir(target_path)
     config = eagle3_config(path, read_config(target_path), target_path)
-    state = _eagle3_state(read_head_weights(path), config)
+    mask_token = peagle_mask_token(path) if parallel_drafting else None
+    weights = read_head_weights(path)
+    if not parallel_drafting:
+        weights.pop(MASK_HIDDEN, None)  # a P-EAGLE head drafting a chain: its mask feature is not read
+    state = _eagle3_state(weights, config)
     if "embed_tokens.weight" not in state:
         if config.hidden_size != config.target_hidden_size:
             raise ValueError(
@@ -151,7 +197,7 @@ def load_eagle3(
                 f"{config.target_hidden_size}-wide embedding of target {target_path!r}; save the head's own"
             )
         state["embed_tokens.weight"] = _target_embedding(target_path)
-    head = Eagle3Head(config)
+    head = Eagle3Head(config) if mask_token is None else PEagleHead(config, mask_token)
     expected = {n: tuple(t.shape) for n, t in head.state_dict().items()}
     got = {n: tuple(t.shape) for n, t in state.items()}
     if expected != got:
@@ -179,7 +225,8 @@ def save_eagle3(
     """Write ``head`` in the ``speculators`` format; ``verifier``: the target it was trained for.
 
     ``embedding=False`` leaves ``embed_tokens`` out, for a head that uses the target's own
-    (the loader, like vLLM, then shares the target's).
+    (the loader, like vLLM, then shares the target's). A ``PEagleHead`` also writes ``mask_hidden``, and
+    ``parallel_drafting`` and its mask token id (``mask_token_id``) in config.json.
     """
     config = head.config
     layer = config.layer
@@ -213,6 +260,8 @@ def save_eagle3(
             "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
         },
     }
+    if isinstance(head, PEagleHead):
+        raw.update({PARALLEL_DRAFTING_KEY: True, MASK_TOKEN_KEYS[0]: head.mask_token_id})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
 

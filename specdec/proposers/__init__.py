@@ -30,6 +30,7 @@ _NAMES = {
     "NGRAM_DESCRIPTION": "ngram",
     "read_mask_token": "pard",
     "ParallelDraftProposer": "pard",
+    "PEagleProposer": "peagle",  # eagle3 with parallel_drafting: a P-EAGLE head
     "SUFFIX_DESCRIPTION": "suffix",
     "SuffixConfig": "suffix",
 }

@@ -25,12 +25,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from specdec.compile_locks import CompileProgress, compile_phase
-from specdec.fast.cpu_compile import WARM_UP_PREFIX, compile_forward, warm_up_plan
+from specdec.compile_locks import compile_phase
+from specdec.fast.cpu_compile import compile_forward
 from specdec.fast.kv_cache import StaticKVCache
 from specdec.fast.runner import padding_bounded_passes
 from specdec.grammar import guided_row
-from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps
+from specdec.heads.compiled_steps import STEPS_PER_CALL, CompiledGreedySteps, warm_up
 from specdec.heads.compiled_tree import CompiledGreedyTree
 from specdec.heads.cuda_graphs import HeadGraphRunner, StaticHeadRunner
 from specdec.heads.eagle3 import Eagle3Head
@@ -39,7 +39,7 @@ from specdec.progress import Log
 from specdec.proposers.eagle3_tree import draft_dynamic_tree, draft_tree
 from specdec.sampling import apply_logit_bias, make_generator, process_logits, sample_from_probs
 from specdec.tree import DraftTree, DynamicTree
-from specdec.types import Proposal, ProposeRequest, SamplingParams
+from specdec.types import Proposal, ProposeRequest
 
 
 @dataclass
@@ -103,43 +103,7 @@ class Eagle3Proposer(Proposer):
                 self._greedy_steps = CompiledGreedySteps(head, self.draft_targets)
                 static = isinstance(self.tree, DraftTree)
                 self.greedy_tree = CompiledGreedyTree(head, self.draft_targets, self.tree) if static else None
-                self._warm_up(progress)
-
-    # (new tokens, k) of each greedy warm-up request after the prefill: a step that accepted nothing, then
-    # one that accepted drafts, at every k the loop runs differently (no step, a pass, steps compiled
-    # together, and those followed by a pass); a sampled request's per-step loop makes the same passes
-    _WARM_UP_STEPS = ((1, 1), (2, 2), (1, STEPS_PER_CALL + 1), (3, STEPS_PER_CALL + 2))
-
-    def _warm_up(self, progress: CompileProgress) -> None:
-        """Compile every graph a request needs now, through ``propose`` itself, on sequences released after.
-
-        A graph's guards check how its inputs were made as well as their shapes (a view's
-        storage offset, a stride, sizes 0 and 1 specialised), so passes fed made-up tensors
-        left graphs for the first requests to compile: a stall of seconds at serving time. One
-        sequence, then several at once, each sent a prefill and then ``_WARM_UP_STEPS``.
-        """
-        seq_ids, _ = warm_up_plan(self.cache.num_free, self.max_model_len)
-        steps = [(new, k, SamplingParams()) for new, k in self._WARM_UP_STEPS]  # (new tokens, k, sampling)
-        if self.greedy_tree is not None:  # the whole tree: one compiled call greedy, a pass a level sampled
-            steps += [(1, self.tree.num_nodes, SamplingParams()), (1, self.tree.num_nodes, SamplingParams(1.0))]
-        needed = WARM_UP_PREFIX + sum(n for n, _, _ in steps) + max(k for _, k, _ in steps)
-        if not seq_ids or needed > self.max_model_len:
-            return  # a head this short compiles on its first passes instead
-        width = self.head.config.feature_size
-        for rows in sorted({1, len(seq_ids)}):  # one row and several: torch specialises size 1
-            batch = seq_ids[:rows]
-            progress.step(f"{rows} sequence(s): a prefill, then steps of up to {max(k for _, k, _ in steps)} drafts")
-            try:
-                self.propose([ProposeRequest(s, 0, [0] * WARM_UP_PREFIX, 1, SamplingParams(), 0,
-                                             hidden_states=torch.zeros(WARM_UP_PREFIX - 1, width)) for s in batch])
-                length = WARM_UP_PREFIX
-                for new, k, sampling in steps:
-                    self.propose([ProposeRequest(s, length, [0] * new, k, sampling, 0, hidden_position=length - 1,
-                                                 hidden_states=torch.zeros(new, width)) for s in batch])  # fmt: skip
-                    length += new
-            finally:
-                for seq_id in batch:
-                    self.release(seq_id)
+                warm_up(self, progress)
 
     @property
     def num_active_sequences(self) -> int:
@@ -229,9 +193,9 @@ class Eagle3Proposer(Proposer):
         self._fused[index[0], index[1]] = fused
 
     @torch.inference_mode()  # the warm-up too: grad mode is part of a compiled graph's guards
-    def _forward(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, seq_ids, starts, token_lists, hidden_lists, last: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """One ragged pass: ids, starts as host lists, each row's hidden as a device tensor [n_i, h];
-        each row's last logits [B, draft_vocab] and pre-norm [B, h]."""
+        each row's last logits [B, draft_vocab] and pre-norm [B, h] (``_pass``'s ``last`` rows)."""
         b, s = len(seq_ids), max(len(t) for t in token_lists)
         ids = [t + [0] * (s - len(t)) for t in token_lists]
         lengths = [len(t) for t in token_lists]
@@ -242,17 +206,17 @@ class Eagle3Proposer(Proposer):
         starts_t, num_new, slots_t = meta[b * s :].view(3, b)  # [B] each
         hidden = pad_sequence(list(hidden_lists), batch_first=True)  # [B, S, h], zeros past each row's length
         kv_len = max(start + n for start, n in zip(starts, lengths))
-        return self._pass(input_ids, hidden, starts_t, num_new, slots_t, kv_len)
+        return self._pass(input_ids, hidden, starts_t, num_new, slots_t, kv_len, last)
 
-    def _catch_up(self, seq_ids, starts, token_lists, hidden_lists) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, seq_ids, starts, token_lists, hidden_lists, last: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``_forward`` of each row's rows the cache lacks, in the passes the target's would take
         (``padding_bounded_passes``): a new prompt's rows beside decoding ones would pad them all to
         its length. Each row's last logits [B, draft_vocab] and pre-norm [B, h], in the rows' order."""
         groups = padding_bounded_passes([len(t) for t in token_lists])
         if len(groups) == 1:
-            return self._forward(seq_ids, starts, token_lists, hidden_lists)
-        parts = [self._forward(*([column[i] for i in group] for column in (seq_ids, starts, token_lists, hidden_lists)))
-                 for group in groups]  # fmt: skip
+            return self._forward(seq_ids, starts, token_lists, hidden_lists, last)
+        columns = (seq_ids, starts, token_lists, hidden_lists)
+        parts = [self._forward(*([column[i] for i in group] for column in columns), last) for group in groups]
         rows = torch.tensor([i for group in groups for i in group], device=self.device)  # [B]: each output's row
         logits, prenorm = (torch.cat(outputs) for outputs in zip(*parts))  # [B, draft_vocab], [B, h]: pass order
         return logits.index_copy(0, rows, logits), prenorm.index_copy(0, rows, prenorm)  # out[rows[j]] = in[j]
@@ -262,14 +226,7 @@ class Eagle3Proposer(Proposer):
         if not requests:
             return [], [], None
         seqs = [self._seqs[r.seq_id] for r in requests]
-        starts, tokens, hidden = [], [], []
-        for r, seq in zip(requests, seqs):
-            last_row = len(seq.tokens) - 2  # the last position the target has verified
-            start = min(seq.rows, last_row)
-            starts.append(start)
-            tokens.append(seq.tokens[start + 1 : last_row + 2])
-            hidden.append(self._fused[self.cache.slot(r.seq_id), start : last_row + 1])  # a view: [n, h]
-        logits, prenorm = self._catch_up([r.seq_id for r in requests], starts, tokens, hidden)
+        logits, prenorm = self._catch_up([r.seq_id for r in requests], *self._uncached_rows(requests, seqs))
         for seq in seqs:
             seq.rows = len(seq.tokens) - 1
         bans = self._ban_masks(requests)
@@ -298,6 +255,18 @@ class Eagle3Proposer(Proposer):
             for i, token in zip(live, self._pick(requests, live, step, logits, generators, q_rows, bans, drafts)):
                 drafts[i].append(token)
         return drafts, q_rows, None
+
+    def _uncached_rows(self, requests, seqs) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
+        """Each sequence's rows from the first its cache lacks to its last verified one: their first position,
+        their tokens and their fused target features (a view of the buffer, [n, h])."""
+        starts, tokens, hidden = [], [], []
+        for r, seq in zip(requests, seqs):
+            last_row = len(seq.tokens) - 2  # the last position the target has verified
+            start = min(seq.rows, last_row)
+            starts.append(start)
+            tokens.append(seq.tokens[start + 1 : last_row + 2])
+            hidden.append(self._fused[self.cache.slot(r.seq_id), start : last_row + 1])  # a view: [n, h]
+        return starts, tokens, hidden
 
     @staticmethod
     def uniform_greedy(requests: list[ProposeRequest]) -> bool:
@@ -337,8 +306,10 @@ class Eagle3Proposer(Proposer):
             step += 1
         return torch.stack(drafts, 1).tolist()  # [B, k]: the one copy to the host
 
-    def _pass(self, input_ids, hidden, starts, num_new, slots, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of device tensors ([B, S] ids, [B, S, h] hidden, [B] each): the last row's logits and pre-norm.
+    def _pass(self, input_ids, hidden, starts, num_new, slots, kv_len: int,
+              last: int = 1) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One pass of device tensors ([B, S] ids, [B, S, h] hidden, [B] each): the logits and pre-norm of each
+        row's last token ([B, draft_vocab], [B, h]), or of its last ``last`` ([B, last, ...], clamped at its first).
 
         ``kv_len`` (positions attended, from the host's own counts) bounds an eager pass without
         reading the device; a captured one spans the whole cache."""
@@ -348,9 +319,11 @@ class Eagle3Proposer(Proposer):
             logits, prenorm = self.graphs.run_head(bucket, input_ids, hidden, starts, num_new, slots)
         else:
             logits, prenorm = self.head_forward(input_ids, hidden, starts, num_new, slots, self.cache.kv, kv_len)
-        last = num_new - 1  # [B]
         rows = torch.arange(b, device=self.device)
-        return logits[rows, last], prenorm[rows, last]  # [B, draft_vocab], [B, h]
+        if last == 1:
+            return logits[rows, num_new - 1], prenorm[rows, num_new - 1]  # [B, draft_vocab], [B, h]
+        at = (num_new[:, None] - last + torch.arange(last, device=self.device)).clamp(min=0)  # [B, last]: P-EAGLE's
+        return logits[rows[:, None], at], prenorm[rows[:, None], at]  # [B, last, draft_vocab], [B, last, h]
 
     def _ban_masks(self, requests: list[ProposeRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each sequence's banned draft ids ([B, draft_vocab] bool: those whose target ids ``min_tokens``

@@ -23,8 +23,9 @@ with the next request as new tokens, fed with the next step's masks.
 The mask token is the checkpoint's ``pard_token`` (config.json), the key vLLM reads for a
 ``draft_model`` with ``parallel_drafting`` and that AMD's PARD checkpoints carry. vLLM also
 takes ``ptd_token_id`` and ``dflash_config.mask_token_id``; those belong to other drafters
-(P-EAGLE heads, DFlash), which this method does not load, so they are not read here: a
-checkpoint with only those is refused rather than served as a plain causal LM.
+(P-EAGLE heads, served as ``eagle3`` with ``parallel_drafting``: ``specdec.proposers.peagle``;
+DFlash), so they are not read here: a draft model with only those is refused rather than served
+as a plain causal LM.
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ configured through ``serve.sh --speculative-config`` as vLLM takes it:
   propose call a step, in draft_proposer;
 * ``mtp``: the target's own MTP layer (``{"method": "mtp"}``, no model path), beside the
   target (``run_with_target``), where vLLM runs it: its hidden states never leave
-  target_verifier's process. k = 3 over one layer chains the layer on its own output.
+  target_verifier's process. k = 3 over one layer chains the layer on its own output;
+* ``peagle``: the shipped P-EAGLE head (``models/tiny-peagle``, ``eagle3`` with ``parallel_drafting``),
+  one head pass a step, beside the target (``run_with_target``), compiled for CPU as shipped.
 
 Each must give the target's greedy output, export per-position acceptance that adds up to
 its accepted drafts, and give the same seeded sampled text streamed or not. The other
@@ -61,6 +63,10 @@ SERVED = {
                    logged=("parallel_drafting: ", "mask token 188 (pard_token)")),  # not a chain over the checkpoint
     "mtp": Served({"method": "mtp", "num_speculative_tokens": 3}, "tiny-target", {"run_with_target": "true"},
                   logged=("run_with_target: draft_proposer's mtp",), holders=("target_verifier",)),
+    "peagle": Served({"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": 4,
+                      "parallel_drafting": True}, "tiny-peagle", {"run_with_target": "true"},
+                     logged=("run_with_target: draft_proposer's eagle3", "in one forward (P-EAGLE), mask token 188"),
+                     holders=("target_verifier",)),
 }  # fmt: skip
 
 
