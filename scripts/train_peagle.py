@@ -1,6 +1,7 @@
 """P-EAGLE training for ``train_draft_head.py --method eagle3 --parallel-drafting``: the head, its loss, its report.
 
-P-EAGLE (AWS 2026, arXiv 2602.01469; speculators' ``peagle``) trains an EAGLE-3 head to draft
+P-EAGLE (AWS 2026: the speculators library's ``peagle`` algorithm, the ``amazon/*-p-eagle``
+checkpoints) trains an EAGLE-3 head to draft
 ``K = --parallel-depths`` tokens in one forward (``specdec.heads.peagle``). Each training window is
 read by the frozen target once (its hidden states at the head's ``aux_layers``, its distributions
 over the head's draft vocabulary); each step runs ``parallel_train_forward`` over a batch: depth 0

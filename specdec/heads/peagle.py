@@ -1,5 +1,5 @@
-"""The P-EAGLE head (AWS 2026, "P-EAGLE: Parallel-Drafting EAGLE with Scalable Training", arXiv 2602.01469):
-an EAGLE-3 head that drafts all k tokens of a step in one forward.
+"""The P-EAGLE head (AWS 2026; the speculators library's ``peagle``, vLLM's ``parallel_drafting`` for
+``eagle3``): an EAGLE-3 head that drafts all k tokens of a step in one forward.
 
 It is an EAGLE-3 head (``specdec.heads.eagle3``) with one more learned tensor, ``mask_hidden``
 ``[1, 1, 3 * target_hidden_size]``: the feature of a position whose token is the checkpoint's mask

@@ -1,6 +1,6 @@
 """P-EAGLE proposer: a P-EAGLE head (``specdec.heads.peagle``) drafts all k tokens of a step in one forward.
 
-P-EAGLE (AWS 2026, arXiv 2602.01469; vLLM's ``PtdEagleProposer``, ``parallel_drafting`` for
+P-EAGLE (AWS 2026, speculators' ``peagle``; vLLM's ``PtdEagleProposer``, ``parallel_drafting`` for
 ``eagle3``) trains an EAGLE-3 head to read, after the rows EAGLE-3 reads, ``k - 1`` mask positions
 (the mask token beside ``fc(mask_hidden)``) and predict at mask ``j`` the token ``j`` places past
 the first draft. A step is then one forward over each sequence's rows its cache lacks, up to its
